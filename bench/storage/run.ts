@@ -1,0 +1,203 @@
+// Storage benchmarks (issue: storage engine). Every figure is a ratio against a baseline measured
+// in the same run on the same machine, so noisy shared hosts still give comparable numbers.
+//   bun bench/storage/run.ts [--size MiB] [--seconds S]
+import { mkdirSync, rmSync } from "node:fs";
+import { join } from "node:path";
+import { Image } from "../../src/storage/image.ts";
+import { LocalFile } from "../../src/storage/local_file.ts";
+import { WritableLayer } from "../../src/storage/lsmt/writable_layer.ts";
+import { openLayerFile } from "../../src/storage/open_layer.ts";
+import { ReadOnlyLayer } from "../../src/storage/lsmt/readonly_layer.ts";
+import { ZFileReader, writeZFile } from "../../src/storage/zfile.ts";
+
+const arg = (name: string, dflt: number) => {
+  const i = process.argv.indexOf(`--${name}`);
+  return i > 0 ? Number(process.argv[i + 1]) : dflt;
+};
+const SIZE = arg("size", 256) << 20; // virtual disk and raw file size
+const SECONDS = arg("seconds", 2);
+const QD = 32;
+const dir = join("/var/tmp", `aenv-bench-${process.pid}`);
+mkdirSync(dir, { recursive: true });
+process.on("exit", () => rmSync(dir, { recursive: true, force: true }));
+
+let seed = 42;
+const rnd = () => ((seed = (Math.imul(seed, 1103515245) + 12345) >>> 0) / 2 ** 32);
+
+/** Run `one(i)` with QD in flight for SECONDS; returns ops/s. */
+async function measure(one: (i: number) => Promise<unknown>): Promise<number> {
+  let ops = 0;
+  const until = performance.now() + SECONDS * 1000;
+  await Promise.all(
+    Array.from({ length: QD }, async (_, lane) => {
+      while (performance.now() < until) {
+        await one(lane);
+        ops++;
+      }
+    }),
+  );
+  return ops / SECONDS;
+}
+
+const fmt = (x: number) => (x >= 1e6 ? `${(x / 1e6).toFixed(2)}M` : x >= 1e3 ? `${(x / 1e3).toFixed(1)}k` : x.toFixed(1));
+const line = (name: string, ours: number, base: number, unit: string, target?: number) =>
+  console.log(
+    `${name.padEnd(44)} ours ${fmt(ours).padStart(8)} ${unit}  baseline ${fmt(base).padStart(8)} ${unit}  ratio ${(ours / base).toFixed(2)}×` +
+      (target ? `  (target ≥ ${target}×${ours / base >= target ? "" : "  MISSED"})` : ""),
+  );
+
+// --- fixture: a raw image and the same bytes as stacks of 1, 8 and 64 layers -------------------
+console.log(`# storage bench: ${SIZE >> 20} MiB disk, QD${QD}, ${SECONDS}s per figure`);
+const rawPath = join(dir, "raw.img");
+const blocks = SIZE / 4096;
+{
+  const f = await LocalFile.open(rawPath, { write: true, create: true });
+  const chunk = new Uint8Array(1 << 20);
+  for (let pos = 0; pos < SIZE; pos += chunk.length) {
+    crypto.getRandomValues(chunk.subarray(0, 65536));
+    for (let i = 65536; i < chunk.length; i += 65536) chunk.copyWithin(i, 0, 65536);
+    chunk[0] = pos >> 20;
+    await f.pwrite(chunk, pos);
+  }
+  await f.close();
+}
+
+async function buildStack(layers: number): Promise<string[]> {
+  // Layer k holds every block whose pseudo-random owner is k; together they tile the raw image.
+  const raw = await LocalFile.open(rawPath, {});
+  const owner = new Uint8Array(blocks);
+  for (let b = 0; b < blocks; b++) owner[b] = Math.floor(rnd() * layers);
+  const paths: string[] = [];
+  const buf = new Uint8Array(4096);
+  for (let k = 0; k < layers; k++) {
+    const data = join(dir, `s${layers}-${k}.data`);
+    const l = await WritableLayer.create(data, join(dir, `s${layers}-${k}.index`), { virtualSize: SIZE });
+    for (let b = 0; b < blocks; b++) {
+      if (owner[b] !== k) continue;
+      await raw.pread(buf, b * 4096);
+      await l.write(buf, b * 4096);
+    }
+    await l.seal();
+    await l.close();
+    paths.push(data);
+  }
+  await raw.close();
+  return paths;
+}
+
+async function openStack(paths: string[]): Promise<Image> {
+  const lowers: ReadOnlyLayer[] = [];
+  for (const p of paths) lowers.push(await openLayerFile(p));
+  return Image.fromLayers(lowers);
+}
+
+const raw = await LocalFile.open(rawPath, {});
+const rawRand = (buf: Uint8Array) => raw.pread(buf, Math.floor(rnd() * blocks) * 4096);
+const rawSeq = (() => {
+  let pos = 0;
+  return (buf: Uint8Array) => {
+    const p = pos;
+    pos = (pos + buf.length) % SIZE;
+    return raw.pread(buf, p);
+  };
+})();
+const bufs4k = Array.from({ length: QD }, () => new Uint8Array(4096));
+const bufs1m = Array.from({ length: QD }, () => new Uint8Array(1 << 20));
+
+for (const layers of [1, 8, 64]) {
+  const image = await openStack(await buildStack(layers));
+  // Spot-check correctness before timing.
+  const a = new Uint8Array(4096);
+  const b = new Uint8Array(4096);
+  for (let i = 0; i < 200; i++) {
+    const off = Math.floor(rnd() * blocks) * 4096;
+    await image.read(a, off);
+    await raw.pread(b, off);
+    if (Buffer.compare(a, b)) throw new Error(`stack of ${layers} differs from raw at ${off}`);
+  }
+  const base = await measure((l) => rawRand(bufs4k[l]!));
+  const ours = await measure((l) => image.read(bufs4k[l]!, Math.floor(rnd() * blocks) * 4096));
+  line(`4 KiB random read, ${layers} layer(s)`, ours, base, "IOPS", 0.7);
+  let seqPos = 0;
+  const baseSeq = await measure((l) => rawSeq(bufs1m[l]!));
+  const oursSeq = await measure((l) => {
+    const p = seqPos;
+    seqPos = (seqPos + (1 << 20)) % SIZE;
+    return image.read(bufs1m[l]!, p);
+  });
+  line(`1 MiB sequential read, ${layers} layer(s)`, oursSeq, baseSeq, "MiB/s", 0.9);
+  await image.close();
+}
+
+// --- 4 KiB random writes into the upper vs pwrite to a raw file ---------------------------------
+{
+  const wpath = join(dir, "w.raw");
+  const wf = await LocalFile.open(wpath, { write: true, create: true });
+  await wf.truncate(SIZE);
+  const up = await WritableLayer.create(join(dir, "w.data"), join(dir, "w.index"), { virtualSize: SIZE });
+  const base = await measure((l) => wf.pwrite(bufs4k[l]!, Math.floor(rnd() * blocks) * 4096));
+  const ours = await measure((l) => up.write(bufs4k[l]!, Math.floor(rnd() * blocks) * 4096));
+  line("4 KiB random write into the upper", ours, base, "IOPS");
+  await up.close();
+  await wf.close();
+}
+
+// --- ZFile 4 KiB block reads vs Bun's zstd decompression of the same blocks alone -------------
+{
+  const zpath = join(dir, "raw.zfile");
+  const zsrc = await LocalFile.open(rawPath, {});
+  const zdst = await LocalFile.open(zpath, { write: true, create: true });
+  const ZSIZE = Math.min(SIZE, 64 << 20);
+  const sub = { name: rawPath, size: () => ZSIZE, pread: zsrc.pread.bind(zsrc), close: async () => {} };
+  await writeZFile(sub, zdst, { algorithm: "zstd" });
+  await zdst.close();
+  await zsrc.close();
+  const z = await ZFileReader.open(await LocalFile.open(zpath, {}));
+  const nblk = ZSIZE / 4096;
+  // The same blocks, compressed alone and held in memory: the pure decompression baseline.
+  const rawF = await LocalFile.open(rawPath, {});
+  const frames: Uint8Array[] = [];
+  const tmp = new Uint8Array(4096);
+  for (let i = 0; i < 4096; i++) {
+    await rawF.pread(tmp, Math.floor(rnd() * nblk) * 4096);
+    frames.push(Bun.zstdCompressSync(tmp, { level: 3 }));
+  }
+  await rawF.close();
+  let k = 0;
+  const base = await measure(async () => Bun.zstdDecompressSync(frames[k++ & 4095]!));
+  const ours = await measure((l) => z.pread(bufs4k[l]!, Math.floor(rnd() * nblk) * 4096));
+  line("ZFile 4 KiB block read vs zstd decode alone", ours, base, "blk/s", 0.8);
+  await z.close();
+}
+
+// --- seal + restack time tracks the index, not the data -----------------------------------------
+{
+  const GIB = 1 << 30;
+  for (const [label, io] of [["1 GiB in 4 KiB random writes", 4096], ["1 GiB in 4 MiB sequential writes", 4 << 20]] as const) {
+    const data = join(dir, `r-${io}.data`);
+    const index = join(dir, `r-${io}.index`);
+    const up = await WritableLayer.create(data, index, { virtualSize: GIB });
+    const image = Image.fromLayers([], up);
+    const buf = new Uint8Array(io);
+    const n = GIB / io;
+    const t0 = performance.now();
+    for (let i = 0; i < n; i += QD) {
+      const jobs: Promise<void>[] = [];
+      for (let j = 0; j < QD && i + j < n; j++)
+        jobs.push(image.write(buf, io === 4096 ? Math.floor(rnd() * (GIB / 4096)) * 4096 : (i + j) * io));
+      await Promise.all(jobs);
+    }
+    await image.flush();
+    const writeMs = performance.now() - t0;
+    const entries = image.upper!.index.size;
+    const t1 = performance.now();
+    await image.restack(join(dir, `r-${io}.sealed`));
+    const ms = performance.now() - t1;
+    console.log(
+      `seal+restack after ${label.padEnd(34)} data 1024 MiB, index ${entries} entries (${((entries * 16) / 2 ** 20).toFixed(2)} MiB): ${ms.toFixed(1)} ms  (writing took ${(writeMs / 1000).toFixed(1)} s)`,
+    );
+    await image.close();
+    rmSync(join(dir, `r-${io}.sealed`), { force: true });
+  }
+}
+await raw.close();

@@ -1,0 +1,224 @@
+// Image: a stack of read-only layers under one optional writable upper, served as one virtual
+// disk (DESIGN.md §3). Reads consult the upper's index, then one merged index of every lower
+// (tag = layer, base = 0); holes and zero segments read as zeros.
+
+import { renameSync, existsSync, unlinkSync } from "node:fs";
+import { IoRangeError, ConfigError } from "./errors.ts";
+import type { ReadableFile, WritableFile } from "./file.ts";
+import { preadFull } from "./file.ts";
+import { type ImageConfig, MAX_LOWERS, resolveLayerPath } from "./image_config.ts";
+import { openLayerFile } from "./open_layer.ts";
+import { type CompactOptions, compact } from "./lsmt/compact.ts";
+import { ReadOnlyLayer } from "./lsmt/readonly_layer.ts";
+import { type Segment, SECTOR, segEnd } from "./lsmt/segment.ts";
+import { SegmentIndex, comboWalk } from "./lsmt/segment_index.ts";
+import { WritableLayer } from "./lsmt/writable_layer.ts";
+
+export class Image {
+  /** Merged index of the lowers; tag = position in `lowers` (base first). */
+  private merged = new SegmentIndex();
+  private ops = 0;
+  private idle: (() => void)[] = [];
+  private gate: Promise<void> | undefined; // set while the stack is being restacked
+  private scratch: Segment[] = [];
+
+  private constructor(
+    readonly lowers: ReadOnlyLayer[],
+    private upperLayer: WritableLayer | undefined,
+  ) {
+    if (lowers.length > MAX_LOWERS) throw new ConfigError(`${lowers.length} lowers exceed ${MAX_LOWERS}`);
+    lowers.forEach((l, tag) => this.addToMerged(l, tag));
+  }
+
+  static fromLayers(lowers: ReadOnlyLayer[], upper?: WritableLayer): Image {
+    return new Image(lowers, upper);
+  }
+
+  /** Open every layer a config names; the upper's files must already exist. */
+  static async open(config: ImageConfig): Promise<Image> {
+    const lowers: ReadOnlyLayer[] = [];
+    try {
+      for (let i = 0; i < config.lowers.length; i++) lowers.push(await openLayerFile(resolveLayerPath(config.lowers[i]!, i)));
+      const upper = config.upper ? await WritableLayer.open(config.upper.data, config.upper.index) : undefined;
+      return new Image(lowers, upper);
+    } catch (e) {
+      for (const l of lowers) await l.close();
+      throw e;
+    }
+  }
+
+  get upper(): WritableLayer | undefined {
+    return this.upperLayer;
+  }
+  get readOnly(): boolean {
+    return !this.upperLayer;
+  }
+
+  /** The upper's virtual size when set, else the top-most lower's non-zero one (§5.4). */
+  get virtualSize(): number {
+    if (this.upperLayer?.virtualSize) return this.upperLayer.virtualSize;
+    for (let i = this.lowers.length - 1; i >= 0; i--) if (this.lowers[i]!.virtualSize) return this.lowers[i]!.virtualSize;
+    return 0;
+  }
+
+  /** The config that names this stack now (lowers grow on restack). */
+  config(): ImageConfig {
+    const cfg: ImageConfig = { lowers: this.lowers.map((l) => ({ file: l.name })) };
+    if (this.upperLayer) cfg.upper = { index: this.upperLayer.indexPath, data: this.upperLayer.dataPath };
+    return cfg;
+  }
+
+  private addToMerged(layer: ReadOnlyLayer, tag: number): void {
+    for (const s of layer.index) this.merged.insert({ ...s, tag });
+  }
+
+  private checkIo(offset: number, length: number): void {
+    if (offset % SECTOR || length % SECTOR || offset < 0)
+      throw new IoRangeError(`I/O at ${offset}+${length} is not 512-aligned`, "image", offset);
+    if (offset + length > this.virtualSize)
+      throw new IoRangeError(`I/O at ${offset}+${length} is past the disk's ${this.virtualSize} bytes`, "image", offset);
+  }
+
+  private async enter(): Promise<void> {
+    while (this.gate) await this.gate;
+    this.ops++;
+  }
+  private leave(): void {
+    if (--this.ops === 0) for (const f of this.idle.splice(0)) f();
+  }
+
+  /** Read buf.length bytes at offset (both 512-aligned). */
+  async read(buf: Uint8Array, offset: number): Promise<void> {
+    this.checkIo(offset, buf.length);
+    if (this.gate) await this.enter();
+    else this.ops++;
+    try {
+      const start = offset / SECTOR;
+      const end = start + buf.length / SECTOR;
+      const jobs: Promise<number>[] = [];
+      const upperFile = this.upperLayer?.dataFile;
+      let cur = start;
+      comboWalk(this.upperLayer?.index, this.merged, start, end, (s, fromUpper) => {
+        if (s.offset > cur) buf.fill(0, (cur - start) * SECTOR, (s.offset - start) * SECTOR);
+        const view = buf.subarray((s.offset - start) * SECTOR, (segEnd(s) - start) * SECTOR);
+        if (s.zeroed) view.fill(0);
+        else jobs.push(preadFull(fromUpper ? upperFile! : this.lowers[s.tag]!.file, view, s.moffset * SECTOR));
+        cur = segEnd(s);
+      }, this.scratch);
+      if (cur < end) buf.fill(0, (cur - start) * SECTOR);
+      if (jobs.length) await Promise.all(jobs);
+    } finally {
+      this.leave();
+    }
+  }
+
+  private writable(offset: number, length: number): WritableLayer {
+    this.checkIo(offset, length);
+    if (!this.upperLayer) throw new IoRangeError("the image is read-only", "image", offset);
+    return this.upperLayer;
+  }
+
+  async write(buf: Uint8Array, offset: number): Promise<void> {
+    this.writable(offset, buf.length);
+    await this.enter();
+    try {
+      await this.upperLayer!.write(buf, offset);
+    } finally {
+      this.leave();
+    }
+  }
+
+  /** Discard and write-zeroes: the range reads as zeros from now on. */
+  async discard(offset: number, length: number): Promise<void> {
+    this.writable(offset, length);
+    await this.enter();
+    try {
+      await this.upperLayer!.discard(offset, length);
+    } finally {
+      this.leave();
+    }
+  }
+
+  async flush(): Promise<void> {
+    if (this.upperLayer) await this.upperLayer.flush();
+  }
+
+  async resize(virtualSize: number): Promise<void> {
+    if (!this.upperLayer) throw new IoRangeError("the image is read-only", "image");
+    await this.upperLayer.resize(virtualSize);
+  }
+
+  /** Hold new I/O, wait for the I/O in flight, run fn, let I/O go on. */
+  private async exclusive<T>(fn: () => Promise<T>): Promise<T> {
+    while (this.gate) await this.gate;
+    let open!: () => void;
+    this.gate = new Promise((r) => (open = r));
+    try {
+      if (this.ops) await new Promise<void>((r) => this.idle.push(r));
+      return await fn();
+    } finally {
+      this.gate = undefined;
+      open();
+    }
+  }
+
+  /**
+   * Snapshot: seal the upper in place, move it to `layerPath` as the newest read-only layer, and
+   * open a fresh upper at the old paths. No data is copied: cost follows the index, not the data.
+   */
+  async restack(layerPath: string): Promise<string> {
+    const up = this.upperLayer;
+    if (!up) throw new IoRangeError("the image has no writable layer to restack", "image");
+    if (this.lowers.length >= MAX_LOWERS) throw new ConfigError(`the stack already has ${MAX_LOWERS} layers`);
+    if (existsSync(layerPath)) throw new ConfigError(`restack target exists`, layerPath);
+    return this.exclusive(async () => {
+      await up.seal();
+      await up.close();
+      renameSync(up.dataPath, layerPath);
+      unlinkSync(up.indexPath);
+      const layer = await openLayerFile(layerPath);
+      this.lowers.push(layer);
+      this.addToMerged(layer, this.lowers.length - 1);
+      this.upperLayer = await WritableLayer.create(up.dataPath, up.indexPath, {
+        virtualSize: up.virtualSize,
+        parentUuid: layer.uuid,
+      });
+      return layerPath;
+    });
+  }
+
+  /**
+   * Every visible segment of the stack in order (upper over merged lowers), with tags numbered
+   * top-first (0 = upper or top layer), the numbering C++ overlaybd-merge writes.
+   */
+  private flatten(): { files: ReadableFile[]; index: Segment[] } {
+    const files: ReadableFile[] = [];
+    if (this.upperLayer) files.push(this.upperLayer.dataFile);
+    for (let i = this.lowers.length - 1; i >= 0; i--) files.push(this.lowers[i]!.file);
+    const top = this.lowers.length - 1;
+    const base = this.upperLayer ? 1 : 0;
+    const index: Segment[] = [];
+    comboWalk(this.upperLayer?.index, this.merged, 0, Number.MAX_SAFE_INTEGER, (s, fromUpper) =>
+      index.push({ ...s, tag: fromUpper ? 0 : base + top - s.tag }),
+    );
+    return { files, index };
+  }
+
+  /** Commit: the whole stack as one dense committed layer in `out`. */
+  async commit(out: WritableFile, opts: CompactOptions = {}): Promise<{ size: number; entries: number }> {
+    return this.exclusive(async () => {
+      await this.flush();
+      const { files, index } = this.flatten();
+      const bottomParent = this.lowers[0]?.parentUuid ?? this.upperLayer!.parentUuid;
+      return compact({ files, index, virtualSize: this.virtualSize, parentUuid: bottomParent }, out, opts);
+    });
+  }
+
+  async close(): Promise<void> {
+    await this.exclusive(async () => {
+      if (this.upperLayer) await this.upperLayer.close();
+      for (const l of this.lowers) await l.close();
+    });
+  }
+}
+

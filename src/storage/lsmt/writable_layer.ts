@@ -1,0 +1,293 @@
+// The writable (RW) LSMT layer, log-structured: a data file that only grows and an index file of
+// 16-byte entries replayed on open (overlaybd-format.md §4.1). Sealing appends the index and a
+// trailer in place (§4.3), which makes the data file a read-only layer with no data copied.
+
+import { unlinkSync, existsSync } from "node:fs";
+import { FormatError, IoRangeError, StorageError, TruncatedError } from "../errors.ts";
+import type { WritableFile } from "../file.ts";
+import { LocalFile } from "../local_file.ts";
+import {
+  type HeaderTrailer,
+  HT_SPACE,
+  FLAG_DATA,
+  FLAG_HEADER,
+  FLAG_SEALED,
+  FLAG_SPARSE,
+  decodeHeader,
+  encodeHeader,
+  newHeader,
+  randomUuid,
+  normalizeUuid,
+  hasLsmtMagic,
+} from "./header.ts";
+import {
+  type Segment,
+  SECTOR,
+  SEGMENT_BYTES,
+  INVALID_OFFSET,
+  MAX_SEGMENT_SECTORS,
+  decodeSegment,
+  encodeSegments,
+  seg,
+} from "./segment.ts";
+import { SegmentIndex } from "./segment_index.ts";
+
+/** C++ MAX_IO_SIZE: one index entry maps at most 4 MiB of written data. */
+export const MAX_IO_SECTORS = 8192;
+/** C++ limit on entries in an RW index file. */
+export const MAX_RW_INDEX_ENTRIES = 128_000_000;
+/** Unpersisted entries kept in memory before they are appended (unsynced) to the index file. */
+const PENDING_LIMIT = 8192;
+
+export interface WritableLayerOptions {
+  virtualSize: number;
+  uuid?: string;
+  parentUuid?: string;
+}
+
+export class LayerSealedError extends StorageError {
+  override name = "LayerSealedError";
+}
+
+export class WritableLayer {
+  readonly index = new SegmentIndex();
+  private pending: Segment[] = [];
+  private inflight = 0;
+  private idle: (() => void)[] = [];
+  private sealed = false;
+  private appends: Promise<void>[] = [];
+  private failure: unknown = undefined; // first failed background append, reported by flush
+
+  private constructor(
+    readonly dataPath: string,
+    readonly indexPath: string,
+    private data: WritableFile,
+    private indexFile: WritableFile,
+    public header: HeaderTrailer,
+    private dataEnd: number,
+    private indexEnd: number,
+  ) {}
+
+  get virtualSize(): number {
+    return this.header.virtualSize;
+  }
+  get uuid(): string {
+    return this.header.uuid;
+  }
+  get parentUuid(): string {
+    return this.header.parentUuid;
+  }
+  /** The data file, for reads of the sectors this layer maps. */
+  get dataFile(): WritableFile {
+    return this.data;
+  }
+  /** Bytes in the data file (header + appended data). */
+  get dataSize(): number {
+    return this.dataEnd;
+  }
+
+  static async create(dataPath: string, indexPath: string, opts: WritableLayerOptions): Promise<WritableLayer> {
+    checkVirtualSize(opts.virtualSize, dataPath);
+    const header = newHeader({
+      flags: FLAG_HEADER | FLAG_DATA,
+      virtualSize: opts.virtualSize,
+      uuid: opts.uuid ? normalizeUuid(opts.uuid) : randomUuid(),
+      parentUuid: normalizeUuid(opts.parentUuid),
+    });
+    for (const p of [dataPath, indexPath]) if (existsSync(p)) unlinkSync(p);
+    const data = await LocalFile.open(dataPath, { write: true, create: true });
+    const indexFile = await LocalFile.open(indexPath, { write: true, create: true });
+    await data.pwrite(encodeHeader(header), 0);
+    await indexFile.pwrite(encodeHeader({ ...header, flags: FLAG_HEADER, indexOffset: HT_SPACE }), 0);
+    await data.fdatasync();
+    await indexFile.fdatasync();
+    return new WritableLayer(dataPath, indexPath, data, indexFile, header, HT_SPACE, HT_SPACE);
+  }
+
+  /**
+   * Open an RW pair and replay its index. Recovery after a crash: a torn last entry is cut off,
+   * and entries from the first one that points past the data file's end are dropped (they were
+   * never flushed: flush makes data durable before the entries that name it).
+   */
+  static async open(dataPath: string, indexPath: string): Promise<WritableLayer> {
+    const data = await LocalFile.open(dataPath, { write: true });
+    const indexFile = await LocalFile.open(indexPath, { write: true });
+    try {
+      const dsize = data.size();
+      const isize = indexFile.size();
+      if (dsize < HT_SPACE) throw new TruncatedError(`data file of ${dsize} bytes has no header`, dataPath, 0);
+      if (isize < HT_SPACE) throw new TruncatedError(`index file of ${isize} bytes has no header`, indexPath, 0);
+      const hb = new Uint8Array(HT_SPACE);
+      await data.pread(hb, 0);
+      const dh = decodeHeader(hb, dataPath, 0);
+      if ((dh.flags & (FLAG_HEADER | FLAG_DATA)) !== (FLAG_HEADER | FLAG_DATA))
+        throw new FormatError(`flags 0x${dh.flags.toString(16)} do not say RW data header`, dataPath, 0);
+      if (dh.flags & FLAG_SPARSE) throw new FormatError("sparse RW layers are opened with SparseLayer", dataPath, 0);
+      if (dsize >= 2 * HT_SPACE) {
+        const tb = new Uint8Array(HT_SPACE);
+        await data.pread(tb, dsize - HT_SPACE);
+        if (hasLsmtMagic(tb) && tb[28]! & FLAG_SEALED)
+          throw new LayerSealedError("the layer is sealed; open it read-only", dataPath, dsize - HT_SPACE);
+      }
+      await indexFile.pread(hb, 0);
+      const ih = decodeHeader(hb, indexPath, 0);
+      if (!(ih.flags & FLAG_HEADER) || ih.flags & (FLAG_DATA | FLAG_SEALED) || ih.indexOffset !== HT_SPACE)
+        throw new FormatError(`flags 0x${ih.flags.toString(16)} / index_offset ${ih.indexOffset} do not say RW index header`, indexPath, 0);
+      // A torn data append leaves a partial sector: round up so appends stay sector-aligned.
+      const dataEnd = Math.ceil(dsize / SECTOR) * SECTOR;
+      if (dataEnd !== dsize) await data.truncate(dataEnd);
+      let n = Math.floor((isize - HT_SPACE) / SEGMENT_BYTES);
+      if (n > MAX_RW_INDEX_ENTRIES) throw new FormatError(`${n} entries exceed ${MAX_RW_INDEX_ENTRIES}`, indexPath, HT_SPACE);
+      const raw = new Uint8Array(n * SEGMENT_BYTES);
+      if (n) await indexFile.pread(raw, HT_SPACE);
+      const layer = new WritableLayer(dataPath, indexPath, data, indexFile, { ...dh, virtualSize: ih.virtualSize, uuid: ih.uuid }, dataEnd, 0);
+      const dv = new DataView(raw.buffer);
+      const limit = dataEnd / SECTOR;
+      for (let i = 0; i < n; i++) {
+        const s = decodeSegment(dv, i * SEGMENT_BYTES);
+        if (s.offset === INVALID_OFFSET) continue;
+        if (s.length === 0 || s.moffset < 8 || (s.zeroed ? s.moffset > limit : s.moffset + s.length > limit)) {
+          n = i; // unflushed tail: see above
+          break;
+        }
+        s.tag = 0;
+        layer.index.insert(s);
+      }
+      layer.indexEnd = HT_SPACE + n * SEGMENT_BYTES;
+      if (layer.indexEnd !== isize) await indexFile.truncate(layer.indexEnd);
+      return layer;
+    } catch (e) {
+      await data.close();
+      await indexFile.close();
+      throw e;
+    }
+  }
+
+  private checkRange(offset: number, length: number): void {
+    if (this.sealed) throw new LayerSealedError("write to a sealed layer", this.dataPath);
+    if (offset % SECTOR || length % SECTOR)
+      throw new IoRangeError(`I/O at ${offset}+${length} is not 512-aligned`, this.dataPath, offset);
+    if (offset + length > this.header.virtualSize)
+      throw new IoRangeError(`I/O at ${offset}+${length} is past the virtual size ${this.header.virtualSize}`, this.dataPath, offset);
+  }
+
+  private begin(): void {
+    this.inflight++;
+  }
+  private end(): void {
+    if (--this.inflight === 0) for (const f of this.idle.splice(0)) f();
+  }
+  /** Resolves when no write started before this call is still running. */
+  drain(): Promise<void> {
+    return this.inflight === 0 ? Promise.resolve() : new Promise((r) => this.idle.push(r));
+  }
+
+  /** Append buf's bytes to the data file and map them at `offset` (bytes, 512-aligned). */
+  async write(buf: Uint8Array, offset: number): Promise<void> {
+    this.checkRange(offset, buf.length);
+    this.begin();
+    try {
+      const step = MAX_IO_SECTORS * SECTOR;
+      const jobs: Promise<void>[] = [];
+      for (let done = 0; done < buf.length; done += step) {
+        const chunk = buf.subarray(done, Math.min(buf.length, done + step));
+        const pos = this.dataEnd; // reserved now, so concurrent writes never share space
+        this.dataEnd += chunk.length;
+        const voff = offset + done;
+        jobs.push(this.data.pwrite(chunk, pos).then(() => this.map(seg(voff / SECTOR, chunk.length / SECTOR, pos / SECTOR))));
+      }
+      await Promise.all(jobs);
+    } finally {
+      this.end();
+    }
+  }
+
+  /** Make [offset, offset+length) read as zeros, masking lower layers (discard and write-zeroes). */
+  async discard(offset: number, length: number): Promise<void> {
+    this.checkRange(offset, length);
+    const at = this.dataEnd / SECTOR;
+    for (let s = offset / SECTOR, left = length / SECTOR; left > 0; ) {
+      const k = Math.min(left, MAX_SEGMENT_SECTORS);
+      this.map(seg(s, k, at, true));
+      s += k;
+      left -= k;
+    }
+    if (this.pending.length >= PENDING_LIMIT) this.startAppend();
+  }
+
+  private map(s: Segment): void {
+    this.index.insert(s);
+    this.pending.push(s);
+    if (this.pending.length >= PENDING_LIMIT) this.startAppend();
+  }
+
+  private startAppend(): void {
+    this.appends.push(this.appendPending().catch((e) => void (this.failure ??= e)));
+  }
+
+  /** Append the unpersisted entries to the index file (no sync). */
+  private async appendPending(): Promise<void> {
+    if (this.pending.length === 0) return;
+    const list = this.pending;
+    this.pending = [];
+    const pos = this.indexEnd;
+    this.indexEnd += list.length * SEGMENT_BYTES;
+    await this.indexFile.pwrite(encodeSegments(list), pos);
+  }
+
+  /** Persist every completed write: data first, then the entries that name it. */
+  async flush(): Promise<void> {
+    await this.drain();
+    await this.data.fdatasync();
+    this.startAppend();
+    await Promise.all(this.appends.splice(0));
+    if (this.failure !== undefined) throw this.failure;
+    await this.indexFile.fdatasync();
+  }
+
+  async resize(virtualSize: number): Promise<void> {
+    checkVirtualSize(virtualSize, this.dataPath);
+    this.header = { ...this.header, virtualSize };
+    await this.data.pwrite(encodeHeader(this.header), 0);
+    await this.indexFile.pwrite(encodeHeader({ ...this.header, flags: FLAG_HEADER, indexOffset: HT_SPACE }), 0);
+    await this.flush();
+  }
+
+  /**
+   * close_seal (§4.3): append the index (padded with zeros to 512) and a sealed trailer to the
+   * data file. The data file is then a read-only layer; this object accepts no more writes.
+   */
+  async seal(): Promise<void> {
+    await this.flush();
+    this.sealed = true;
+    const list = this.index.toArray().map((s) => ({ ...s, tag: 0 }));
+    const ioff = this.dataEnd;
+    const ibytes = Math.ceil((list.length * SEGMENT_BYTES) / SECTOR) * SECTOR;
+    const region = new Uint8Array(ibytes + HT_SPACE);
+    region.set(encodeSegments(list), 0);
+    const trailer = newHeader({
+      flags: FLAG_DATA | FLAG_SEALED | (this.header.flags & FLAG_SPARSE),
+      indexOffset: ioff,
+      indexSize: list.length,
+      virtualSize: this.header.virtualSize,
+      uuid: this.header.uuid,
+      parentUuid: this.header.parentUuid,
+    });
+    region.set(encodeHeader(trailer), ibytes);
+    await this.data.pwrite(region, ioff);
+    this.dataEnd += region.length;
+    await this.data.fdatasync();
+  }
+
+  async close(): Promise<void> {
+    await this.drain();
+    if (!this.sealed) await this.flush();
+    await this.data.close();
+    await this.indexFile.close();
+  }
+}
+
+function checkVirtualSize(v: number, file: string): void {
+  if (!Number.isSafeInteger(v) || v <= 0 || v % SECTOR)
+    throw new IoRangeError(`virtual size ${v} must be a positive multiple of 512`, file);
+}

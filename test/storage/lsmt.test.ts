@@ -1,0 +1,178 @@
+// Scenario A of overlaybd-format.md §11.2, byte for byte, plus the read-only open rules (§4.5).
+import { describe, expect, test } from "bun:test";
+import { readFileSync, writeFileSync, copyFileSync } from "node:fs";
+import { join } from "node:path";
+import { WritableLayer } from "../../src/storage/lsmt/writable_layer.ts";
+import { ReadOnlyLayer } from "../../src/storage/lsmt/readonly_layer.ts";
+import { Image } from "../../src/storage/image.ts";
+import { LocalFile } from "../../src/storage/local_file.ts";
+import { openLayerFile } from "../../src/storage/open_layer.ts";
+import { FormatError, TruncatedError, IoRangeError } from "../../src/storage/errors.ts";
+import { scratchDir, sha256 } from "../helpers/tmp.ts";
+
+const dir = scratchDir("lsmt");
+const fill = (n: number, v: number) => new Uint8Array(n).fill(v);
+
+async function scenarioA(tag: string) {
+  const data = join(dir, `${tag}.data`);
+  const index = join(dir, `${tag}.index`);
+  const l = await WritableLayer.create(data, index, { virtualSize: 1 << 30, uuid: "5D8A6F1E-2B3C-4D4E-8F90-A1B2C3D4E5F6" });
+  await l.write(fill(4096, 0xaa), 0);
+  await l.write(fill(1024, 0xbb), 8192);
+  await l.discard(16384, 2048);
+  await l.write(fill(512, 0xcc), 512);
+  return { l, data, index };
+}
+
+describe("scenario A (§11.2)", () => {
+  test("RW data and index files", async () => {
+    const { l, data, index } = await scenarioA("rw");
+    await l.close();
+    expect(readFileSync(data).length).toBe(9728);
+    expect(sha256(readFileSync(data))).toBe("9c0cd02f51fa571474133183ec21e7df345a32a359b7b5108b305e1245b8d00f");
+    expect(readFileSync(index).length).toBe(4160);
+    expect(sha256(readFileSync(index))).toBe("7be2a4d1fde49b06b954fbb0e0ec16559c729963acd5fddfd74dcfa71f065782");
+    const re = await WritableLayer.open(data, index);
+    expect(re.index.toArray().map((s) => [s.offset, s.length, s.moffset, s.zeroed])).toEqual([
+      [0, 1, 8, false], [1, 1, 18, false], [2, 6, 10, false], [16, 2, 16, false], [32, 4, 18, true],
+    ]);
+    await re.close();
+  });
+
+  test("sealed in place", async () => {
+    const { l, data } = await scenarioA("seal");
+    await l.seal();
+    await l.close();
+    const b = readFileSync(data);
+    expect(b.length).toBe(14336);
+    expect(sha256(b)).toBe("e294afa5a3f1bd44fcfc399e3099c1303cbb5d203efcca0cc5e06c382aa1eccc");
+    const ro = await openLayerFile(data);
+    expect(ro.index.length).toBe(5);
+    await ro.close();
+  });
+
+  test("committed with message and uuid", async () => {
+    const { l } = await scenarioA("commit");
+    const out = join(dir, "commit.out");
+    const image = Image.fromLayers([], l);
+    const f = await LocalFile.open(out, { write: true, create: true });
+    await image.commit(f, { message: "hello", uuid: "0a1b2c3d-4e5f-6071-8293-a4b5c6d7e8f9" });
+    await f.close();
+    await image.close();
+    const b = readFileSync(out);
+    expect(b.length).toBe(17408);
+    expect(sha256(b)).toBe("e5075f9e80a305323b1d5f927d39f927d0360ed76eaa9441bee3615fb101d09d");
+    const ro = await openLayerFile(out);
+    const img = Image.fromLayers([ro]);
+    const got = new Uint8Array(40 * 512);
+    await img.read(got, 0);
+    const want = new Uint8Array(40 * 512);
+    want.fill(0xaa, 0, 4096);
+    want.fill(0xcc, 512, 1024);
+    want.fill(0xbb, 16 * 512, 18 * 512);
+    expect(sha256(got)).toBe(sha256(want));
+    await img.close();
+  });
+
+  test("empty committed layer is 8192 bytes (§11.5)", async () => {
+    const l = await WritableLayer.create(join(dir, "e.data"), join(dir, "e.index"), { virtualSize: 1 << 20 });
+    const out = join(dir, "empty.commit");
+    const image = Image.fromLayers([], l);
+    const f = await LocalFile.open(out, { write: true, create: true });
+    await image.commit(f);
+    await f.close();
+    await image.close();
+    const b = readFileSync(out);
+    expect(b.length).toBe(8192);
+    const ro = await openLayerFile(out);
+    expect(ro.trailer.indexOffset).toBe(4096);
+    expect(ro.trailer.indexSize).toBe(0);
+    await ro.close();
+  });
+});
+
+describe("read-only open rejects bad files (§4.5)", () => {
+  const committed = join(dir, "commit.out");
+  const mutate = (name: string, fn: (b: Uint8Array) => Uint8Array) => {
+    const p = join(dir, name);
+    writeFileSync(p, fn(new Uint8Array(readFileSync(committed))));
+    return p;
+  };
+  const dv = (b: Uint8Array) => new DataView(b.buffer, b.byteOffset, b.byteLength);
+
+  test("bad magic", async () => {
+    const p = mutate("badmagic", (b) => ((b[0] = 0), b));
+    await expect(openLayerFile(p)).rejects.toThrow(FormatError);
+    await expect(openLayerFile(p)).rejects.toThrow(/badmagic @0: bad LSMT magic/);
+  });
+  test("truncated", async () => {
+    const p = mutate("trunc", (b) => b.subarray(0, 5000));
+    await expect(openLayerFile(p)).rejects.toThrow(TruncatedError);
+  });
+  test("no trailer", async () => {
+    const p = mutate("notrailer", (b) => b.subarray(0, b.length - 512));
+    await expect(openLayerFile(p)).rejects.toThrow(FormatError);
+  });
+  test("index size beyond the file", async () => {
+    const p = mutate("bigindex", (b) => (dv(b).setUint32(b.length - 4096 + 40, 100000, true), b));
+    await expect(openLayerFile(p)).rejects.toThrow(/runs past the trailer/);
+  });
+  test("impossible index size", async () => {
+    const p = mutate("hugeindex", (b) => (dv(b).setUint32(b.length - 4096 + 44, 7, true), b));
+    await expect(openLayerFile(p)).rejects.toThrow(FormatError);
+  });
+  test("overlapping entries", async () => {
+    // entry 1 {16,2,16} → offset 4: overlaps entry 0 {0,8,8}
+    const p = mutate("overlap", (b) => ((b[0x2410] = 4), b));
+    await expect(openLayerFile(p)).rejects.toThrow(/overlaps or is out of order/);
+  });
+  test("moffset out of range", async () => {
+    const p = mutate("moff", (b) => ((b[0x2408] = 0xf0), b));
+    await expect(openLayerFile(p)).rejects.toThrow(/outside the data area/);
+  });
+  test("zero-filled moffset of a zeroed entry is refused as C++ does", async () => {
+    const p = mutate("zmoff", (b) => ((b[0x2428] = 0), b));
+    await expect(openLayerFile(p)).rejects.toThrow(/outside the data area/);
+  });
+});
+
+describe("writable layer rules", () => {
+  test("unaligned and out-of-range I/O is refused by name", async () => {
+    const l = await WritableLayer.create(join(dir, "u.data"), join(dir, "u.index"), { virtualSize: 1 << 20 });
+    await expect(l.write(fill(100, 1), 0)).rejects.toThrow(IoRangeError);
+    await expect(l.write(fill(512, 1), 7)).rejects.toThrow(/not 512-aligned/);
+    await expect(l.write(fill(512, 1), 1 << 20)).rejects.toThrow(/past the virtual size/);
+    await l.close();
+  });
+
+  test("a torn index tail and entries past the data end are dropped on open", async () => {
+    const { l, data, index } = await scenarioA("torn");
+    await l.close();
+    const ib = readFileSync(index);
+    // A partial 5th entry, then a 6th entry naming data that never reached the data file.
+    const extra = new Uint8Array(16 + 7);
+    const d = new DataView(extra.buffer);
+    d.setUint32(0, 40, true);
+    d.setUint32(4, 8 << 18, true);
+    d.setUint32(8, 10_000, true);
+    writeFileSync(index, Buffer.concat([ib, extra]));
+    const re = await WritableLayer.open(data, index);
+    expect(re.index.size).toBe(5);
+    await re.close();
+    expect(readFileSync(index).length).toBe(4160);
+  });
+
+  test("a sealed file cannot be reopened writable", async () => {
+    const { l, data, index } = await scenarioA("sealrw");
+    await l.seal();
+    await l.close();
+    await expect(WritableLayer.open(data, index)).rejects.toThrow(/sealed/);
+  });
+
+  test("ReadOnlyLayer.open on an RW data file says what is missing", async () => {
+    copyFileSync(join(dir, "rw.data"), join(dir, "rw-copy.data"));
+    const f = await LocalFile.open(join(dir, "rw-copy.data"), {});
+    await expect(ReadOnlyLayer.open(f)).rejects.toThrow(FormatError);
+    await f.close();
+  });
+});
