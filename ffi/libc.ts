@@ -14,6 +14,8 @@ export const libc = dlopen("libc.so.6", {
   fsync: { args: ["i32"], returns: "i32" },
   fdatasync: { args: ["i32"], returns: "i32" },
   fallocate: { args: ["i32", "i32", "i64", "i64"], returns: "i32" },
+  posix_fadvise: { args: ["i32", "i64", "i64", "i32"], returns: "i32" },
+  lseek: { args: ["i32", "i64", "i32"], returns: "i64" },
   ftruncate: { args: ["i32", "i64"], returns: "i32" },
   mmap: { args: ["u64", "u64", "i32", "i32", "i32", "i64"], returns: FFIType.i64_fast },
   munmap: { args: ["u64", "u64"], returns: "i32" },
@@ -345,6 +347,30 @@ export function fdatasync(fd: number, context?: string): void {
 
 export function fallocate(fd: number, mode: number, offset: number, len: number, context?: string): void {
   check("fallocate", libc.fallocate(fd, mode, offset, len), context);
+}
+
+export const POSIX_FADV_DONTNEED = 4;
+export const POSIX_FADV_WILLNEED = 3;
+
+/** posix_fadvise(2): returns the error number instead of setting errno. */
+export function posixFadvise(fd: number, offset: number, len: number, advice: number, context?: string): void {
+  const rc = libc.posix_fadvise(fd, offset, len, advice);
+  if (rc !== 0) throw new SyscallError("posix_fadvise", rc, context);
+}
+
+export const SEEK_SET = 0;
+export const SEEK_DATA = 3;
+export const SEEK_HOLE = 4;
+
+/** lseek(2); ENXIO (no data/hole past offset) is returned as -1 rather than thrown. */
+export function lseek(fd: number, offset: number, whence: number, context?: string): number {
+  const r = Number(libc.lseek(fd, offset, whence));
+  if (r < 0) {
+    const e = errno();
+    if (e === E.ENXIO) return -1;
+    throw new SyscallError("lseek", e, context);
+  }
+  return r;
 }
 
 export function ftruncate(fd: number, len: number, context?: string): void {
