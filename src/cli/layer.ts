@@ -19,7 +19,7 @@ export const WRITABLE_DATA = "writable_data";
 export const WRITABLE_INDEX = "writable_index";
 
 const USAGE = `usage:
-  aenv layer create --size BYTES [--uuid U] [--parent-uuid P] DIR
+  aenv layer create --size BYTES [--sparse] [--uuid U] [--parent-uuid P] DIR
   aenv layer write DIR --offset N [FILE]
   aenv layer seal DIR OUT
   aenv layer commit [--zfile [--algorithm zstd|lz4]] [--tar] [-m MSG] [--uuid U] [--parent-uuid P] IN... OUT
@@ -50,7 +50,7 @@ async function openStack(operands: string[], upperDir?: string): Promise<Image> 
 }
 
 async function create(args: string[]): Promise<void> {
-  const a = parseArgs(args, { values: ["size", "uuid", "parent-uuid"] });
+  const a = parseArgs(args, { flags: ["sparse"], values: ["size", "uuid", "parent-uuid"] });
   const [dir] = a.need(1, "DIR");
   const size = parseSize(a.value("size"), "--size");
   mkdirSync(dir!, { recursive: true });
@@ -58,6 +58,7 @@ async function create(args: string[]): Promise<void> {
     virtualSize: size,
     uuid: a.value("uuid"),
     parentUuid: a.value("parent-uuid"),
+    sparse: a.flag("sparse"),
   });
   await l.close();
 }

@@ -225,13 +225,14 @@ export class Image {
       await up.seal();
       await up.close();
       renameSync(up.dataPath, layerPath);
-      unlinkSync(up.indexPath);
+      if (existsSync(up.indexPath)) unlinkSync(up.indexPath);
       const layer = await openLayerFile(layerPath);
       this.lowers.push(layer);
       this.addToMerged(layer, this.lowers.length - 1);
       this.upperLayer = await WritableLayer.create(up.dataPath, up.indexPath, {
         virtualSize: up.virtualSize,
         parentUuid: layer.uuid,
+        sparse: up.sparse,
       });
       return layerPath;
     });

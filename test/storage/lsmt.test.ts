@@ -176,3 +176,45 @@ describe("writable layer rules", () => {
     await f.close();
   });
 });
+
+describe("sparse writable layer (§4.2)", () => {
+  test("writes in place, index from allocated ranges, discard falls through after reopen, seal", async () => {
+    const data = join(dir, "sp.data");
+    const index = join(dir, "sp.index");
+    // A lower with 0x11 everywhere in the first 64 KiB.
+    const lowUp = await WritableLayer.create(join(dir, "spl.data"), join(dir, "spl.index"), { virtualSize: 1 << 20 });
+    await lowUp.write(fill(65536, 0x11), 0);
+    await lowUp.seal();
+    await lowUp.close();
+    const l = await WritableLayer.create(data, index, { virtualSize: 1 << 20, sparse: true });
+    expect(readFileSync(data).length).toBe(4096 + (1 << 20));
+    expect(readFileSync(data)[28]).toBe(0x13);
+    await l.write(fill(8192, 0xaa), 8192);
+    await l.write(fill(4096, 0xbb), 32768);
+    await l.discard(32768, 4096);
+    const image = Image.fromLayers([await openLayerFile(join(dir, "spl.data"))], l);
+    const got = new Uint8Array(65536);
+    await image.read(got, 0);
+    const want = fill(65536, 0x11);
+    want.fill(0xaa, 8192, 16384);
+    want.fill(0, 32768, 36864); // the zero entry masks the lower while the layer is open
+    expect(sha256(got)).toBe(sha256(want));
+    await image.close();
+    // Reopen: the index is rebuilt from SEEK_DATA; the punched range reads through again.
+    const re = await WritableLayer.open(data, index);
+    expect(re.sparse).toBe(true);
+    expect(re.index.toArray().map((s) => [s.offset, s.length, s.moffset])).toEqual([[16, 16, 24]]);
+    const image2 = Image.fromLayers([await openLayerFile(join(dir, "spl.data"))], re);
+    await image2.read(got, 0);
+    want.fill(0x11, 32768, 36864);
+    expect(sha256(got)).toBe(sha256(want));
+    await image2.close();
+    const re2 = await WritableLayer.open(data, index);
+    await re2.seal();
+    await re2.close();
+    const sealed = await openLayerFile(data);
+    expect(sealed.trailer.flags).toBe(0x16);
+    expect(sealed.index.map((s) => [s.offset, s.length, s.moffset])).toEqual([[16, 16, 24]]);
+    await sealed.close();
+  });
+});

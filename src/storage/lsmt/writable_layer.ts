@@ -6,6 +6,7 @@ import { unlinkSync, existsSync } from "node:fs";
 import { FormatError, IoRangeError, StorageError, TruncatedError } from "../errors.ts";
 import type { WritableFile } from "../file.ts";
 import { LocalFile } from "../local_file.ts";
+import { lseek, SEEK_DATA, SEEK_HOLE } from "../../../ffi/libc.ts";
 import {
   type HeaderTrailer,
   HT_SPACE,
@@ -29,6 +30,7 @@ import {
   decodeSegment,
   encodeSegments,
   seg,
+  splitLong,
 } from "./segment.ts";
 import { SegmentIndex } from "./segment_index.ts";
 
@@ -43,6 +45,8 @@ export interface WritableLayerOptions {
   virtualSize: number;
   uuid?: string;
   parentUuid?: string;
+  /** Sparse mode (§4.2): the disk lives in place in the data file; no index file is kept. */
+  sparse?: boolean;
 }
 
 export class LayerSealedError extends StorageError {
@@ -62,10 +66,11 @@ export class WritableLayer {
     readonly dataPath: string,
     readonly indexPath: string,
     private data: WritableFile,
-    private indexFile: WritableFile,
+    private indexFile: WritableFile | undefined, // none in sparse mode
     public header: HeaderTrailer,
     private dataEnd: number,
     private indexEnd: number,
+    readonly sparse = false,
   ) {}
 
   get virtualSize(): number {
@@ -89,19 +94,39 @@ export class WritableLayer {
   static async create(dataPath: string, indexPath: string, opts: WritableLayerOptions): Promise<WritableLayer> {
     checkVirtualSize(opts.virtualSize, dataPath);
     const header = newHeader({
-      flags: FLAG_HEADER | FLAG_DATA,
+      flags: FLAG_HEADER | FLAG_DATA | (opts.sparse ? FLAG_SPARSE : 0),
       virtualSize: opts.virtualSize,
       uuid: opts.uuid ? normalizeUuid(opts.uuid) : randomUuid(),
       parentUuid: normalizeUuid(opts.parentUuid),
     });
     for (const p of [dataPath, indexPath]) if (existsSync(p)) unlinkSync(p);
     const data = await LocalFile.open(dataPath, { write: true, create: true });
-    const indexFile = await LocalFile.open(indexPath, { write: true, create: true });
     await data.pwrite(encodeHeader(header), 0);
+    if (opts.sparse) {
+      await data.truncate(HT_SPACE + opts.virtualSize);
+      await data.fdatasync();
+      return new WritableLayer(dataPath, indexPath, data, undefined, header, HT_SPACE + opts.virtualSize, 0, true);
+    }
+    const indexFile = await LocalFile.open(indexPath, { write: true, create: true });
     await indexFile.pwrite(encodeHeader({ ...header, flags: FLAG_HEADER, indexOffset: HT_SPACE }), 0);
     await data.fdatasync();
     await indexFile.fdatasync();
     return new WritableLayer(dataPath, indexPath, data, indexFile, header, HT_SPACE, HT_SPACE);
+  }
+
+  /** A sparse layer's index is the data file's allocated ranges (SEEK_DATA / SEEK_HOLE from 4096). */
+  private static async openSparse(dataPath: string, indexPath: string, data: LocalFile, header: HeaderTrailer): Promise<WritableLayer> {
+    const size = data.size();
+    const layer = new WritableLayer(dataPath, indexPath, data, undefined, header, size, 0, true);
+    for (let pos = HT_SPACE; pos < size; ) {
+      const b = lseek(data.fd, pos, SEEK_DATA, dataPath);
+      if (b < 0 || b >= size) break;
+      let e = lseek(data.fd, b, SEEK_HOLE, dataPath);
+      if (e < 0 || e > size) e = size;
+      for (const s of splitLong(seg((b - HT_SPACE) / SECTOR, (e - b) / SECTOR, b / SECTOR))) layer.index.insert(s);
+      pos = e;
+    }
+    return layer;
   }
 
   /**
@@ -111,6 +136,16 @@ export class WritableLayer {
    */
   static async open(dataPath: string, indexPath: string): Promise<WritableLayer> {
     const data = await LocalFile.open(dataPath, { write: true });
+    const hb0 = new Uint8Array(HT_SPACE);
+    if ((await data.pread(hb0, 0)) === HT_SPACE && hasLsmtMagic(hb0) && hb0[28]! & FLAG_SPARSE && !(hb0[28]! & FLAG_SEALED)) {
+      try {
+        await refuseSealed(data, dataPath);
+        return await WritableLayer.openSparse(dataPath, indexPath, data, decodeHeader(hb0, dataPath, 0));
+      } catch (e) {
+        await data.close();
+        throw e;
+      }
+    }
     const indexFile = await LocalFile.open(indexPath, { write: true });
     try {
       const dsize = data.size();
@@ -122,13 +157,7 @@ export class WritableLayer {
       const dh = decodeHeader(hb, dataPath, 0);
       if ((dh.flags & (FLAG_HEADER | FLAG_DATA)) !== (FLAG_HEADER | FLAG_DATA))
         throw new FormatError(`flags 0x${dh.flags.toString(16)} do not say RW data header`, dataPath, 0);
-      if (dh.flags & FLAG_SPARSE) throw new FormatError("sparse RW layers are opened with SparseLayer", dataPath, 0);
-      if (dsize >= 2 * HT_SPACE) {
-        const tb = new Uint8Array(HT_SPACE);
-        await data.pread(tb, dsize - HT_SPACE);
-        if (hasLsmtMagic(tb) && tb[28]! & FLAG_SEALED)
-          throw new LayerSealedError("the layer is sealed; open it read-only", dataPath, dsize - HT_SPACE);
-      }
+      await refuseSealed(data, dataPath);
       await indexFile.pread(hb, 0);
       const ih = decodeHeader(hb, indexPath, 0);
       if (!(ih.flags & FLAG_HEADER) || ih.flags & (FLAG_DATA | FLAG_SEALED) || ih.indexOffset !== HT_SPACE)
@@ -191,9 +220,12 @@ export class WritableLayer {
       const jobs: Promise<void>[] = [];
       for (let done = 0; done < buf.length; done += step) {
         const chunk = buf.subarray(done, Math.min(buf.length, done + step));
-        const pos = this.dataEnd; // reserved now, so concurrent writes never share space
-        this.dataEnd += chunk.length;
         const voff = offset + done;
+        let pos = HT_SPACE + voff; // sparse: the disk sits in place after the header
+        if (!this.sparse) {
+          pos = this.dataEnd; // reserved now, so concurrent writes never share space
+          this.dataEnd += chunk.length;
+        }
         jobs.push(this.data.pwrite(chunk, pos).then(() => this.map(seg(voff / SECTOR, chunk.length / SECTOR, pos / SECTOR))));
       }
       await Promise.all(jobs);
@@ -205,10 +237,12 @@ export class WritableLayer {
   /** Make [offset, offset+length) read as zeros, masking lower layers (discard and write-zeroes). */
   async discard(offset: number, length: number): Promise<void> {
     this.checkRange(offset, length);
-    const at = this.dataEnd / SECTOR;
+    // Sparse layers punch a hole and keep the zero entry in memory only (C++ does the same, so
+    // after a reopen the range falls through to the lower layers again).
+    if (this.sparse) await this.data.punchHole(HT_SPACE + offset, length);
     for (let s = offset / SECTOR, left = length / SECTOR; left > 0; ) {
       const k = Math.min(left, MAX_SEGMENT_SECTORS);
-      this.map(seg(s, k, at, true));
+      this.map(seg(s, k, this.sparse ? s + HT_SPACE / SECTOR : this.dataEnd / SECTOR, true));
       s += k;
       left -= k;
     }
@@ -217,6 +251,7 @@ export class WritableLayer {
 
   private map(s: Segment): void {
     this.index.insert(s);
+    if (this.sparse) return;
     this.pending.push(s);
     if (this.pending.length >= PENDING_LIMIT) this.startAppend();
   }
@@ -227,7 +262,7 @@ export class WritableLayer {
 
   /** Append the unpersisted entries to the index file (no sync). */
   private async appendPending(): Promise<void> {
-    if (this.pending.length === 0) return;
+    if (this.pending.length === 0 || !this.indexFile) return;
     const list = this.pending;
     this.pending = [];
     const pos = this.indexEnd;
@@ -242,14 +277,18 @@ export class WritableLayer {
     this.startAppend();
     await Promise.all(this.appends.splice(0));
     if (this.failure !== undefined) throw this.failure;
-    await this.indexFile.fdatasync();
+    await this.indexFile?.fdatasync();
   }
 
   async resize(virtualSize: number): Promise<void> {
     checkVirtualSize(virtualSize, this.dataPath);
     this.header = { ...this.header, virtualSize };
     await this.data.pwrite(encodeHeader(this.header), 0);
-    await this.indexFile.pwrite(encodeHeader({ ...this.header, flags: FLAG_HEADER, indexOffset: HT_SPACE }), 0);
+    if (this.sparse) {
+      await this.data.truncate(HT_SPACE + virtualSize);
+      this.dataEnd = HT_SPACE + virtualSize;
+    }
+    await this.indexFile?.pwrite(encodeHeader({ ...this.header, flags: FLAG_HEADER, indexOffset: HT_SPACE }), 0);
     await this.flush();
   }
 
@@ -283,8 +322,18 @@ export class WritableLayer {
     await this.drain();
     if (!this.sealed) await this.flush();
     await this.data.close();
-    await this.indexFile.close();
+    await this.indexFile?.close();
   }
+}
+
+/** A sealed file still has an RW header at 0: its trailer is what says it is read-only now. */
+async function refuseSealed(data: WritableFile, dataPath: string): Promise<void> {
+  const dsize = data.size();
+  if (dsize < 2 * HT_SPACE) return;
+  const tb = new Uint8Array(HT_SPACE);
+  await data.pread(tb, dsize - HT_SPACE);
+  if (hasLsmtMagic(tb) && tb[28]! & FLAG_SEALED && !(tb[28]! & FLAG_HEADER))
+    throw new LayerSealedError("the layer is sealed; open it read-only", dataPath, dsize - HT_SPACE);
 }
 
 function checkVirtualSize(v: number, file: string): void {
