@@ -25,6 +25,9 @@ export const libc = dlopen("libc.so.6", {
   mount: { args: ["ptr", "ptr", "ptr", "u64", "ptr"], returns: "i32" },
   umount2: { args: ["ptr", "i32"], returns: "i32" },
   strerror: { args: ["i32"], returns: "cstring" },
+  poll: { args: ["ptr", "u64", "i32"], returns: "i32" },
+  eventfd: { args: ["u32", "i32"], returns: "i32" },
+  prctl: { args: ["i32", "u64", "u64", "u64", "u64"], returns: "i32" },
   __errno_location: { args: [], returns: "ptr" },
 }).symbols;
 
@@ -347,6 +350,34 @@ export function fdatasync(fd: number, context?: string): void {
 
 export function fallocate(fd: number, mode: number, offset: number, len: number, context?: string): void {
   check("fallocate", libc.fallocate(fd, mode, offset, len), context);
+}
+
+export const POLLIN = 0x1;
+export const EFD_CLOEXEC = 0o2000000;
+export const PR_SET_IO_FLUSHER = 57;
+
+/**
+ * poll(2) over `fds` (pollfd = {i32 fd, i16 events, i16 revents}); returns the ready count,
+ * 0 on timeout. EINTR counts as 0 ready so callers simply poll again.
+ */
+export function poll(pollfds: Uint8Array, nfds: number, timeoutMs: number): number {
+  const r = libc.poll(pollfds, nfds, timeoutMs);
+  if (r < 0) {
+    const e = errno();
+    if (e === E.EINTR) return 0;
+    throw new SyscallError("poll", e);
+  }
+  return r;
+}
+
+/** eventfd(2): a counter fd used to wake a thread blocked in poll or io_uring. */
+export function eventfd(initval = 0, flags = EFD_CLOEXEC): number {
+  return check("eventfd", libc.eventfd(initval, flags));
+}
+
+/** prctl(2) with integer arguments. */
+export function prctl(option: number, a2 = 0, a3 = 0, a4 = 0, a5 = 0): number {
+  return check("prctl", libc.prctl(option, a2, a3, a4, a5));
 }
 
 export const POSIX_FADV_DONTNEED = 4;

@@ -60,6 +60,11 @@ export class Image {
     return 0;
   }
 
+  /** One past the last byte any layer maps: the smallest size a resize may keep. */
+  usedEnd(): number {
+    return Math.max(this.merged.end(), this.upperLayer?.index.end() ?? 0) * SECTOR;
+  }
+
   /** The config that names this stack now (lowers grow on restack). */
   config(): ImageConfig {
     const cfg: ImageConfig = { lowers: this.lowers.map((l) => ({ file: l.name })) };
@@ -195,6 +200,8 @@ export class Image {
 
   async resize(virtualSize: number): Promise<void> {
     if (!this.upperLayer) throw new IoRangeError("the image is read-only", "image");
+    if (virtualSize < this.usedEnd())
+      throw new IoRangeError(`resize to ${virtualSize} is below the ${this.usedEnd()} bytes in use`, "image");
     await this.upperLayer.resize(virtualSize);
   }
 

@@ -1,0 +1,138 @@
+// The device worker: one Bun Worker per device. It owns the device's Image and runs the
+// frontend's serve loop on its own thread; blockd's main thread sends it control work (restack,
+// swap, resize, stop) as messages and wakes it through an eventfd the loop polls.
+
+import { eventfd, close } from "../../ffi/libc.ts";
+import { Image } from "../storage/image.ts";
+import type { ImageConfig } from "../storage/image_config.ts";
+import type { DeviceIo, WakeSource } from "./device_io.ts";
+import { FuseDisk } from "./fuse/server.ts";
+import { IoRangeError } from "../storage/errors.ts";
+
+declare const self: Worker;
+
+export interface WorkerInit {
+  id: string;
+  frontend: "fuse";
+  path: string;
+  readOnly: boolean;
+  config: ImageConfig | null; // null: an empty pool device, size 0 until acquired
+  /** SharedArrayBuffer Int32[1]: how many control messages main has posted. */
+  posted: SharedArrayBuffer;
+}
+
+export type ControlOp =
+  | { op: "restack"; layerPath: string }
+  | { op: "swap"; config: ImageConfig | null; readOnly: boolean }
+  | { op: "resize"; size: number }
+  | { op: "flush" }
+  | { op: "stats" }
+  | { op: "stop" };
+
+/** The device as a frontend sees it: the current image, or an empty disk while pooled. */
+class ImageIo implements DeviceIo {
+  constructor(
+    public image: Image | null,
+    public readOnly: boolean,
+  ) {}
+  size(): number {
+    return this.image?.virtualSize ?? 0;
+  }
+  read(buf: Uint8Array, offset: number): Promise<void> {
+    if (!this.image) return Promise.reject(new IoRangeError("no image attached", "device", offset));
+    return this.image.read(buf, offset);
+  }
+  write(buf: Uint8Array, offset: number): Promise<void> {
+    if (!this.image || this.readOnly) return Promise.reject(new IoRangeError("device is read-only", "device", offset));
+    return this.image.write(buf, offset);
+  }
+  flush(): Promise<void> {
+    return this.image && !this.readOnly ? this.image.flush() : Promise.resolve();
+  }
+  discard(offset: number, length: number): Promise<void> {
+    if (!this.image || this.readOnly) return Promise.reject(new IoRangeError("device is read-only", "device", offset));
+    return this.image.discard(offset, length);
+  }
+}
+
+let init: WorkerInit;
+let io: ImageIo;
+let disk: FuseDisk;
+let stopping = false;
+let received = 0;
+const queue: { seq: number; body: ControlOp }[] = [];
+
+async function runControl(body: ControlOp): Promise<unknown> {
+  switch (body.op) {
+    case "restack": {
+      if (!io.image) throw new IoRangeError("no image attached", init.id);
+      const layerPath = await io.image.restack(body.layerPath);
+      return { layerPath, config: io.image.config() };
+    }
+    case "swap": {
+      const old = io.image;
+      io.image = body.config ? await Image.open(body.config) : null;
+      io.readOnly = body.readOnly;
+      if (old) await old.close();
+      disk.invalidate();
+      return { size: io.size() };
+    }
+    case "resize":
+      if (!io.image || io.readOnly) throw new IoRangeError("device is read-only", init.id);
+      await io.image.resize(body.size);
+      disk.invalidate();
+      return { size: io.size() };
+    case "flush":
+      await io.flush();
+      return {};
+    case "stats":
+      return { ...disk.stats, size: io.size() };
+    case "stop":
+      stopping = true;
+      if (io.image) await io.image.close();
+      io.image = null;
+      return {};
+  }
+}
+
+async function drainControl(): Promise<void> {
+  // Messages posted before the eventfd write may still be on their way to onmessage.
+  const posted = new Int32Array(init.posted);
+  while (received < Atomics.load(posted, 0)) await Bun.sleep(0);
+  while (queue.length) {
+    const { seq, body } = queue.shift()!;
+    try {
+      self.postMessage({ seq, ok: true, result: await runControl(body) });
+    } catch (e) {
+      const err = e as Error;
+      self.postMessage({ seq, ok: false, error: { name: err.name, message: err.message } });
+    }
+  }
+}
+
+self.onmessage = async (ev: MessageEvent) => {
+  const msg = ev.data;
+  if (msg.type === "init") {
+    init = msg.init as WorkerInit;
+    try {
+      const image = init.config ? await Image.open(init.config) : null;
+      io = new ImageIo(image, init.readOnly);
+      const wakeFd = eventfd(0);
+      disk = FuseDisk.mount({ path: init.path, readOnly: init.readOnly });
+      self.postMessage({ type: "ready", wakeFd, size: io.size() });
+      const wake: WakeSource = { fd: wakeFd, onWake: drainControl, stopping: () => stopping };
+      await disk.serve(io, wake);
+      disk.unmount();
+      disk.close();
+      close(wakeFd);
+      self.postMessage({ type: "exited" });
+    } catch (e) {
+      const err = e as Error;
+      self.postMessage({ type: "failed", error: { name: err.name, message: err.message } });
+    }
+    return;
+  }
+  received++;
+  queue.push(msg);
+};
+

@@ -1,0 +1,296 @@
+// FuseDisk: one device as one FUSE-mounted regular file (the mount's root *is* the file), served
+// from a DeviceIo by the raw /dev/fuse protocol. One instance per device worker thread, so the
+// thread that owns the device's image is the thread that answers its requests (as with ublk).
+
+import {
+  close,
+  mount,
+  open,
+  poll,
+  POLLIN,
+  read,
+  umount2,
+  write,
+  O_RDWR,
+  O_CLOEXEC,
+  MS_NOSUID,
+  MS_NODEV,
+  MNT_DETACH,
+  SyscallError,
+  prctl,
+  PR_SET_IO_FLUSHER,
+} from "../../../ffi/libc.ts";
+import * as F from "../../../ffi/fuse.ts";
+import type { DeviceIo, WakeSource } from "../device_io.ts";
+
+const MAX_WRITE = 1 << 20;
+const ATTR_VALID_SEC = 1;
+const SECTOR = 512;
+// Linux errno values sent back as −errno.
+const ENOENT = 2;
+const EIO = 5;
+const EPERM = 1;
+const EROFS = 30;
+const ENOSYS = 38;
+const EINVAL = 22;
+const ENOTSUP = 95;
+const FALLOC_FL_KEEP_SIZE = 0x01;
+const FALLOC_FL_PUNCH_HOLE = 0x02;
+const FALLOC_FL_ZERO_RANGE = 0x10;
+
+export interface FuseDiskOptions {
+  /** A regular file to mount over; it becomes the device. */
+  path: string;
+  readOnly: boolean;
+  /** Bypass the kernel page cache (every I/O reaches the image; no double caching). */
+  directIo?: boolean;
+}
+
+export class FuseDisk {
+  private reqBuf = new Uint8Array(MAX_WRITE + 8192);
+  private reqView = new DataView(this.reqBuf.buffer);
+  private outBuf = new Uint8Array(MAX_WRITE + F.FUSE_OUT_HEADER);
+  private outView = new DataView(this.outBuf.buffer);
+  private pollfds = new Uint8Array(16);
+  private initialized = false;
+  readonly stats = { requests: 0, reads: 0, writes: 0, fsyncs: 0, discards: 0 };
+
+  private constructor(
+    readonly fd: number,
+    readonly opts: FuseDiskOptions,
+  ) {}
+
+  /** Open /dev/fuse and mount it over opts.path. INIT is queued at once; serve() answers it. */
+  static mount(opts: FuseDiskOptions): FuseDisk {
+    const fd = open("/dev/fuse", O_RDWR | O_CLOEXEC);
+    try {
+      const data = F.mountOptions(fd, F.S_IFREG, process.getuid?.() ?? 0, process.getgid?.() ?? 0, ["allow_other", "max_read=" + MAX_WRITE]);
+      mount("agentenv", opts.path, "fuse.agentenv", MS_NOSUID | MS_NODEV, data);
+    } catch (e) {
+      close(fd);
+      throw e;
+    }
+    return new FuseDisk(fd, opts);
+  }
+
+  /** Adopt an fd of a live connection (after a blockd restart) instead of mounting. */
+  static adopt(fd: number, opts: FuseDiskOptions): FuseDisk {
+    const d = new FuseDisk(fd, opts);
+    d.initialized = true;
+    return d;
+  }
+
+  unmount(): void {
+    try {
+      umount2(this.opts.path, MNT_DETACH);
+    } catch (e) {
+      if (!(e instanceof SyscallError && (e.code === "EINVAL" || e.code === "ENOENT"))) throw e;
+    }
+  }
+
+  /** Serve requests until the mount goes away or wake.stopping(). */
+  async serve(io: DeviceIo, wake: WakeSource): Promise<void> {
+    try {
+      prctl(PR_SET_IO_FLUSHER, 1); // page reclaim may write back through us: do not recurse
+    } catch {}
+    const pv = new DataView(this.pollfds.buffer);
+    pv.setInt32(0, this.fd, true);
+    pv.setInt16(4, POLLIN, true);
+    pv.setInt32(8, wake.fd, true);
+    pv.setInt16(12, POLLIN, true);
+    const counter = new Uint8Array(8);
+    for (;;) {
+      if (wake.stopping()) return;
+      pv.setInt16(6, 0, true);
+      pv.setInt16(14, 0, true);
+      if (poll(this.pollfds, 2, -1) === 0) continue;
+      if (pv.getInt16(14, true) & POLLIN) {
+        read(wake.fd, counter);
+        await wake.onWake();
+        continue;
+      }
+      if (pv.getInt16(6, true) === 0) continue;
+      let n: number;
+      try {
+        n = read(this.fd, this.reqBuf);
+      } catch (e) {
+        const code = (e as SyscallError).code;
+        if (code === "ENOENT" || code === "EAGAIN") continue; // interrupted request
+        if (code === "ENODEV" || code === "ECONNABORTED") return; // unmounted or aborted
+        throw e;
+      }
+      if (n < F.FUSE_IN_HEADER) continue;
+      await this.handle(io);
+    }
+  }
+
+  private reply(unique: bigint, error: number, payloadLen = 0): void {
+    const len = F.FUSE_OUT_HEADER + (error ? 0 : payloadLen);
+    F.encodeOutHeader(this.outView, len, error ? -error : 0, unique);
+    try {
+      write(this.fd, this.outBuf.subarray(0, len));
+    } catch (e) {
+      if ((e as SyscallError).code !== "ENOENT") throw e; // ENOENT: the request was interrupted
+    }
+  }
+
+  private attr(io: DeviceIo): F.FuseAttr {
+    return {
+      ino: F.FUSE_ROOT_ID,
+      size: io.size(),
+      mode: F.S_IFREG | (io.readOnly ? 0o444 : 0o644),
+      nlink: 1,
+      uid: 0,
+      gid: 0,
+      blksize: 4096,
+      mtimeSec: 0,
+    };
+  }
+
+  /** Ask the kernel to drop cached attributes and pages (after the image under us changed). */
+  invalidate(): void {
+    const b = new Uint8Array(F.FUSE_OUT_HEADER + 24);
+    const dv = new DataView(b.buffer);
+    F.encodeOutHeader(dv, b.length, 2 /* FUSE_NOTIFY_INVAL_INODE */, 0n);
+    dv.setBigUint64(16, BigInt(F.FUSE_ROOT_ID), true);
+    dv.setBigInt64(24, 0n, true);
+    dv.setBigInt64(32, 0n, true); // len 0 = to the end of the file
+    try {
+      write(this.fd, b);
+    } catch (e) {
+      if ((e as SyscallError).code !== "ENOENT") throw e; // nothing cached yet
+    }
+  }
+
+  private async handle(io: DeviceIo): Promise<void> {
+    const h = F.decodeInHeader(this.reqView);
+    const dv = this.reqView;
+    const P = F.FUSE_IN_HEADER;
+    this.stats.requests++;
+    try {
+      switch (h.opcode) {
+        case F.FUSE_INIT: {
+          const init = F.decodeInitIn(dv, P);
+          if (init.major < 7) return this.reply(h.unique, 71 /* EPROTO */);
+          const want = F.FUSE_ASYNC_READ | F.FUSE_BIG_WRITES | F.FUSE_ASYNC_DIO | F.FUSE_MAX_PAGES | F.FUSE_PARALLEL_DIROPS | F.FUSE_INIT_EXT;
+          F.encodeInitOut(this.outView, F.FUSE_OUT_HEADER, {
+            major: F.FUSE_KERNEL_VERSION,
+            minor: Math.min(init.minor, F.FUSE_KERNEL_MINOR_VERSION),
+            maxReadahead: init.maxReadahead,
+            flags: want & init.flags,
+            maxBackground: 64,
+            congestionThreshold: 48,
+            maxWrite: MAX_WRITE,
+            timeGran: 1,
+            maxPages: MAX_WRITE / 4096,
+            flags2: 0,
+          });
+          this.initialized = true;
+          return this.reply(h.unique, 0, F.FUSE_INIT_OUT_SIZE);
+        }
+        case F.FUSE_GETATTR:
+          F.encodeAttrOut(this.outView, F.FUSE_OUT_HEADER, ATTR_VALID_SEC, this.attr(io));
+          return this.reply(h.unique, 0, F.FUSE_ATTR_OUT_SIZE);
+        case F.FUSE_SETATTR: {
+          const s = F.decodeSetattrIn(dv, P);
+          if (s.valid & F.FATTR_SIZE && s.size !== io.size()) return this.reply(h.unique, EPERM); // resize goes through blockd
+          F.encodeAttrOut(this.outView, F.FUSE_OUT_HEADER, ATTR_VALID_SEC, this.attr(io));
+          return this.reply(h.unique, 0, F.FUSE_ATTR_OUT_SIZE);
+        }
+        case F.FUSE_OPEN: {
+          const flags = dv.getUint32(P, true);
+          if (io.readOnly && (flags & 3) !== 0) return this.reply(h.unique, EROFS);
+          const direct = this.opts.directIo !== false;
+          F.encodeOpenOut(this.outView, F.FUSE_OUT_HEADER, 1, direct ? F.FOPEN_DIRECT_IO | F.FOPEN_PARALLEL_DIRECT_WRITES : F.FOPEN_KEEP_CACHE);
+          return this.reply(h.unique, 0, F.FUSE_OPEN_OUT_SIZE);
+        }
+        case F.FUSE_READ: {
+          const r = F.decodeRwIn(dv, P);
+          const size = io.size();
+          const len = Math.max(0, Math.min(r.size, size - r.offset, MAX_WRITE));
+          this.stats.reads++;
+          if (len > 0) await readAny(io, this.outBuf.subarray(F.FUSE_OUT_HEADER, F.FUSE_OUT_HEADER + len), r.offset);
+          return this.reply(h.unique, 0, len);
+        }
+        case F.FUSE_WRITE: {
+          const r = F.decodeRwIn(dv, P);
+          if (io.readOnly) return this.reply(h.unique, EROFS);
+          if (r.offset + r.size > io.size()) return this.reply(h.unique, 27 /* EFBIG */);
+          this.stats.writes++;
+          await writeAny(io, this.reqBuf.subarray(F.FUSE_WRITE_DATA_OFFSET, F.FUSE_WRITE_DATA_OFFSET + r.size), r.offset);
+          this.outView.setUint32(F.FUSE_OUT_HEADER, r.size, true);
+          this.outView.setUint32(F.FUSE_OUT_HEADER + 4, 0, true);
+          return this.reply(h.unique, 0, F.FUSE_WRITE_OUT_SIZE);
+        }
+        case F.FUSE_FSYNC:
+          this.stats.fsyncs++;
+          if (!io.readOnly) await io.flush();
+          return this.reply(h.unique, 0);
+        case F.FUSE_FALLOCATE: {
+          const f = F.decodeFallocateIn(dv, P);
+          if (io.readOnly) return this.reply(h.unique, EROFS);
+          const mode = f.mode & ~FALLOC_FL_KEEP_SIZE;
+          if (mode === 0) return this.reply(h.unique, f.offset + f.length <= io.size() ? 0 : EPERM); // preallocation: nothing to do
+          if (mode !== FALLOC_FL_PUNCH_HOLE && mode !== FALLOC_FL_ZERO_RANGE) return this.reply(h.unique, ENOTSUP);
+          // Both become zero segments; unaligned edges are zeroed by writing.
+          this.stats.discards++;
+          await zeroAny(io, f.offset, Math.min(f.length, io.size() - f.offset));
+          return this.reply(h.unique, 0);
+        }
+        case F.FUSE_STATFS:
+          F.encodeStatfs(this.outView, F.FUSE_OUT_HEADER, Math.ceil(io.size() / 4096), 4096);
+          return this.reply(h.unique, 0, F.FUSE_KSTATFS_SIZE);
+        case F.FUSE_FLUSH:
+        case F.FUSE_RELEASE:
+        case F.FUSE_ACCESS:
+          return this.reply(h.unique, 0);
+        case F.FUSE_FORGET:
+        case F.FUSE_BATCH_FORGET:
+        case F.FUSE_INTERRUPT:
+          return; // no reply expected
+        case F.FUSE_LOOKUP:
+          return this.reply(h.unique, ENOENT); // the root is the only node
+        default:
+          return this.reply(h.unique, ENOSYS);
+      }
+    } catch (e) {
+      // A failed image I/O is the guest's EIO, never a dead server.
+      console.error(`fuse ${this.opts.path}: opcode ${h.opcode}: ${(e as Error).message}`);
+      return this.reply(h.unique, (e as { errno?: number }).errno === EINVAL ? EINVAL : EIO);
+    }
+  }
+
+  close(): void {
+    close(this.fd);
+  }
+}
+
+// FUSE passes byte ranges; the image works in sectors. Unaligned edges go through a bounce sector.
+async function readAny(io: DeviceIo, buf: Uint8Array, offset: number): Promise<void> {
+  if (offset % SECTOR === 0 && buf.length % SECTOR === 0) return io.read(buf, offset);
+  const b = Math.floor(offset / SECTOR) * SECTOR;
+  const e = Math.ceil((offset + buf.length) / SECTOR) * SECTOR;
+  const tmp = new Uint8Array(e - b);
+  await io.read(tmp, b);
+  buf.set(tmp.subarray(offset - b, offset - b + buf.length));
+}
+
+async function writeAny(io: DeviceIo, data: Uint8Array, offset: number): Promise<void> {
+  if (offset % SECTOR === 0 && data.length % SECTOR === 0) return io.write(data, offset);
+  const b = Math.floor(offset / SECTOR) * SECTOR;
+  const e = Math.ceil((offset + data.length) / SECTOR) * SECTOR;
+  const tmp = new Uint8Array(e - b);
+  await io.read(tmp, b); // read-modify-write of the partial sectors
+  tmp.set(data, offset - b);
+  await io.write(tmp, b);
+}
+
+async function zeroAny(io: DeviceIo, offset: number, length: number): Promise<void> {
+  if (length <= 0) return;
+  const b = Math.ceil(offset / SECTOR) * SECTOR;
+  const e = Math.floor((offset + length) / SECTOR) * SECTOR;
+  if (e <= b) return writeAny(io, new Uint8Array(length), offset);
+  if (b > offset) await writeAny(io, new Uint8Array(b - offset), offset);
+  await io.discard(b, e - b);
+  if (offset + length > e) await writeAny(io, new Uint8Array(offset + length - e), e);
+}
