@@ -6,10 +6,11 @@ import { afterAll } from "bun:test";
 
 const ROOT = "/var/tmp/aenv-test";
 
-export function scratchDir(label: string): string {
+/** A fresh directory removed after the test file (or, with keep, left to the caller). */
+export function scratchDir(label: string, opts: { keep?: boolean } = {}): string {
   mkdirSync(ROOT, { recursive: true });
   const dir = mkdtempSync(join(ROOT, `${label}-`));
-  afterAll(() => rmSync(dir, { recursive: true, force: true }));
+  if (!opts.keep) afterAll(() => rmSync(dir, { recursive: true, force: true }));
   return dir;
 }
 

@@ -1,0 +1,178 @@
+// blockd on the FUSE frontend, for real: loop devices, ext4, restack under a mounted filesystem,
+// shared read-only devices, the warm pool, and bad input that must not disturb other devices.
+import { describe, expect, test } from "bun:test";
+import { mkdirSync, readFileSync, writeFileSync, openSync, readSync, closeSync } from "node:fs";
+import { join } from "node:path";
+import { WritableLayer } from "../../src/storage/lsmt/writable_layer.ts";
+import { sha256 } from "../helpers/tmp.ts";
+import { haveFuse, haveLoop, sh, startBlockd } from "./harness.ts";
+import { encodeFrame } from "../../src/blockdev/protocol.ts";
+
+const canRun = haveFuse && haveLoop;
+if (!canRun) console.log("blockd tests skipped: they need root, /dev/fuse and /dev/loop-control");
+
+/** A sealed layer holding `fill` bytes at `at`. */
+async function makeLayer(path: string, size: number, at: number, fill: Uint8Array): Promise<string> {
+  const l = await WritableLayer.create(`${path}.tmp.data`, `${path}.tmp.index`, { virtualSize: size });
+  await l.write(fill, at);
+  await l.seal();
+  await l.close();
+  const { renameSync, rmSync } = await import("node:fs");
+  renameSync(`${path}.tmp.data`, path);
+  rmSync(`${path}.tmp.index`);
+  return path;
+}
+
+function readAll(path: string, length: number): Uint8Array {
+  const fd = openSync(path, "r");
+  const b = new Uint8Array(length);
+  let done = 0;
+  while (done < length) {
+    const n = readSync(fd, b, done, length - done, done);
+    if (n <= 0) break;
+    done += n;
+  }
+  closeSync(fd);
+  return b;
+}
+
+describe.skipIf(!canRun)("blockd (FUSE frontend)", async () => {
+  const { dir, client } = await startBlockd("blockd", { pool: 1 });
+  const SIZE = 64 << 20;
+
+  test("ext4 on a 3-layer stack: restack while mounted, then reopen the stack and verify every file", async () => {
+    const lowers: string[] = [];
+    for (let i = 0; i < 3; i++) lowers.push(await makeLayer(join(dir, `base-${i}.sealed`), SIZE, i * 4096, new Uint8Array(4096).fill(i + 1)));
+    const dev = await client.call("create", { lowers, upperDir: join(dir, "up"), size: SIZE, loop: true });
+    expect(dev.loop).toMatch(/^\/dev\/loop\d+$/);
+    sh(["mkfs.ext4", "-F", "-q", dev.loop]);
+    const mnt = join(dir, "mnt");
+    mkdirSync(mnt, { recursive: true });
+    sh(["mount", dev.loop, mnt]);
+    const files = new Map<string, string>();
+    const put = (name: string, bytes: number) => {
+      const b = new Uint8Array(bytes);
+      crypto.getRandomValues(b.subarray(0, Math.min(bytes, 65536)));
+      writeFileSync(join(mnt, name), b);
+      files.set(name, sha256(b));
+    };
+    try {
+      for (let i = 0; i < 5; i++) put(`before-${i}`, 100_000 + i * 7777);
+      sh(["sync", "-f", mnt]);
+      const r1 = await client.call("restack", { id: dev.id, layerPath: join(dir, "snap-1.sealed") });
+      expect(r1.config.lowers.length).toBe(4);
+      for (let i = 0; i < 5; i++) put(`after-${i}`, 200_000 + i * 3333);
+      sh(["sync", "-f", mnt]);
+    } finally {
+      sh(["umount", mnt]);
+    }
+    const r2 = await client.call("restack", { id: dev.id, layerPath: join(dir, "snap-2.sealed") });
+    expect(r2.config.lowers.map((l: { file: string }) => l.file)).toEqual([...lowers, join(dir, "snap-1.sealed"), join(dir, "snap-2.sealed")]);
+    await client.call("delete", { id: dev.id });
+
+    const ro = await client.call("createReadOnly", { lowers: r2.config.lowers, loop: true });
+    sh(["mount", "-o", "ro,noload", ro.loop, mnt]);
+    try {
+      for (const [name, sum] of files) expect(sha256(readFileSync(join(mnt, name)))).toBe(sum);
+    } finally {
+      sh(["umount", mnt]);
+    }
+    await client.call("delete", { id: ro.id });
+  }, 120_000);
+
+  test("two read-only devices for one image share one instance; the last release frees it", async () => {
+    const layer = await makeLayer(join(dir, "shared.sealed"), 1 << 20, 0, new Uint8Array(8192).fill(0x5a));
+    const a = await client.call("createReadOnly", { lowers: [layer] });
+    const b = await client.call("createReadOnly", { lowers: [{ file: layer }] });
+    expect(b.id).toBe(a.id);
+    expect(b.refs).toBe(2);
+    expect(readAll(a.path, 8192).every((x) => x === 0x5a)).toBe(true);
+    expect((await client.call("delete", { id: a.id })).freed).toBe(false);
+    expect((await client.call("list")).some((d: { id: string }) => d.id === a.id)).toBe(true);
+    expect((await client.call("delete", { id: a.id })).freed).toBe(true);
+    expect((await client.call("list")).some((d: { id: string }) => d.id === a.id)).toBe(false);
+  });
+
+  test("warm pool: acquire swaps the image under a live device and a reader sees it", async () => {
+    const l1 = await makeLayer(join(dir, "pool-a.sealed"), 1 << 20, 0, new Uint8Array(4096).fill(0xa1));
+    const l2 = await makeLayer(join(dir, "pool-b.sealed"), 2 << 20, 0, new Uint8Array(4096).fill(0xb2));
+    const pooled = (await client.call("list")).filter((d: { kind: string }) => d.kind === "pool");
+    expect(pooled.length).toBeGreaterThanOrEqual(1);
+    const d1 = await client.call("acquire", { lowers: [l1] });
+    expect(pooled.map((d: { id: string }) => d.id)).toContain(d1.id); // a ready device, not a new one
+    expect(d1.size).toBe(1 << 20);
+    // Keep one fd open across the swap: the same live file shows the new image.
+    const fd = openSync(d1.path, "r");
+    const b = new Uint8Array(4096);
+    readSync(fd, b, 0, 4096, 0);
+    expect(b[0]).toBe(0xa1);
+    await client.call("release", { id: d1.id });
+    const d2 = await client.call("acquire", { lowers: [l2] });
+    if (d2.id === d1.id) {
+      readSync(fd, b, 0, 4096, 0);
+      expect(b[0]).toBe(0xb2);
+    } else expect(readAll(d2.path, 4096)[0]).toBe(0xb2);
+    closeSync(fd);
+    await client.call("release", { id: d2.id });
+    // Writable acquire: a fresh upper over the layer.
+    const d3 = await client.call("acquire", { lowers: [l1], upperDir: join(dir, "pool-up"), size: 1 << 20 });
+    expect(readAll(d3.path, 4096)[0]).toBe(0xa1);
+    await client.call("release", { id: d3.id });
+  });
+
+  test("bad input gets a typed error and blockd keeps serving other devices", async () => {
+    const keep = await client.call("create", { upperDir: join(dir, "keep"), size: 1 << 20 });
+    const expectError = async (method: string, params: Record<string, unknown>, code: string) => {
+      let err: Error | undefined;
+      try {
+        await client.call(method, params);
+      } catch (e) {
+        err = e as Error;
+      }
+      expect(err?.name).toBe(code);
+    };
+    await expectError("frobnicate", {}, "UnknownMethod");
+    await expectError("create", { upperDir: join(dir, "x"), size: 1000 }, "BadRequest");
+    await expectError("create", { lowers: [join(dir, "missing.sealed")], upperDir: join(dir, "y"), size: 1 << 20 }, "ConfigError");
+    await expectError("create", { lowers: "nope", upperDir: join(dir, "z"), size: 1 << 20 }, "BadRequest");
+    await expectError("create", { upperDir: join(dir, "keep"), size: 1 << 20 }, "Exists");
+    await expectError("createReadOnly", { lowers: [{ file: join(dir, "keep", "writable_index") }] }, "DeviceFailed");
+    await expectError("delete", { id: "no-such" }, "NotFound");
+    await expectError("resize", { id: keep.id, size: 12345 }, "BadRequest");
+    await expectError("restack", { id: keep.id }, "BadRequest");
+    // Resize below what is in use.
+    const fd = openSync(keep.path, "r+");
+    const { writeSync, fsyncSync } = await import("node:fs");
+    writeSync(fd, new Uint8Array(4096).fill(1), 0, 4096, 512 * 1024);
+    fsyncSync(fd);
+    closeSync(fd);
+    await expectError("resize", { id: keep.id, size: 256 * 1024 }, "IoRangeError");
+    expect((await client.call("resize", { id: keep.id, size: 2 << 20 })).size).toBe(2 << 20);
+    // A second operation on a busy device.
+    const both = await Promise.allSettled([
+      client.call("restack", { id: keep.id, layerPath: join(dir, "k1.sealed") }),
+      client.call("restack", { id: keep.id, layerPath: join(dir, "k2.sealed") }),
+    ]);
+    expect(both.filter((r) => r.status === "rejected").map((r) => (r as PromiseRejectedResult).reason.name)).toEqual(["Busy"]);
+    // Wrong version and malformed frames on a raw connection.
+    const { BlockdClient } = await import("../../src/blockdev/client.ts");
+    const raw = await BlockdClient.connect(join(dir, "state", "blockd.sock"));
+    const got: string[] = [];
+    const replies = new Promise<void>((resolve) => {
+      (raw as unknown as { onData: (c: Uint8Array) => void }).onData = (c: Uint8Array) => {
+        got.push(new TextDecoder().decode(c.subarray(4)));
+        if (got.length === 2) resolve();
+      };
+    });
+    raw.sendRaw(encodeFrame({ v: 99, id: 7, method: "hello" }));
+    raw.sendRaw(encodeFrame("not json object"));
+    await replies;
+    expect(got.join()).toContain("VersionMismatch");
+    expect(got.join()).toContain("BadRequest");
+    raw.close();
+    // The other device still serves.
+    expect(readAll(keep.path, 4096).length).toBe(4096);
+    expect((await client.call("hello")).version).toBe(1);
+    await client.call("delete", { id: keep.id });
+  });
+});

@@ -1,0 +1,46 @@
+// A real blockd for a test: its own state dir, started through the client as the node does,
+// shut down (devices flushed, mounts and loops gone) when the test file ends.
+import { afterAll } from "bun:test";
+import { existsSync, readFileSync, rmSync } from "node:fs";
+import { join } from "node:path";
+import { BlockdClient } from "../../src/blockdev/client.ts";
+import { scratchDir } from "../helpers/tmp.ts";
+
+export const haveFuse = existsSync("/dev/fuse") && process.getuid?.() === 0;
+export const haveLoop = existsSync("/dev/loop-control");
+
+export async function startBlockd(label: string, opts: { pool?: number } = {}) {
+  const dir = scratchDir(label, { keep: true }); // removed below, after the mounts are gone
+  const state = join(dir, "state");
+  const { mkdirSync } = await import("node:fs");
+  mkdirSync(state, { recursive: true });
+  const client = await BlockdClient.ensure(state, opts);
+  afterAll(async () => {
+    try {
+      const c = await BlockdClient.connect(join(state, "blockd.sock"));
+      await c.call("shutdown");
+      await Bun.sleep(300);
+    } catch {}
+    const pidFile = join(state, "blockd.pid");
+    if (existsSync(pidFile)) {
+      try {
+        process.kill(Number(readFileSync(pidFile, "utf8")), "SIGKILL");
+      } catch {}
+    }
+    // Nothing of this blockd may outlive it: no mount under its state dir, no loop on its files.
+    const leaked = readFileSync("/proc/mounts", "utf8").split("\n").filter((l) => l.includes(state));
+    rmSync(dir, { recursive: true, force: true });
+    if (leaked.length) throw new Error(`blockd left mounts behind: ${leaked.join("; ")}`);
+  });
+  return { dir, state, client };
+}
+
+export function sh(cmd: string[], input?: Uint8Array): string {
+  const r = Bun.spawnSync(cmd, { stdin: input ?? "ignore", stdout: "pipe", stderr: "pipe" });
+  if (r.exitCode !== 0) throw new Error(`${cmd.join(" ")} → ${r.exitCode}: ${r.stderr.toString()}`);
+  return r.stdout.toString();
+}
+
+export function blockdPid(state: string): number {
+  return Number(readFileSync(join(state, "blockd.pid"), "utf8"));
+}
