@@ -13,6 +13,7 @@ import {
   write,
   O_RDWR,
   O_CLOEXEC,
+  O_NONBLOCK,
   MS_NOSUID,
   MS_NODEV,
   MNT_DETACH,
@@ -23,7 +24,10 @@ import {
 import * as F from "../../../ffi/fuse.ts";
 import type { DeviceIo, WakeSource } from "../device_io.ts";
 
-const MAX_WRITE = 1 << 20;
+/** Loop splits requests at ~520 KiB anyway; 512 KiB keeps per-slot buffers modest. */
+const MAX_WRITE = 512 << 10;
+/** Requests taken from the kernel per wakeup and served concurrently (their I/O batches). */
+const MAX_SLOTS = 8;
 const ATTR_VALID_SEC = 1;
 const SECTOR = 512;
 // Linux errno values sent back as −errno.
@@ -46,11 +50,16 @@ export interface FuseDiskOptions {
   directIo?: boolean;
 }
 
+/** Buffers for one request in flight: the request as read, and its reply. */
+class Slot {
+  readonly req = new Uint8Array(MAX_WRITE + 8192);
+  readonly reqView = new DataView(this.req.buffer);
+  readonly out = new Uint8Array(MAX_WRITE + F.FUSE_OUT_HEADER);
+  readonly outView = new DataView(this.out.buffer);
+}
+
 export class FuseDisk {
-  private reqBuf = new Uint8Array(MAX_WRITE + 8192);
-  private reqView = new DataView(this.reqBuf.buffer);
-  private outBuf = new Uint8Array(MAX_WRITE + F.FUSE_OUT_HEADER);
-  private outView = new DataView(this.outBuf.buffer);
+  private slots: Slot[] = []; // grown on demand: an idle device keeps one
   private pollfds = new Uint8Array(16);
   private initialized = false;
   readonly stats = { requests: 0, reads: 0, writes: 0, fsyncs: 0, discards: 0 };
@@ -62,7 +71,8 @@ export class FuseDisk {
 
   /** Open /dev/fuse and mount it over opts.path. INIT is queued at once; serve() answers it. */
   static mount(opts: FuseDiskOptions): FuseDisk {
-    const fd = open("/dev/fuse", O_RDWR | O_CLOEXEC);
+    // Non-blocking: after poll says readable, we take every queued request (up to MAX_SLOTS).
+    const fd = open("/dev/fuse", O_RDWR | O_CLOEXEC | O_NONBLOCK);
     try {
       const data = F.mountOptions(fd, F.S_IFREG, process.getuid?.() ?? 0, process.getgid?.() ?? 0, ["allow_other", "max_read=" + MAX_WRITE]);
       mount("agentenv", opts.path, "fuse.agentenv", MS_NOSUID | MS_NODEV, data);
@@ -110,25 +120,31 @@ export class FuseDisk {
         continue;
       }
       if (pv.getInt16(6, true) === 0) continue;
-      let n: number;
-      try {
-        n = read(this.fd, this.reqBuf);
-      } catch (e) {
-        const code = (e as SyscallError).code;
-        if (code === "ENOENT" || code === "EAGAIN") continue; // interrupted request
-        if (code === "ENODEV" || code === "ECONNABORTED") return; // unmounted or aborted
-        throw e;
+      let taken = 0;
+      while (taken < MAX_SLOTS) {
+        const slot = (this.slots[taken] ??= new Slot());
+        let n: number;
+        try {
+          n = read(this.fd, slot.req);
+        } catch (e) {
+          const code = (e as SyscallError).code;
+          if (code === "EAGAIN") break; // queue drained
+          if (code === "ENOENT" || code === "EINTR") continue; // interrupted request
+          if (code === "ENODEV" || code === "ECONNABORTED") return; // unmounted or aborted
+          throw e;
+        }
+        if (n >= F.FUSE_IN_HEADER) taken++;
       }
-      if (n < F.FUSE_IN_HEADER) continue;
-      await this.handle(io);
+      if (taken === 1) await this.handle(io, this.slots[0]!);
+      else if (taken > 1) await Promise.all(this.slots.slice(0, taken).map((s) => this.handle(io, s)));
     }
   }
 
-  private reply(unique: bigint, error: number, payloadLen = 0): void {
+  private reply(slot: Slot, unique: bigint, error: number, payloadLen = 0): void {
     const len = F.FUSE_OUT_HEADER + (error ? 0 : payloadLen);
-    F.encodeOutHeader(this.outView, len, error ? -error : 0, unique);
+    F.encodeOutHeader(slot.outView, len, error ? -error : 0, unique);
     try {
-      write(this.fd, this.outBuf.subarray(0, len));
+      write(this.fd, slot.out.subarray(0, len));
     } catch (e) {
       if ((e as SyscallError).code !== "ENOENT") throw e; // ENOENT: the request was interrupted
     }
@@ -162,18 +178,19 @@ export class FuseDisk {
     }
   }
 
-  private async handle(io: DeviceIo): Promise<void> {
-    const h = F.decodeInHeader(this.reqView);
-    const dv = this.reqView;
+  private async handle(io: DeviceIo, slot: Slot): Promise<void> {
+    const h = F.decodeInHeader(slot.reqView);
+    const dv = slot.reqView;
+    const out = slot.outView;
     const P = F.FUSE_IN_HEADER;
     this.stats.requests++;
     try {
       switch (h.opcode) {
         case F.FUSE_INIT: {
           const init = F.decodeInitIn(dv, P);
-          if (init.major < 7) return this.reply(h.unique, 71 /* EPROTO */);
+          if (init.major < 7) return this.reply(slot, h.unique, 71 /* EPROTO */);
           const want = F.FUSE_ASYNC_READ | F.FUSE_BIG_WRITES | F.FUSE_ASYNC_DIO | F.FUSE_MAX_PAGES | F.FUSE_PARALLEL_DIROPS | F.FUSE_INIT_EXT;
-          F.encodeInitOut(this.outView, F.FUSE_OUT_HEADER, {
+          F.encodeInitOut(out, F.FUSE_OUT_HEADER, {
             major: F.FUSE_KERNEL_VERSION,
             minor: Math.min(init.minor, F.FUSE_KERNEL_MINOR_VERSION),
             maxReadahead: init.maxReadahead,
@@ -186,77 +203,77 @@ export class FuseDisk {
             flags2: 0,
           });
           this.initialized = true;
-          return this.reply(h.unique, 0, F.FUSE_INIT_OUT_SIZE);
+          return this.reply(slot, h.unique, 0, F.FUSE_INIT_OUT_SIZE);
         }
         case F.FUSE_GETATTR:
-          F.encodeAttrOut(this.outView, F.FUSE_OUT_HEADER, ATTR_VALID_SEC, this.attr(io));
-          return this.reply(h.unique, 0, F.FUSE_ATTR_OUT_SIZE);
+          F.encodeAttrOut(out, F.FUSE_OUT_HEADER, ATTR_VALID_SEC, this.attr(io));
+          return this.reply(slot, h.unique, 0, F.FUSE_ATTR_OUT_SIZE);
         case F.FUSE_SETATTR: {
           const s = F.decodeSetattrIn(dv, P);
-          if (s.valid & F.FATTR_SIZE && s.size !== io.size()) return this.reply(h.unique, EPERM); // resize goes through blockd
-          F.encodeAttrOut(this.outView, F.FUSE_OUT_HEADER, ATTR_VALID_SEC, this.attr(io));
-          return this.reply(h.unique, 0, F.FUSE_ATTR_OUT_SIZE);
+          if (s.valid & F.FATTR_SIZE && s.size !== io.size()) return this.reply(slot, h.unique, EPERM); // resize goes through blockd
+          F.encodeAttrOut(out, F.FUSE_OUT_HEADER, ATTR_VALID_SEC, this.attr(io));
+          return this.reply(slot, h.unique, 0, F.FUSE_ATTR_OUT_SIZE);
         }
         case F.FUSE_OPEN: {
           const flags = dv.getUint32(P, true);
-          if (io.readOnly && (flags & 3) !== 0) return this.reply(h.unique, EROFS);
+          if (io.readOnly && (flags & 3) !== 0) return this.reply(slot, h.unique, EROFS);
           const direct = this.opts.directIo !== false;
-          F.encodeOpenOut(this.outView, F.FUSE_OUT_HEADER, 1, direct ? F.FOPEN_DIRECT_IO | F.FOPEN_PARALLEL_DIRECT_WRITES : F.FOPEN_KEEP_CACHE);
-          return this.reply(h.unique, 0, F.FUSE_OPEN_OUT_SIZE);
+          F.encodeOpenOut(out, F.FUSE_OUT_HEADER, 1, direct ? F.FOPEN_DIRECT_IO | F.FOPEN_PARALLEL_DIRECT_WRITES : F.FOPEN_KEEP_CACHE);
+          return this.reply(slot, h.unique, 0, F.FUSE_OPEN_OUT_SIZE);
         }
         case F.FUSE_READ: {
           const r = F.decodeRwIn(dv, P);
           const size = io.size();
           const len = Math.max(0, Math.min(r.size, size - r.offset, MAX_WRITE));
           this.stats.reads++;
-          if (len > 0) await readAny(io, this.outBuf.subarray(F.FUSE_OUT_HEADER, F.FUSE_OUT_HEADER + len), r.offset);
-          return this.reply(h.unique, 0, len);
+          if (len > 0) await readAny(io, slot.out.subarray(F.FUSE_OUT_HEADER, F.FUSE_OUT_HEADER + len), r.offset);
+          return this.reply(slot, h.unique, 0, len);
         }
         case F.FUSE_WRITE: {
           const r = F.decodeRwIn(dv, P);
-          if (io.readOnly) return this.reply(h.unique, EROFS);
-          if (r.offset + r.size > io.size()) return this.reply(h.unique, 27 /* EFBIG */);
+          if (io.readOnly) return this.reply(slot, h.unique, EROFS);
+          if (r.offset + r.size > io.size()) return this.reply(slot, h.unique, 27 /* EFBIG */);
           this.stats.writes++;
-          await writeAny(io, this.reqBuf.subarray(F.FUSE_WRITE_DATA_OFFSET, F.FUSE_WRITE_DATA_OFFSET + r.size), r.offset);
-          this.outView.setUint32(F.FUSE_OUT_HEADER, r.size, true);
-          this.outView.setUint32(F.FUSE_OUT_HEADER + 4, 0, true);
-          return this.reply(h.unique, 0, F.FUSE_WRITE_OUT_SIZE);
+          await writeAny(io, slot.req.subarray(F.FUSE_WRITE_DATA_OFFSET, F.FUSE_WRITE_DATA_OFFSET + r.size), r.offset);
+          out.setUint32(F.FUSE_OUT_HEADER, r.size, true);
+          out.setUint32(F.FUSE_OUT_HEADER + 4, 0, true);
+          return this.reply(slot, h.unique, 0, F.FUSE_WRITE_OUT_SIZE);
         }
         case F.FUSE_FSYNC:
           this.stats.fsyncs++;
           if (!io.readOnly) await io.flush();
-          return this.reply(h.unique, 0);
+          return this.reply(slot, h.unique, 0);
         case F.FUSE_FALLOCATE: {
           const f = F.decodeFallocateIn(dv, P);
-          if (io.readOnly) return this.reply(h.unique, EROFS);
+          if (io.readOnly) return this.reply(slot, h.unique, EROFS);
           const mode = f.mode & ~FALLOC_FL_KEEP_SIZE;
-          if (mode === 0) return this.reply(h.unique, f.offset + f.length <= io.size() ? 0 : EPERM); // preallocation: nothing to do
-          if (mode !== FALLOC_FL_PUNCH_HOLE && mode !== FALLOC_FL_ZERO_RANGE) return this.reply(h.unique, ENOTSUP);
+          if (mode === 0) return this.reply(slot, h.unique, f.offset + f.length <= io.size() ? 0 : EPERM); // preallocation: nothing to do
+          if (mode !== FALLOC_FL_PUNCH_HOLE && mode !== FALLOC_FL_ZERO_RANGE) return this.reply(slot, h.unique, ENOTSUP);
           // Both become zero segments; unaligned edges are zeroed by writing.
           this.stats.discards++;
           await zeroAny(io, f.offset, Math.min(f.length, io.size() - f.offset));
-          return this.reply(h.unique, 0);
+          return this.reply(slot, h.unique, 0);
         }
         case F.FUSE_STATFS:
-          F.encodeStatfs(this.outView, F.FUSE_OUT_HEADER, Math.ceil(io.size() / 4096), 4096);
-          return this.reply(h.unique, 0, F.FUSE_KSTATFS_SIZE);
+          F.encodeStatfs(out, F.FUSE_OUT_HEADER, Math.ceil(io.size() / 4096), 4096);
+          return this.reply(slot, h.unique, 0, F.FUSE_KSTATFS_SIZE);
         case F.FUSE_FLUSH:
         case F.FUSE_RELEASE:
         case F.FUSE_ACCESS:
-          return this.reply(h.unique, 0);
+          return this.reply(slot, h.unique, 0);
         case F.FUSE_FORGET:
         case F.FUSE_BATCH_FORGET:
         case F.FUSE_INTERRUPT:
           return; // no reply expected
         case F.FUSE_LOOKUP:
-          return this.reply(h.unique, ENOENT); // the root is the only node
+          return this.reply(slot, h.unique, ENOENT); // the root is the only node
         default:
-          return this.reply(h.unique, ENOSYS);
+          return this.reply(slot, h.unique, ENOSYS);
       }
     } catch (e) {
       // A failed image I/O is the guest's EIO, never a dead server.
       console.error(`fuse ${this.opts.path}: opcode ${h.opcode}: ${(e as Error).message}`);
-      return this.reply(h.unique, (e as { errno?: number }).errno === EINVAL ? EINVAL : EIO);
+      return this.reply(slot, h.unique, (e as { errno?: number }).errno === EINVAL ? EINVAL : EIO);
     }
   }
 

@@ -60,6 +60,12 @@ export class WritableLayer {
   private idle: (() => void)[] = [];
   private sealed = false;
   private appends: Promise<void>[] = [];
+  /**
+   * Data appends go through an O_DIRECT fd: a log-structured upper only grows, so caching what
+   * the guest writes (it has its own cache) only fills host memory and throttles on writeback.
+   * Reads and everything else use the buffered fd; the kernel keeps the two coherent.
+   */
+  private appender: WritableFile | undefined;
   private failure: unknown = undefined; // first failed background append, reported by flush
 
   private constructor(
@@ -226,11 +232,19 @@ export class WritableLayer {
           pos = this.dataEnd; // reserved now, so concurrent writes never share space
           this.dataEnd += chunk.length;
         }
-        jobs.push(this.data.pwrite(chunk, pos).then(() => this.map(seg(voff / SECTOR, chunk.length / SECTOR, pos / SECTOR))));
+        jobs.push((this.appender ??= this.openAppender()).pwrite(chunk, pos).then(() => this.map(seg(voff / SECTOR, chunk.length / SECTOR, pos / SECTOR))));
       }
       await Promise.all(jobs);
     } finally {
       this.end();
+    }
+  }
+
+  private openAppender(): WritableFile {
+    try {
+      return LocalFile.open(this.dataPath, { write: true, direct: true });
+    } catch {
+      return this.data; // O_DIRECT refused (tmpfs, some FUSE): buffered appends
     }
   }
 
@@ -321,6 +335,7 @@ export class WritableLayer {
   async close(): Promise<void> {
     await this.drain();
     if (!this.sealed) await this.flush();
+    if (this.appender && this.appender !== this.data) await this.appender.close();
     await this.data.close();
     await this.indexFile?.close();
   }
