@@ -7,6 +7,7 @@ import { ReadOnlyLayer } from "../../src/storage/lsmt/readonly_layer.ts";
 import { Image } from "../../src/storage/image.ts";
 import { LocalFile } from "../../src/storage/local_file.ts";
 import { openLayerFile } from "../../src/storage/open_layer.ts";
+import { writeZFile } from "../../src/storage/zfile.ts";
 import { FormatError, TruncatedError, IoRangeError } from "../../src/storage/errors.ts";
 import { scratchDir, sha256 } from "../helpers/tmp.ts";
 
@@ -72,6 +73,21 @@ describe("scenario A (§11.2)", () => {
     want.fill(0xbb, 16 * 512, 18 * 512);
     expect(sha256(got)).toBe(sha256(want));
     await img.close();
+  });
+
+  test("scenario C (§11.4): commit -z of scenario A with LZ4, byte for byte", async () => {
+    const src = await LocalFile.open(join(dir, "commit.out"), {});
+    const out = join(dir, "commit.lz4.zfile");
+    const dst = await LocalFile.open(out, { write: true, create: true });
+    await writeZFile(src, dst, { algorithm: "lz4", headerOverwrite: true });
+    await src.close();
+    await dst.close();
+    const b = readFileSync(out);
+    expect(b.length).toBe(1477);
+    expect(sha256(b)).toBe("ad0ba65ef0364c7bb71e32bb66623a0fbdd07e320a063181e9a956ec9028c026");
+    const ro = await openLayerFile(out);
+    expect(ro.index.length).toBe(3);
+    await ro.close();
   });
 
   test("empty committed layer is 8192 bytes (§11.5)", async () => {
