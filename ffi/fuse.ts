@@ -2,8 +2,8 @@
 // structs a block-image server needs, as offsets into DataViews. No libfuse.
 
 export const FUSE_KERNEL_VERSION = 7;
-/** The minor we speak: ≥ 36 so flags2 (INIT_EXT) works. */
-export const FUSE_KERNEL_MINOR_VERSION = 38;
+/** The minor we speak: ≥ 36 so flags2 (INIT_EXT) works, ≥ 40 for NOTIFY_RESEND. */
+export const FUSE_KERNEL_MINOR_VERSION = 40;
 export const FUSE_ROOT_ID = 1;
 
 export const FUSE_LOOKUP = 1;
@@ -40,7 +40,7 @@ export const FUSE_WRITEBACK_CACHE = 1 << 16;
 export const FUSE_PARALLEL_DIROPS = 1 << 18;
 export const FUSE_MAX_PAGES = 1 << 22;
 export const FUSE_INIT_EXT = 1 << 30;
-export const FUSE2_HAS_RESEND = 1 << (39 - 32);
+export const FUSE2_HAS_RESEND = 1 << (39 - 32); // flags2 bit 7
 
 export const FOPEN_DIRECT_IO = 1;
 export const FOPEN_KEEP_CACHE = 2;
@@ -48,7 +48,8 @@ export const FOPEN_PARALLEL_DIRECT_WRITES = 64;
 
 export const FATTR_SIZE = 8;
 
-export const FUSE_NOTIFY_RESEND = 9;
+export const FUSE_NOTIFY_INVAL_INODE = 2;
+export const FUSE_NOTIFY_RESEND = 7;
 export const FUSE_UNIQUE_RESEND = 1n << 63n;
 
 export const FUSE_DEV_IOC_CLONE = 0x8004e500;

@@ -252,6 +252,8 @@ export const SYS_memfd_create = 319;
 export const SYS_io_uring_setup = 425;
 export const SYS_io_uring_enter = 426;
 export const SYS_io_uring_register = 427;
+export const SYS_pidfd_open = 434;
+export const SYS_pidfd_getfd = 438;
 
 const SYSCALL_NAMES: Record<number, string> = {
   [SYS_prctl]: "prctl",
@@ -261,6 +263,8 @@ const SYSCALL_NAMES: Record<number, string> = {
   [SYS_eventfd2]: "eventfd2",
   [SYS_epoll_create1]: "epoll_create1",
   [SYS_memfd_create]: "memfd_create",
+  [SYS_pidfd_open]: "pidfd_open",
+  [SYS_pidfd_getfd]: "pidfd_getfd",
   [SYS_io_uring_setup]: "io_uring_setup",
   [SYS_io_uring_enter]: "io_uring_enter",
   [SYS_io_uring_register]: "io_uring_register",
@@ -435,6 +439,19 @@ export function syscall(nr: number, a1: Arg = 0, a2: Arg = 0, a3: Arg = 0, a4: A
   const r = Number(libc.syscall(nr, a1, a2, a3, a4, a5, a6));
   if (r === -1) throw new SyscallError(SYSCALL_NAMES[nr] ?? `syscall(${nr})`, errno());
   return r;
+}
+
+/**
+ * A copy, in this process, of another process's fd (pidfd_open + pidfd_getfd, Linux 5.6+): the
+ * same open file description, so a FUSE connection parked elsewhere survives our restart.
+ */
+export function takeFdFrom(pid: number, fd: number): number {
+  const pidfd = syscall(SYS_pidfd_open, pid, 0);
+  try {
+    return syscall(SYS_pidfd_getfd, pidfd, fd, 0); // the new fd has FD_CLOEXEC set
+  } finally {
+    close(pidfd);
+  }
 }
 
 export function mount(source: string | null, target: string, fstype: string | null, flags: number, data: string | null): void {

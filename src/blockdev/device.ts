@@ -13,6 +13,8 @@ export class DeviceHandle {
   private waiting = new Map<number, { resolve: (v: any) => void; reject: (e: Error) => void }>();
   private posted = new SharedArrayBuffer(4);
   private wakeFd = -1;
+  /** The device's /dev/fuse fd (process-wide), for the fd keeper. */
+  fuseFd = -1;
   private exited: Promise<void>;
   private markExited!: () => void;
   size = 0;
@@ -30,6 +32,7 @@ export class DeviceHandle {
         const m = ev.data;
         if (m.type === "ready") {
           h.wakeFd = m.wakeFd;
+          h.fuseFd = m.fuseFd;
           h.size = m.size;
           resolve();
         } else if (m.type === "failed") {

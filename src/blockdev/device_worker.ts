@@ -19,6 +19,8 @@ export interface WorkerInit {
   config: ImageConfig | null; // null: an empty pool device, size 0 until acquired
   /** SharedArrayBuffer Int32[1]: how many control messages main has posted. */
   posted: SharedArrayBuffer;
+  /** A live FUSE connection to serve (taken back from the fd keeper) instead of mounting anew. */
+  adoptFd?: number;
 }
 
 export type ControlOp =
@@ -118,8 +120,12 @@ self.onmessage = async (ev: MessageEvent) => {
       const image = init.config ? await Image.open(init.config) : null;
       io = new ImageIo(image, init.readOnly);
       const wakeFd = eventfd(0);
-      disk = FuseDisk.mount({ path: init.path, readOnly: init.readOnly });
-      self.postMessage({ type: "ready", wakeFd, size: io.size() });
+      const opts = { path: init.path, readOnly: init.readOnly };
+      if (init.adoptFd !== undefined) {
+        disk = FuseDisk.adopt(init.adoptFd, opts);
+        disk.resend();
+      } else disk = FuseDisk.mount(opts);
+      self.postMessage({ type: "ready", wakeFd, fuseFd: disk.fd, size: io.size() });
       const wake: WakeSource = { fd: wakeFd, onWake: drainControl, stopping: () => stopping };
       await disk.serve(io, wake);
       disk.unmount();

@@ -9,6 +9,7 @@ import { loopAttach, loopDetach } from "../../ffi/loop.ts";
 import { type ImageConfig, type LayerRef, parseImageConfig, resolveLayerPath } from "../storage/image_config.ts";
 import { WritableLayer } from "../storage/lsmt/writable_layer.ts";
 import { DeviceHandle } from "./device.ts";
+import { KeeperClient } from "./keeper_client.ts";
 import { BlockdError, FrameReader, PROTOCOL_VERSION, encodeFrame, type Reply, type Request } from "./protocol.ts";
 
 export const WRITABLE_DATA = "writable_data";
@@ -48,6 +49,7 @@ export class Blockd {
   private busy = new Set<string>(); // ids with an operation in flight
   private server: ReturnType<typeof Bun.listen> | undefined;
   private closing = false;
+  private keeper!: KeeperClient;
   readonly socketPath: string;
   readonly frontend = "fuse" as const; // ublk frontend: chosen when its device worker lands (see docs/blockd.md)
 
@@ -66,6 +68,7 @@ export class Blockd {
   static async start(opts: BlockdOptions): Promise<Blockd> {
     const b = new Blockd({ ...opts, stateDir: resolve(opts.stateDir) });
     mkdirSync(join(b.opts.stateDir, "dev"), { recursive: true });
+    b.keeper = await KeeperClient.ensure(b.opts.stateDir);
     await b.recover();
     await b.fillPool();
     b.listen();
@@ -79,22 +82,32 @@ export class Blockd {
     renameSync(tmp, this.tablePath); // atomic: a crash leaves the old table or the new one
   }
 
-  /** After a crash: the old mounts are dead connections; mount afresh over the same paths. */
+  /**
+   * After a crash. A device whose FUSE connection the keeper still holds is served again as it
+   * is: same mount, same loop, open files keep working, and requests the dead blockd had taken
+   * are resent. Otherwise the old mount is dead: detach its loop and mount afresh at the path.
+   */
   private async recover(): Promise<void> {
     if (!existsSync(this.tablePath)) return;
     const recs = JSON.parse(readFileSync(this.tablePath, "utf8")) as DeviceRecord[];
     for (const rec of recs) {
-      if (rec.loop) {
-        try {
-          loopDetach(rec.loop);
-        } catch {}
-      }
-      try {
-        umount2(rec.path, MNT_DETACH);
-      } catch {}
       const n = Number(/-(\d+)$/.exec(rec.id)?.[1] ?? 0);
       if (n > this.serial) this.serial = n;
       try {
+        const live = await this.keeper.take(rec.id);
+        if (live !== undefined) {
+          const handle = await this.startWorker(rec, live);
+          this.devices.set(rec.id, { rec, handle });
+          continue;
+        }
+        if (rec.loop) {
+          try {
+            loopDetach(rec.loop);
+          } catch {}
+        }
+        try {
+          umount2(rec.path, MNT_DETACH);
+        } catch {}
         const handle = await this.startWorker(rec);
         const dev = { rec: { ...rec, loop: undefined }, handle };
         this.devices.set(rec.id, dev);
@@ -106,9 +119,11 @@ export class Blockd {
     this.saveTable();
   }
 
-  private async startWorker(rec: DeviceRecord): Promise<DeviceHandle> {
-    if (!existsSync(rec.path)) writeFileSync(rec.path, "");
-    return DeviceHandle.start({ id: rec.id, frontend: "fuse", path: rec.path, readOnly: rec.readOnly, config: rec.config });
+  private async startWorker(rec: DeviceRecord, adoptFd?: number): Promise<DeviceHandle> {
+    if (adoptFd === undefined && !existsSync(rec.path)) writeFileSync(rec.path, "");
+    const handle = await DeviceHandle.start({ id: rec.id, frontend: "fuse", path: rec.path, readOnly: rec.readOnly, config: rec.config, adoptFd });
+    await this.keeper.hold(rec.id, handle.fuseFd); // the connection now outlives us
+    return handle;
   }
 
   private newId(prefix: string): string {
@@ -121,6 +136,7 @@ export class Blockd {
     try {
       if (loop) rec.loop = loopAttach(rec.path, { readOnly: rec.readOnly }).path;
     } catch (e) {
+      await this.keeper.drop(rec.id);
       await handle.stop();
       this.devices.delete(rec.id);
       throw e;
@@ -222,6 +238,7 @@ export class Blockd {
   }
 
   private async teardown(d: Device): Promise<void> {
+    await this.keeper.drop(d.rec.id);
     if (d.rec.loop) {
       try {
         loopDetach(d.rec.loop);
@@ -376,11 +393,13 @@ export class Blockd {
         if (d.rec.loop) loopDetach(d.rec.loop);
       } catch {}
       try {
+        await this.keeper.drop(d.rec.id);
         await d.handle.stop();
       } catch (e) {
         console.error(`blockd: stopping ${d.rec.id}: ${(e as Error).message}`);
       }
     }
+    await this.keeper.exitIfEmpty();
     rmSync(this.socketPath, { force: true });
     if (exit) process.exit(0);
   }

@@ -21,8 +21,9 @@ export async function startBlockd(label: string, opts: { pool?: number } = {}) {
       await c.call("shutdown");
       await Bun.sleep(300);
     } catch {}
-    const pidFile = join(state, "blockd.pid");
-    if (existsSync(pidFile)) {
+    for (const name of ["blockd.pid", "keeper.pid"]) {
+      const pidFile = join(state, name);
+      if (!existsSync(pidFile)) continue;
       try {
         process.kill(Number(readFileSync(pidFile, "utf8")), "SIGKILL");
       } catch {}

@@ -163,11 +163,25 @@ export class FuseDisk {
     };
   }
 
+  /**
+   * After adopting a live connection from a dead server: requests it had read but not answered
+   * are put back in the queue (FUSE_NOTIFY_RESEND, protocol 7.40), so no caller waits forever.
+   */
+  resend(): void {
+    const b = new Uint8Array(F.FUSE_OUT_HEADER);
+    F.encodeOutHeader(new DataView(b.buffer), b.length, F.FUSE_NOTIFY_RESEND, 0n);
+    try {
+      write(this.fd, b);
+    } catch (e) {
+      console.error(`fuse ${this.opts.path}: resend refused: ${(e as Error).message}`);
+    }
+  }
+
   /** Ask the kernel to drop cached attributes and pages (after the image under us changed). */
   invalidate(): void {
     const b = new Uint8Array(F.FUSE_OUT_HEADER + 24);
     const dv = new DataView(b.buffer);
-    F.encodeOutHeader(dv, b.length, 2 /* FUSE_NOTIFY_INVAL_INODE */, 0n);
+    F.encodeOutHeader(dv, b.length, F.FUSE_NOTIFY_INVAL_INODE, 0n);
     dv.setBigUint64(16, BigInt(F.FUSE_ROOT_ID), true);
     dv.setBigInt64(24, 0n, true);
     dv.setBigInt64(32, 0n, true); // len 0 = to the end of the file
@@ -200,7 +214,8 @@ export class FuseDisk {
             maxWrite: MAX_WRITE,
             timeGran: 1,
             maxPages: MAX_WRITE / 4096,
-            flags2: 0,
+            // Echoed so resent requests (after a blockd restart) are marked, as the kernel offers.
+            flags2: init.flags & F.FUSE_INIT_EXT ? init.flags2 & F.FUSE2_HAS_RESEND : 0,
           });
           this.initialized = true;
           return this.reply(slot, h.unique, 0, F.FUSE_INIT_OUT_SIZE);
