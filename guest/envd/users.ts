@@ -1,0 +1,72 @@
+// Users from /etc/passwd and /etc/group (re-read when they change, since images add users at run
+// time), plus E2B's path resolution rules relative to a user's home.
+import { readFileSync, statSync } from "node:fs";
+import { posix } from "node:path";
+import { ConnectError } from "./connect.ts";
+
+export interface User {
+  name: string;
+  uid: number;
+  gid: number;
+  home: string;
+  shell: string;
+}
+
+class Table<T> {
+  private mtime = -1;
+  private rows: T[] = [];
+  constructor(private path: string, private parse: (cols: string[]) => T | undefined) {}
+
+  all(): T[] {
+    let m: number;
+    try {
+      m = statSync(this.path).mtimeMs;
+    } catch {
+      return (this.rows = []);
+    }
+    if (m !== this.mtime) {
+      this.mtime = m;
+      this.rows = [];
+      for (const line of readFileSync(this.path, "utf8").split("\n")) {
+        if (!line || line.startsWith("#")) continue;
+        const row = this.parse(line.split(":"));
+        if (row) this.rows.push(row);
+      }
+    }
+    return this.rows;
+  }
+}
+
+export class Users {
+  private passwd: Table<User>;
+  private groups: Table<{ name: string; gid: number }>;
+
+  constructor(passwdPath = "/etc/passwd", groupPath = "/etc/group") {
+    this.passwd = new Table(passwdPath, (c) =>
+      c.length >= 7 && /^\d+$/.test(c[2]!) && /^\d+$/.test(c[3]!)
+        ? { name: c[0]!, uid: Number(c[2]), gid: Number(c[3]), home: c[5] || "/", shell: c[6] || "/bin/sh" }
+        : undefined,
+    );
+    this.groups = new Table(groupPath, (c) => (c.length >= 3 && /^\d+$/.test(c[2]!) ? { name: c[0]!, gid: Number(c[2]) } : undefined));
+  }
+
+  lookup(name: string): User | undefined {
+    return this.passwd.all().find((u) => u.name === name);
+  }
+
+  userName(uid: number): string {
+    return this.passwd.all().find((u) => u.uid === uid)?.name ?? String(uid);
+  }
+
+  groupName(gid: number): string {
+    return this.groups.all().find((g) => g.gid === gid)?.name ?? String(gid);
+  }
+}
+
+/** E2B path rules: "" → default workdir, "~" → home, relative → under home (not the workdir). */
+export function resolvePath(p: string, user: User, defaultWorkdir?: string): string {
+  if (p === "" && defaultWorkdir) return posix.resolve(defaultWorkdir);
+  if (p === "~" || p.startsWith("~/")) return posix.resolve(user.home, p.slice(2));
+  if (p.startsWith("~")) throw new ConnectError("invalid_argument", `path '${p}' refers to another user's home, which is not supported`);
+  return posix.resolve(user.home, p);
+}

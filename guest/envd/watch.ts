@@ -1,0 +1,169 @@
+// Directory watching on raw inotify (fsnotify semantics: one event per op, names relative to the
+// watched root, new subdirectories picked up by recursive watches). The inotify fd is read through
+// Bun.file(fd).stream(), which polls it on Bun's event loop instead of blocking a thread.
+import { readdirSync, readFileSync } from "node:fs";
+import { EventType } from "./schema.ts";
+import { inotify } from "./sys.ts";
+
+const IN_MODIFY = 0x2;
+const IN_ATTRIB = 0x4;
+const IN_MOVED_FROM = 0x40;
+const IN_MOVED_TO = 0x80;
+const IN_CREATE = 0x100;
+const IN_DELETE = 0x200;
+const IN_DELETE_SELF = 0x400;
+const IN_MOVE_SELF = 0x800;
+const IN_IGNORED = 0x8000;
+const IN_ISDIR = 0x40000000;
+const MASK = IN_MODIFY | IN_ATTRIB | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE | IN_DELETE_SELF | IN_MOVE_SELF;
+
+export interface WatchEvent {
+  name: string;
+  type: number;
+}
+
+export class DirWatcher {
+  private fd = -1;
+  private dirs = new Map<number, string>(); // watch descriptor → directory relative to root
+  private reader?: ReadableStreamDefaultReader<Uint8Array>;
+  private closed = false;
+
+  constructor(
+    private root: string,
+    private recursive: boolean,
+    private onEvent: (ev: WatchEvent) => void,
+  ) {}
+
+  /** Arms the watches synchronously, so events after this returns are not missed. */
+  start() {
+    this.fd = inotify.init();
+    try {
+      this.addTree("");
+    } catch (e) {
+      inotify.close(this.fd);
+      this.closed = true;
+      throw e;
+    }
+    void this.loop();
+  }
+
+  private addTree(rel: string) {
+    const wd = inotify.add(this.fd, rel ? `${this.root}/${rel}` : this.root, MASK);
+    this.dirs.set(wd, rel);
+    if (!this.recursive) return;
+    let entries: import("node:fs").Dirent[] = [];
+    try {
+      entries = readdirSync(rel ? `${this.root}/${rel}` : this.root, { withFileTypes: true });
+    } catch {
+      return; // unreadable subdirectory: watch what we can
+    }
+    for (const d of entries) {
+      if (!d.isDirectory()) continue;
+      try {
+        this.addTree(rel ? `${rel}/${d.name}` : d.name);
+      } catch {
+        // vanished or unreadable meanwhile
+      }
+    }
+  }
+
+  private async loop() {
+    this.reader = Bun.file(this.fd).stream().getReader();
+    let carry = new Uint8Array(0);
+    try {
+      while (!this.closed) {
+        const { done, value } = await this.reader.read();
+        if (done || this.closed) break;
+        let buf = value;
+        if (carry.length) {
+          buf = new Uint8Array(carry.length + value.length);
+          buf.set(carry);
+          buf.set(value, carry.length);
+        }
+        const used = this.parse(buf);
+        carry = buf.slice(used);
+      }
+    } catch {
+      // the fd was closed under us
+    }
+  }
+
+  private parse(buf: Uint8Array): number {
+    const dv = new DataView(buf.buffer, buf.byteOffset, buf.byteLength);
+    let off = 0;
+    while (off + 16 <= buf.length) {
+      const wd = dv.getInt32(off, true);
+      const mask = dv.getUint32(off + 4, true);
+      const len = dv.getUint32(off + 12, true);
+      if (off + 16 + len > buf.length) break;
+      const raw = buf.subarray(off + 16, off + 16 + len);
+      const nul = raw.indexOf(0);
+      const name = Buffer.from(nul < 0 ? raw : raw.subarray(0, nul)).toString("utf8");
+      off += 16 + len;
+      this.handle(wd, mask, name);
+    }
+    return off;
+  }
+
+  private handle(wd: number, mask: number, name: string) {
+    if (mask & IN_IGNORED) {
+      this.dirs.delete(wd);
+      return;
+    }
+    const dir = this.dirs.get(wd);
+    if (dir === undefined || !name) return; // self events are reported by the parent directory
+    const rel = dir ? `${dir}/${name}` : name;
+    if (this.recursive && mask & IN_ISDIR && mask & (IN_CREATE | IN_MOVED_TO)) {
+      try {
+        this.addTree(rel);
+      } catch {
+        // already gone again
+      }
+    }
+    // fsnotify's op order within one event: create, rename, chmod, write, remove.
+    const ops: [number, number][] = [
+      [IN_CREATE | IN_MOVED_TO, EventType.CREATE],
+      [IN_MOVED_FROM, EventType.RENAME],
+      [IN_ATTRIB, EventType.CHMOD],
+      [IN_MODIFY, EventType.WRITE],
+      [IN_DELETE, EventType.REMOVE],
+    ];
+    for (const [bits, type] of ops) {
+      if (mask & bits && !this.closed) this.onEvent({ name: rel, type });
+    }
+  }
+
+  close() {
+    if (this.closed) return;
+    this.closed = true;
+    const fd = this.fd;
+    const done = this.reader ? this.reader.cancel().catch(() => {}) : Promise.resolve();
+    void done.then(() => inotify.close(fd)); // close only after Bun stopped polling it
+  }
+}
+
+const NETWORK_FS = /^(nfs4?|cifs|smb3?|smbfs|fuse(\..*)?|fuseblk|9p|ceph|glusterfs|sshfs)$/;
+
+/** Whether `path` lives on a network or FUSE mount (per /proc/self/mountinfo, longest prefix wins). */
+export function isNetworkMount(path: string): boolean {
+  let best = "";
+  let bestType = "";
+  let text = "";
+  try {
+    text = readFileSync("/proc/self/mountinfo", "utf8");
+  } catch {
+    return false;
+  }
+  for (const line of text.split("\n")) {
+    const [left, right] = line.split(" - ");
+    if (!left || !right) continue;
+    const mountPoint = left.split(" ")[4]?.replace(/\\([0-7]{3})/g, (_, o: string) => String.fromCharCode(parseInt(o, 8)));
+    if (!mountPoint) continue;
+    const inside = mountPoint === "/" || path === mountPoint || path.startsWith(`${mountPoint}/`);
+    if (inside && mountPoint.length >= best.length) {
+      best = mountPoint;
+      bestType = right.split(" ")[0] ?? "";
+    }
+  }
+  return NETWORK_FS.test(bestType);
+}

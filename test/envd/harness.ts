@@ -1,0 +1,106 @@
+// Starts envd as a host process on a free loopback port, with its own passwd/group files so that
+// "root" and "user" have homes inside a scratch directory (nothing outside it is written).
+import { chmodSync, chownSync, mkdirSync, mkdtempSync, rmSync, writeFileSync } from "node:fs";
+import { join } from "node:path";
+import { Sandbox } from "e2b";
+
+export const USER_UID = 65534; // "nobody" on the host: an unprivileged uid that surely exists
+const MAIN = join(import.meta.dir, "../../guest/envd/main.ts");
+
+export interface Envd {
+  url: string;
+  port: number;
+  root: string;
+  rootHome: string;
+  userHome: string;
+  stop(): Promise<void>;
+  /** Lines envd wrote to stderr so far (for debugging failures). */
+  logs(): string;
+}
+
+export async function startEnvd(extraArgs: string[] = []): Promise<Envd> {
+  mkdirSync("/var/tmp/aenv-test", { recursive: true });
+  const root = mkdtempSync("/var/tmp/aenv-test/envd-"); // on a real disk, so xattrs and inotify behave as in a guest
+  chmodSync(root, 0o755); // the unprivileged user must be able to reach its home
+  const rootHome = join(root, "root");
+  const userHome = join(root, "home", "user");
+  mkdirSync(rootHome, { recursive: true });
+  mkdirSync(userHome, { recursive: true });
+  chownSync(userHome, USER_UID, USER_UID);
+  writeFileSync(join(root, "passwd"), `root:x:0:0:root:${rootHome}:/bin/bash\nuser:x:${USER_UID}:${USER_UID}::${userHome}:/bin/bash\n`);
+  writeFileSync(join(root, "group"), `root:x:0:\nuser:x:${USER_UID}:\n`);
+
+  const proc = Bun.spawn(
+    [process.execPath, MAIN, "--port", "0", "--host", "127.0.0.1", "--default-user", "user",
+      "--passwd", join(root, "passwd"), "--group", join(root, "group"), ...extraArgs],
+    { cwd: root, stdout: "pipe", stderr: "pipe", env: { ...process.env, E2B_DEBUG: undefined } },
+  );
+  let errText = "";
+  void (async () => {
+    for await (const c of proc.stderr) errText += new TextDecoder().decode(c);
+  })();
+  const reader = proc.stdout.getReader();
+  let out = "";
+  const deadline = Date.now() + 15_000;
+  while (!/listening on [\d.]+:(\d+)/.test(out)) {
+    if (Date.now() > deadline) throw new Error(`envd did not start: ${out}${errText}`);
+    const { done, value } = await reader.read();
+    if (done) throw new Error(`envd exited: ${out}${errText}`);
+    out += new TextDecoder().decode(value);
+  }
+  reader.releaseLock();
+  const port = Number(/listening on [\d.]+:(\d+)/.exec(out)![1]);
+  return {
+    url: `http://127.0.0.1:${port}`,
+    port,
+    root,
+    rootHome,
+    userHome,
+    logs: () => errText,
+    async stop() {
+      proc.kill("SIGTERM");
+      await proc.exited;
+      rmSync(root, { recursive: true, force: true });
+    },
+  };
+}
+
+/**
+ * The unmodified SDK aimed straight at envd: `debug: true` makes Sandbox.connect skip the E2B API
+ * entirely (no control-plane call, envdVersion "99.99.99" so every feature is on), and `sandboxUrl`
+ * overrides debug's fixed http://localhost:49983 with our port (ConnectionConfig.getSandboxUrl
+ * prefers sandboxUrl over the debug URL). A secured sandbox (access token) has no public way in
+ * debug mode, so `envdAccessToken` goes through the constructor, as Sandbox.connect does itself.
+ */
+export async function sdkSandbox(envd: Envd, accessToken?: string): Promise<Sandbox> {
+  if (!accessToken) return Sandbox.connect("envdtest", { debug: true, sandboxUrl: envd.url });
+  const Ctor = Sandbox as unknown as new (o: Record<string, unknown>) => Sandbox;
+  return new Ctor({ sandboxId: "envdtest", envdVersion: "0.6.13", envdAccessToken: accessToken, debug: true, sandboxUrl: envd.url });
+}
+
+/** One Connect envelope around a JSON (or raw) message. */
+export function envelope(msg: unknown, flags = 0): Uint8Array {
+  const b = msg instanceof Uint8Array ? msg : new TextEncoder().encode(JSON.stringify(msg));
+  const out = new Uint8Array(5 + b.length);
+  out[0] = flags;
+  new DataView(out.buffer).setUint32(1, b.length);
+  out.set(b, 5);
+  return out;
+}
+
+/** Splits a streaming response body into [flags, payload] envelopes. */
+export function envelopes(body: Uint8Array): [number, Uint8Array][] {
+  const out: [number, Uint8Array][] = [];
+  let off = 0;
+  while (off + 5 <= body.length) {
+    const len = new DataView(body.buffer, body.byteOffset + off).getUint32(1);
+    out.push([body[off]!, body.subarray(off + 5, off + 5 + len)]);
+    off += 5 + len;
+  }
+  if (off !== body.length) throw new Error("trailing bytes after the last envelope");
+  return out;
+}
+
+export function jsonEnvelopes(body: Uint8Array): [number, any][] {
+  return envelopes(body).map(([f, p]) => [f, JSON.parse(new TextDecoder().decode(p))]);
+}
