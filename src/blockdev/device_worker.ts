@@ -8,6 +8,7 @@ import type { ImageConfig } from "../storage/image_config.ts";
 import type { DeviceIo, WakeSource } from "./device_io.ts";
 import { FuseDisk } from "./fuse/server.ts";
 import { IoRangeError } from "../storage/errors.ts";
+import { IoLimiter } from "../storage/io_limiter.ts";
 
 declare const self: Worker;
 
@@ -19,6 +20,8 @@ export interface WorkerInit {
   config: ImageConfig | null; // null: an empty pool device, size 0 until acquired
   /** SharedArrayBuffer Int32[1]: how many control messages main has posted. */
   posted: SharedArrayBuffer;
+  /** The node-wide remote-I/O budget (IoLimiter.shared), separate from this device's own work. */
+  remoteIo: SharedArrayBuffer;
   /** A live FUSE connection to serve (taken back from the fd keeper) instead of mounting anew. */
   adoptFd?: number;
 }
@@ -61,6 +64,7 @@ let init: WorkerInit;
 let io: ImageIo;
 let disk: FuseDisk;
 let stopping = false;
+let remoteIo: IoLimiter;
 let received = 0;
 const queue: { seq: number; body: ControlOp }[] = [];
 
@@ -73,7 +77,7 @@ async function runControl(body: ControlOp): Promise<unknown> {
     }
     case "swap": {
       const old = io.image;
-      io.image = body.config ? await Image.open(body.config) : null;
+      io.image = body.config ? await Image.open(body.config, { remoteIo }) : null;
       io.readOnly = body.readOnly;
       if (old) await old.close();
       disk.invalidate();
@@ -117,7 +121,8 @@ self.onmessage = async (ev: MessageEvent) => {
   if (msg.type === "init") {
     init = msg.init as WorkerInit;
     try {
-      const image = init.config ? await Image.open(init.config) : null;
+      remoteIo = IoLimiter.attach(init.remoteIo);
+      const image = init.config ? await Image.open(init.config, { remoteIo }) : null;
       io = new ImageIo(image, init.readOnly);
       const wakeFd = eventfd(0);
       const opts = { path: init.path, readOnly: init.readOnly };

@@ -10,6 +10,7 @@ import { type ImageConfig, type LayerRef, parseImageConfig, resolveLayerPath } f
 import { WritableLayer } from "../storage/lsmt/writable_layer.ts";
 import { DeviceHandle } from "./device.ts";
 import { KeeperClient } from "./keeper_client.ts";
+import { IoLimiter } from "../storage/io_limiter.ts";
 import { BlockdError, FrameReader, PROTOCOL_VERSION, encodeFrame, type Reply, type Request } from "./protocol.ts";
 
 export const WRITABLE_DATA = "writable_data";
@@ -19,6 +20,8 @@ export interface BlockdOptions {
   stateDir: string;
   /** Ready devices kept for acquire (0 = none). */
   pool?: number;
+  /** Remote-layer reads in flight across all devices (default 32). */
+  remoteIo?: number;
 }
 
 /** What the table on disk keeps of a device: enough to bring it back after a crash. */
@@ -50,11 +53,13 @@ export class Blockd {
   private server: ReturnType<typeof Bun.listen> | undefined;
   private closing = false;
   private keeper!: KeeperClient;
+  private remoteIo: IoLimiter;
   readonly socketPath: string;
   readonly frontend = "fuse" as const; // ublk frontend: chosen when its device worker lands (see docs/blockd.md)
 
   private constructor(readonly opts: BlockdOptions) {
     this.socketPath = join(opts.stateDir, "blockd.sock");
+    this.remoteIo = IoLimiter.create(opts.remoteIo ?? 32);
   }
 
   private get tablePath(): string {
@@ -121,7 +126,7 @@ export class Blockd {
 
   private async startWorker(rec: DeviceRecord, adoptFd?: number): Promise<DeviceHandle> {
     if (adoptFd === undefined && !existsSync(rec.path)) writeFileSync(rec.path, "");
-    const handle = await DeviceHandle.start({ id: rec.id, frontend: "fuse", path: rec.path, readOnly: rec.readOnly, config: rec.config, adoptFd });
+    const handle = await DeviceHandle.start({ id: rec.id, frontend: "fuse", path: rec.path, readOnly: rec.readOnly, config: rec.config, adoptFd, remoteIo: this.remoteIo.shared });
     await this.keeper.hold(rec.id, handle.fuseFd); // the connection now outlives us
     return handle;
   }

@@ -12,6 +12,7 @@ import { ReadOnlyLayer } from "./lsmt/readonly_layer.ts";
 import { type Segment, SECTOR, segEnd, mergeAdjacent } from "./lsmt/segment.ts";
 import { SegmentIndex, comboWalk } from "./lsmt/segment_index.ts";
 import { WritableLayer } from "./lsmt/writable_layer.ts";
+import type { IoLimiter } from "./io_limiter.ts";
 
 export class Image {
   /** Merged index of the lowers; tag = position in `lowers` (base first). */
@@ -33,8 +34,11 @@ export class Image {
     return new Image(lowers, upper);
   }
 
-  /** Open every layer a config names; the upper's files must already exist. */
-  static async open(config: ImageConfig): Promise<Image> {
+  /**
+   * Open every layer a config names; the upper's files must already exist. `remoteIo` is the
+   * node-wide budget that remote layer backends (registry, S3, peers) draw their reads from.
+   */
+  static async open(config: ImageConfig, _opts: { remoteIo?: IoLimiter } = {}): Promise<Image> {
     const lowers: ReadOnlyLayer[] = [];
     try {
       for (let i = 0; i < config.lowers.length; i++) lowers.push(await openLayerFile(resolveLayerPath(config.lowers[i]!, i)));
