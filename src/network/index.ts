@@ -1,0 +1,20 @@
+// src/network: per-sandbox network slots (namespace + veth + TAP + nftables), pooled.
+export { NetworkError, haveTool } from "./command.ts";
+export {
+  DEFAULT_GUEST_MAC,
+  DEFAULT_HOST_CIDR,
+  DEFAULT_HOST_TABLE,
+  DEFAULT_PREFIX,
+  GATEWAY_IP,
+  GUEST_IP,
+  GUEST_PREFIX_LEN,
+  SLOT_TABLE,
+  resolveConfig,
+  slotFor,
+  type NetworkConfig,
+  type NetworkConfigInput,
+  type Slot,
+} from "./addressing.ts";
+export { SlotPool, type PoolStats, type ReconcileReport, type SlotPoolOptions } from "./pool.ts";
+export { netnsExecArgv } from "./slot.ts";
+export { HOST_COUNTERS, hostRuleset, slotRuleset } from "./rulesets.ts";
