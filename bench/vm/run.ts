@@ -1,0 +1,193 @@
+// Time to guest-ready for a cold boot and for a restore, with our own overhead (blockd device
+// creation, restack) separated from the VMM's (process start, state load) and the guest's (kernel,
+// init, agent); and the resident memory each extra restored VM costs.
+//   npx bun bench/vm/run.ts [--runs N] [--forks N] [--json]
+// "ready" = the guest answers HTTP through a loopback forward (busybox httpd started by our init).
+
+import { copyFileSync, mkdirSync, mkdtempSync, readFileSync, rmSync } from "node:fs";
+import { join } from "node:path";
+import { debianKernel, guestCmdline, sealedLayer, testRootfs, toolsDisk } from "../../guest/artifacts.ts";
+import { BlockdClient } from "../../src/blockdev/client.ts";
+import { QemuDriver } from "../../src/vmm/qemu.ts";
+import type { DriveSpec, SnapshotInfo, Vmm } from "../../src/vmm/types.ts";
+
+const argv = process.argv.slice(2);
+const flag = (name: string, dflt: number) => {
+  const i = argv.indexOf(name);
+  return i >= 0 ? Number(argv[i + 1]) : dflt;
+};
+const RUNS = flag("--runs", 3);
+const FORKS = flag("--forks", 3);
+const GUEST_PORT = 8080;
+const DISK = 64 << 20;
+
+function freePort(): number {
+  const s = Bun.listen({ hostname: "127.0.0.1", port: 0, socket: { data() {} } });
+  const p = s.port;
+  s.stop(true);
+  return p;
+}
+
+async function waitHttp(port: number, timeoutMs = 60_000): Promise<void> {
+  const until = performance.now() + timeoutMs;
+  for (;;) {
+    try {
+      const r = await fetch(`http://127.0.0.1:${port}/health`, { signal: AbortSignal.timeout(1000) });
+      if (r.ok) return void (await r.arrayBuffer());
+    } catch {}
+    if (performance.now() > until) throw new Error(`guest on :${port} never answered`);
+    await Bun.sleep(10);
+  }
+}
+
+/** Resident and proportional set size of a process, in MiB. */
+function memOf(pid: number): { rss: number; pss: number; privateMiB: number } {
+  const t = readFileSync(`/proc/${pid}/smaps_rollup`, "utf8");
+  const kb = (k: string) => Number(new RegExp(`^${k}:\\s+(\\d+)`, "m").exec(t)?.[1] ?? 0);
+  return { rss: kb("Rss") / 1024, pss: kb("Pss") / 1024, privateMiB: (kb("Private_Clean") + kb("Private_Dirty")) / 1024 };
+}
+
+const median = (xs: number[]) => [...xs].sort((a, b) => a - b)[Math.floor(xs.length / 2)]!;
+const ms = (x: number) => `${Math.round(x)} ms`;
+
+// ---- setup ----------------------------------------------------------------------------------------
+
+const kernel = debianKernel();
+const toolsImage = toolsDisk();
+const rootfsImage = testRootfs();
+const toolsLayer = await sealedLayer(toolsImage);
+const rootfsLayer = await sealedLayer(rootfsImage);
+mkdirSync("/var/tmp/aenv-bench", { recursive: true });
+const work = mkdtempSync("/var/tmp/aenv-bench/vm-");
+const runRoot = mkdtempSync("/dev/shm/aenv-bench-vm-");
+const state = join(work, "blockd");
+mkdirSync(state, { recursive: true });
+const blockd = await BlockdClient.ensure(state);
+const driver = new QemuDriver();
+const live = new Set<Vmm>();
+const cmdline = guestCmdline({ httpdPort: GUEST_PORT });
+let seq = 0;
+
+async function cleanup() {
+  for (const vm of live) await vm.stop().catch(() => {});
+  try {
+    await blockd.call("shutdown");
+    await Bun.sleep(300);
+  } catch {}
+  rmSync(runRoot, { recursive: true, force: true });
+  rmSync(work, { recursive: true, force: true });
+}
+
+interface Timing {
+  ours: number;
+  vmm: number;
+  guest: number;
+  total: number;
+}
+
+/** blockd devices for one VM: the shared tools disk and a rootfs with its own upper. */
+async function blockdDrives(lowers: string[]): Promise<{ drives: DriveSpec[]; rootfsId: string }> {
+  const tools = await blockd.call("createReadOnly", { lowers: [toolsLayer] });
+  const rootfs = await blockd.call("create", { lowers, upperDir: join(work, "uppers", `u${++seq}`), size: DISK });
+  return { drives: [{ path: tools.path, readOnly: true }, { path: rootfs.path }], rootfsId: rootfs.id };
+}
+
+async function coldBoot(kind: "blockd" | "files"): Promise<Timing & { vm: Vmm; port: number; rootfsId?: string }> {
+  const port = freePort();
+  const t0 = performance.now();
+  let drives: DriveSpec[];
+  let rootfsId: string | undefined;
+  if (kind === "blockd") ({ drives, rootfsId } = await blockdDrives([rootfsLayer]));
+  else {
+    // Baseline: plain files, as in vm-measurements.md (a private copy of the rootfs per VM).
+    const copy = join(work, `rootfs-${++seq}.img`);
+    copyFileSync(rootfsImage, copy);
+    drives = [{ path: toolsImage, readOnly: true }, { path: copy }];
+  }
+  const t1 = performance.now();
+  const vm = await driver.boot({ id: `cold${++seq}`, runDir: join(runRoot, `cold${seq}`), kernel: kernel.vmlinux, initrd: kernel.initrd, cmdline, vcpus: 1, memMiB: 256, drives, net: { user: { forwards: [{ hostPort: port, guestPort: GUEST_PORT }] } } });
+  live.add(vm);
+  const t2 = performance.now();
+  await waitHttp(port);
+  const t3 = performance.now();
+  return { vm, port, rootfsId, ours: t1 - t0, vmm: t2 - t1, guest: t3 - t2, total: t3 - t0 };
+}
+
+async function stop(vm: Vmm) {
+  await vm.stop();
+  live.delete(vm);
+}
+
+function report(label: string, ts: Timing[]) {
+  console.log(
+    `${label.padEnd(34)} total ${ms(median(ts.map((t) => t.total))).padStart(8)}  = ours ${ms(median(ts.map((t) => t.ours))).padStart(7)}` +
+      ` + VMM ${ms(median(ts.map((t) => t.vmm))).padStart(7)} + guest ${ms(median(ts.map((t) => t.guest))).padStart(8)}   (runs: ${ts.map((t) => Math.round(t.total)).join(", ")} ms)`,
+  );
+}
+
+const results: Record<string, unknown> = { accel: driver.accel, runs: RUNS, forks: FORKS };
+try {
+  console.log(`QEMU ${driver.accel}, 1 vCPU, 256 MiB, Debian cloud kernel + initramfs, busybox rootfs; medians of ${RUNS}`);
+
+  // ---- cold boots -------------------------------------------------------------------------------
+  for (const kind of ["files", "blockd"] as const) {
+    const ts: Timing[] = [];
+    for (let i = 0; i < RUNS; i++) {
+      const r = await coldBoot(kind);
+      ts.push(r);
+      await stop(r.vm);
+    }
+    report(`cold boot, disks as ${kind === "files" ? "plain files" : "blockd devices"}`, ts);
+    results[`cold_${kind}`] = ts;
+  }
+
+  // ---- snapshot ---------------------------------------------------------------------------------
+  const src = await coldBoot("blockd");
+  const ts0 = performance.now();
+  const snap: SnapshotInfo = await src.vm.snapshot(join(runRoot, "snap"));
+  const ts1 = performance.now();
+  const layer = join(work, "snap.rootfs.layer");
+  await blockd.call("restack", { id: src.rootfsId, layerPath: layer });
+  const ts2 = performance.now();
+  await stop(src.vm);
+  console.log(`snapshot                           VMM ${ms(ts1 - ts0)} (device state ${(Bun.file(snap.statePath).size / 1024).toFixed(0)} KiB, RAM file taken over) + restack ${ms(ts2 - ts1)}`);
+  results.snapshot = { vmm: ts1 - ts0, restack: ts2 - ts1 };
+
+  // ---- restores ---------------------------------------------------------------------------------
+  const restore = async (): Promise<Timing & { vm: Vmm }> => {
+    const port = freePort();
+    const t0 = performance.now();
+    const { drives } = await blockdDrives([rootfsLayer, layer]);
+    const t1 = performance.now();
+    const vm = await driver.restore(snap, { id: `rest${++seq}`, runDir: join(runRoot, `rest${seq}`), drives, net: { user: { forwards: [{ hostPort: port, guestPort: GUEST_PORT }] } } });
+    live.add(vm);
+    const t2 = performance.now();
+    await waitHttp(port);
+    const t3 = performance.now();
+    return { vm, ours: t1 - t0, vmm: t2 - t1, guest: t3 - t2, total: t3 - t0 };
+  };
+  const rs: Timing[] = [];
+  for (let i = 0; i < RUNS; i++) {
+    const r = await restore();
+    rs.push(r);
+    await stop(r.vm);
+  }
+  report("restore (shared RAM file, CoW)", rs);
+  results.restore = rs;
+
+  // ---- memory per extra restored VM ---------------------------------------------------------------
+  const forks: Vmm[] = [];
+  for (let i = 0; i < FORKS; i++) forks.push((await restore()).vm);
+  await Bun.sleep(500);
+  const mems = forks.map((vm) => memOf(vm.pid));
+  console.log(
+    `${FORKS} restores side by side: per VM RSS ${mems.map((m) => m.rss.toFixed(0)).join("/")} MiB, PSS ${mems.map((m) => m.pss.toFixed(0)).join("/")} MiB, ` +
+      `private ${mems.map((m) => m.privateMiB.toFixed(0)).join("/")} MiB (the rest is the shared snapshot RAM file and QEMU's own text)`,
+  );
+  results.memory = mems;
+  for (const vm of forks) await stop(vm);
+
+  if (argv.includes("--json")) console.log(JSON.stringify(results));
+} finally {
+  await cleanup();
+}

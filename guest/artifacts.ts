@@ -1,0 +1,115 @@
+// The guest's built pieces (kernel, initramfs, tools disk, a test rootfs) as paths, built by the
+// scripts beside this file when missing or stale. Tests, benchmarks and the node call this.
+
+import { existsSync, openSync, readSync, closeSync, renameSync, rmSync, statSync } from "node:fs";
+import { join } from "node:path";
+import { WritableLayer } from "../src/storage/lsmt/writable_layer.ts";
+
+const GUEST_DIR = import.meta.dir;
+
+export interface GuestKernel {
+  /** Uncompressed PVH ELF: QEMU boots it without decompressing. */
+  vmlinux: string;
+  /** Busybox plus the virtio modules; hands over to the tools disk. */
+  initrd: string;
+  vmlinuz: string;
+}
+
+function run(script: string, args: string[] = []): string[] {
+  const r = Bun.spawnSync(["bash", join(GUEST_DIR, script), ...args], { stdout: "pipe", stderr: "pipe" });
+  if (r.exitCode !== 0) throw new Error(`guest/${script} failed (${r.exitCode}): ${r.stderr.toString().trim()}`);
+  return r.stdout.toString().trim().split("\n").filter(Boolean);
+}
+
+/** Debian's stock cloud kernel with our initramfs. */
+export function debianKernel(): GuestKernel {
+  const [vmlinux, initrd, vmlinuz] = run("kernel/fetch-debian-kernel.sh");
+  return { vmlinux: vmlinux!, initrd: initrd!, vmlinuz: vmlinuz! };
+}
+
+/** The read-only tools disk; with envd, the binary goes in at /agentenv/envd. */
+export function toolsDisk(opts: { envd?: string; out?: string } = {}): string {
+  const args: string[] = [];
+  if (opts.envd) args.push("--envd", opts.envd);
+  if (opts.out) args.push("--out", opts.out);
+  return run("build-tools-disk.sh", args).at(-1)!;
+}
+
+/** A busybox-only root filesystem image (raw ext4), standing in for a user's image. */
+export function testRootfs(opts: { out?: string; sizeMiB?: number } = {}): string {
+  const args: string[] = [];
+  if (opts.out) args.push("--out", opts.out);
+  if (opts.sizeMiB) args.push("--size", String(opts.sizeMiB));
+  return run("build-test-rootfs.sh", args).at(-1)!;
+}
+
+export interface GuestCmdline {
+  /** Guest address with prefix; QEMU user networking's default when absent. */
+  ip?: string;
+  gw?: string;
+  dns?: string;
+  hostname?: string;
+  /** envd binary inside the guest ("off" disables it); /agentenv/envd by default. */
+  envd?: string;
+  envdPort?: number;
+  /** Start busybox httpd on this port serving /health: an agent stand-in for tests. */
+  httpdPort?: number;
+  /** Directory (in the user's image) httpd serves instead of the built-in /health page. */
+  httpdRoot?: string;
+  /** Kernel console on the serial port (slow under TCG; keep "quiet"). */
+  console?: boolean;
+  extra?: string;
+}
+
+/** Kernel command line for the stock kernel + initramfs + tools disk layout. */
+export function guestCmdline(o: GuestCmdline = {}): string {
+  const parts = [
+    o.console === false ? "" : "console=ttyS0",
+    "quiet",
+    // reboot=t with QEMU's -no-reboot turns a guest reboot or panic into a VMM exit.
+    "reboot=t",
+    "panic=-1",
+    // The crypto self-tests cost ~0.5 s of boot under TCG and test nothing of ours.
+    "cryptomgr.notests",
+  ];
+  if (o.ip) parts.push(`aenv.ip=${o.ip}`);
+  if (o.gw) parts.push(`aenv.gw=${o.gw}`);
+  if (o.dns) parts.push(`aenv.dns=${o.dns}`);
+  if (o.hostname) parts.push(`aenv.hostname=${o.hostname}`);
+  if (o.envd) parts.push(`aenv.envd=${o.envd}`);
+  if (o.envdPort) parts.push(`aenv.envd_port=${o.envdPort}`);
+  if (o.httpdPort) parts.push(`aenv.httpd=${o.httpdPort}`);
+  if (o.httpdRoot) parts.push(`aenv.httpd_root=${o.httpdRoot}`);
+  if (o.extra) parts.push(o.extra);
+  return parts.filter(Boolean).join(" ");
+}
+
+/**
+ * A raw disk image as one sealed overlaybd layer (what `aenv layer create/write/seal` makes), with
+ * all-zero blocks left as holes. Cached: rebuilt only when the image is newer than the layer.
+ */
+export async function sealedLayer(image: string, out = `${image}.sealed`): Promise<string> {
+  if (existsSync(out) && statSync(out).mtimeMs >= statSync(image).mtimeMs) return out;
+  const size = Math.ceil(statSync(image).size / 512) * 512;
+  const tmp = `${out}.tmp`;
+  const layer = await WritableLayer.create(`${tmp}.data`, `${tmp}.index`, { virtualSize: size });
+  const fd = openSync(image, "r");
+  try {
+    const block = new Uint8Array(64 << 10);
+    for (let pos = 0; pos < size; pos += block.length) {
+      const n = readSync(fd, block, 0, Math.min(block.length, size - pos), pos);
+      if (n <= 0) break;
+      const len = Math.ceil(n / 512) * 512;
+      block.fill(0, n, len);
+      const chunk = block.subarray(0, len);
+      if (chunk.some((b) => b !== 0)) await layer.write(chunk, pos);
+    }
+    await layer.seal();
+  } finally {
+    closeSync(fd);
+    await layer.close();
+  }
+  renameSync(`${tmp}.data`, out);
+  rmSync(`${tmp}.index`, { force: true });
+  return out;
+}

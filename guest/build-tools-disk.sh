@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Builds the read-only tools disk (vda): busybox-static from Debian, our init stages and, when given,
+# the envd binary. Every VM on a node shares this one image.
+#   guest/build-tools-disk.sh [--envd FILE] [--out FILE] [--force]
+# Prints the image path. Rebuilt only when missing or older than its inputs.
+source "$(dirname "$0")/lib.sh"
+
+OUT="$CACHE/tools.img"; ENVD=""; FORCE=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --envd) ENVD="$2"; shift 2 ;;
+    --out) OUT="$2"; shift 2 ;;
+    --force) FORCE=1; shift ;;
+    *) echo "usage: $0 [--envd FILE] [--out FILE] [--force]" >&2; exit 2 ;;
+  esac
+done
+
+BUSYBOX=$(busybox_bin)
+inputs=("$GUEST_DIR/init" "$BUSYBOX" "$0")
+[ -n "$ENVD" ] && inputs+=("$ENVD")
+# The envd stamp makes switching envd on or off rebuild the image even when no file got newer.
+stamp="envd=${ENVD:+$(stat -c '%s %Y' "$ENVD")}"
+if [ $FORCE = 0 ] && ! stale "$OUT" "${inputs[@]}" && [ "$(cat "$OUT.stamp" 2>/dev/null)" = "$stamp" ]; then
+  echo "$OUT"; exit 0
+fi
+
+tree=$(mktemp -d "$CACHE/tools-tree.XXXXXX")
+trap 'rm -rf "$tree"' EXIT
+# Mount points used while the tools disk is the kernel's root (disk-init); it is never writable.
+mkdir -p "$tree"/{bin,init,dev,proc,sys,newroot,tmp}
+install -m 0755 "$BUSYBOX" "$tree/bin/busybox"
+# Applet links, so /agentenv/bin can go on a user's PATH as a fallback toolbox.
+for applet in $("$BUSYBOX" --list); do
+  [ "$applet" = busybox ] || ln -s busybox "$tree/bin/$applet"
+done
+install -m 0755 "$GUEST_DIR/init/boot" "$GUEST_DIR/init/run" "$GUEST_DIR/init/disk-init" "$tree/init/"
+[ -n "$ENVD" ] && install -m 0755 "$ENVD" "$tree/envd"
+
+# Size: content plus a margin for ext4 metadata, in whole MiB.
+kib=$(du -sk "$tree" | cut -f1)
+mib=$(( (kib * 12 / 10) / 1024 + 8 ))
+tmp_img="$OUT.tmp"
+rm -f "$tmp_img"
+# No journal: the image is mounted read-only everywhere and never replayed.
+mkfs.ext4 -q -F -L agentenv-tools -O ^has_journal -E root_owner=0:0 -d "$tree" "$tmp_img" "${mib}M" >&2
+mv "$tmp_img" "$OUT"
+echo "$stamp" >"$OUT.stamp"
+log "tools disk: $OUT (${mib} MiB${ENVD:+, envd from $ENVD})"
+echo "$OUT"

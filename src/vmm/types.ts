@@ -1,0 +1,135 @@
+// The one interface every VMM driver implements (DESIGN.md §6): boot, pause, resume, snapshot,
+// restore, stop, balloon. The orchestrator only sees these types; qemu.ts and firecracker.ts
+// translate them to their VMM's command line and API.
+
+export type VmmKind = "qemu" | "firecracker";
+
+export interface DriveSpec {
+  /** A regular file (a blockd FUSE device, an image) or a block device. */
+  path: string;
+  readOnly?: boolean;
+}
+
+/** A host port forwarded to a guest port (QEMU user networking; traffic stays on 127.0.0.1). */
+export interface PortForward {
+  hostPort: number;
+  guestPort: number;
+  /** Host address to bind; only loopback is accepted. */
+  hostAddr?: string;
+}
+
+/**
+ * Guest networking: QEMU's user-mode stack (slirp) with port forwards for now, or a TAP device
+ * that src/network prepares in the sandbox's namespace.
+ */
+export type NetSpec = { user: { forwards: PortForward[] }; mac?: string } | { tap: string; mac?: string };
+
+export interface VmSpec {
+  /** Stable name: process title, socket and log names. */
+  id: string;
+  /** Per-VM directory for sockets, logs and (by default) the RAM file; created if missing. */
+  runDir: string;
+  kernel: string;
+  initrd?: string;
+  cmdline: string;
+  vcpus: number;
+  memMiB: number;
+  /** In guest order: the first is /dev/vda (the tools disk), the second /dev/vdb (the rootfs). */
+  drives: DriveSpec[];
+  net?: NetSpec;
+  /**
+   * Where guest RAM lives. QEMU maps this file shared, so a snapshot is the file plus a small
+   * device-state stream; default `<runDir>/ram` (put runDir on tmpfs to keep RAM off the disk).
+   */
+  memFile?: string;
+  /** Add a virtio-balloon device so the host can take memory back. */
+  balloon?: boolean;
+}
+
+/** What a restore needs that is not in the snapshot: this VM's own disks, network and files. */
+export interface RestoreSpec {
+  id: string;
+  runDir: string;
+  /** Same count, order and read-only flags as at snapshot time (each VM gets its own upper). */
+  drives: DriveSpec[];
+  /** Must be of the same kind (user / tap) as at snapshot time; ports and TAP names may change. */
+  net?: NetSpec;
+  /** Where the restored VM's own RAM file goes when the snapshot carries RAM in its stream. */
+  memFile?: string;
+}
+
+/** A snapshot on disk: enough to start any number of VMs from it. */
+export interface SnapshotInfo {
+  vmm: VmmKind;
+  /** Directory holding the files below and snapshot.json. */
+  dir: string;
+  /** Device state (QEMU migration stream / Firecracker vmstate). */
+  statePath: string;
+  /** Guest memory image, mapped copy-on-write by restores; absent when RAM is in the state stream. */
+  memPath?: string;
+  /** The spec the VM ran with; restores reuse kernel, cmdline, vcpus, memory and device layout. */
+  spec: VmSpec;
+  createdAt: string;
+  /** VMM-specific details (QEMU: whether the stream skipped shared RAM). */
+  extra?: Record<string, unknown>;
+}
+
+export interface SnapshotOptions {
+  /**
+   * Keep the VM usable after the snapshot. QEMU then copies the RAM file (cost grows with touched
+   * memory); without it the snapshot takes the RAM file over and the VM can only be stopped.
+   */
+  resumable?: boolean;
+}
+
+export type VmState = "running" | "paused" | "snapshotted" | "stopped";
+
+export interface BalloonInfo {
+  /** Guest memory the host currently lets the guest use. */
+  actualMiB: number;
+  targetMiB?: number;
+}
+
+/** One running VM. */
+export interface Vmm {
+  readonly kind: VmmKind;
+  readonly id: string;
+  readonly pid: number;
+  readonly spec: VmSpec;
+  readonly state: VmState;
+  /** The guest's serial console, appended to while the VM runs. */
+  readonly consoleLog: string;
+  pause(): Promise<void>;
+  resume(): Promise<void>;
+  /** Pause (if running), write device state and memory into dir, leave the VM paused. */
+  snapshot(dir: string, opts?: SnapshotOptions): Promise<SnapshotInfo>;
+  /** Inflate or deflate the balloon so the guest keeps targetMiB. */
+  balloon(targetMiB: number): Promise<BalloonInfo>;
+  /** Kill the VMM process and remove its sockets; idempotent. */
+  stop(): Promise<void>;
+  /** Resolves when the VMM process exits, with its exit code. */
+  readonly exited: Promise<number | null>;
+}
+
+/** One VMM implementation. */
+export interface VmmDriver {
+  readonly kind: VmmKind;
+  boot(spec: VmSpec): Promise<Vmm>;
+  /** Start a VM from a snapshot: memory mapped copy-on-write, device state loaded, running. */
+  restore(snapshot: SnapshotInfo, spec: RestoreSpec): Promise<Vmm>;
+}
+
+export class VmmError extends Error {
+  constructor(
+    readonly code: "StartFailed" | "BadSpec" | "BadState" | "Protocol" | "Timeout" | "Unsupported",
+    message: string,
+  ) {
+    super(message);
+    this.name = `VmmError(${code})`;
+  }
+}
+
+/** Reads snapshot.json from a snapshot directory. */
+export async function readSnapshot(dir: string): Promise<SnapshotInfo> {
+  return (await Bun.file(`${dir}/snapshot.json`).json()) as SnapshotInfo;
+}

@@ -1,0 +1,87 @@
+// Shared by the VM tests: guest artifacts, blockd-served disks, free loopback ports, talking to the
+// guest's test CGI, and counting what a test leaves behind (QEMU processes, blockd devices).
+
+import { existsSync, mkdtempSync, readdirSync, readFileSync, rmSync } from "node:fs";
+import { join } from "node:path";
+import { debianKernel, sealedLayer, testRootfs, toolsDisk, type GuestKernel } from "../../guest/artifacts.ts";
+
+/** Why QEMU VM tests cannot run here, or undefined when they can. */
+export function vmSkipReason(): string | undefined {
+  if (process.getuid?.() !== 0) return "VM tests need root (blockd mounts FUSE)";
+  if (!existsSync("/dev/fuse")) return "VM tests need /dev/fuse for blockd";
+  const q = Bun.spawnSync(["sh", "-c", "command -v ${AENV_QEMU_BIN:-qemu-system-x86_64}"]);
+  if (q.exitCode !== 0) return "qemu-system-x86_64 is not installed (apt-get install qemu-system-x86)";
+  for (const tool of ["mkfs.ext4", "apt-get", "dpkg-deb", "lz4", "depmod", "cpio"])
+    if (Bun.spawnSync(["sh", "-c", `command -v ${tool}`]).exitCode !== 0) return `${tool} is missing (see .ci/run)`;
+  return undefined;
+}
+
+export interface GuestFixture {
+  kernel: GuestKernel;
+  toolsImage: string;
+  toolsLayer: string;
+  rootfsImage: string;
+  rootfsLayer: string;
+}
+
+/** Kernel, initramfs, tools disk and test rootfs, built on first use (cached under guest/.cache). */
+export async function guestFixture(): Promise<GuestFixture> {
+  const kernel = debianKernel();
+  const toolsImage = toolsDisk();
+  const rootfsImage = testRootfs();
+  return { kernel, toolsImage, toolsLayer: await sealedLayer(toolsImage), rootfsImage, rootfsLayer: await sealedLayer(rootfsImage) };
+}
+
+/** A loopback TCP port nothing listens on right now. */
+export function freePort(): number {
+  const s = Bun.listen({ hostname: "127.0.0.1", port: 0, socket: { data() {} } });
+  const port = s.port;
+  s.stop(true);
+  return port;
+}
+
+/** A run root on tmpfs (guest RAM files live there), removed by the caller. */
+export function runRoot(label: string): string {
+  return mkdtempSync(join(existsSync("/dev/shm") ? "/dev/shm" : "/tmp", `aenv-${label}-`));
+}
+
+/** PIDs of QEMU processes whose command line mentions `marker` (our run root). */
+export function qemuPids(marker: string): number[] {
+  const pids: number[] = [];
+  for (const e of readdirSync("/proc")) {
+    if (!/^\d+$/.test(e)) continue;
+    try {
+      const cmd = readFileSync(`/proc/${e}/cmdline`, "utf8");
+      if (cmd.includes("qemu-system") && cmd.includes(marker)) pids.push(Number(e));
+    } catch {}
+  }
+  return pids;
+}
+
+/** Milliseconds until GET url answers 200, or throws after timeoutMs. */
+export async function waitHttp(url: string, timeoutMs = 30_000): Promise<number> {
+  const t0 = performance.now();
+  for (;;) {
+    try {
+      const r = await fetch(url, { signal: AbortSignal.timeout(1000) });
+      if (r.ok) {
+        await r.arrayBuffer();
+        return performance.now() - t0;
+      }
+    } catch {}
+    if (performance.now() - t0 > timeoutMs) throw new Error(`${url} did not answer within ${timeoutMs} ms`);
+    await Bun.sleep(25);
+  }
+}
+
+/** Run a shell command in the guest through the test rootfs's CGI; returns its output. */
+export async function guestSh(port: number, command: string, timeoutMs = 10_000): Promise<string> {
+  const r = await fetch(`http://127.0.0.1:${port}/cgi-bin/sh`, { method: "POST", body: command, signal: AbortSignal.timeout(timeoutMs) });
+  const text = await r.text();
+  if (!r.ok) throw new Error(`guest sh ${JSON.stringify(command)} → HTTP ${r.status}: ${text}`);
+  return text;
+}
+
+export function rmrf(p: string): void {
+  rmSync(p, { recursive: true, force: true });
+}

@@ -1,0 +1,124 @@
+// QEMU command-line construction (no VM): microvm with a file-backed RAM object, drives in guest
+// order, loopback-only forwards, TAP, the TCG TSC fix, and the restore variant.
+
+import { describe, expect, test } from "bun:test";
+import { existsSync } from "node:fs";
+import { effectiveCmdline, probeKvm, qemuArgs, qemuOptValue, resolveAccel, type QemuLaunch } from "../../src/vmm/qemu.ts";
+import type { VmSpec } from "../../src/vmm/types.ts";
+
+const spec: VmSpec = {
+  id: "vm-1",
+  runDir: "/run/vm-1",
+  kernel: "/k/vmlinux",
+  initrd: "/k/initrd.cpio",
+  cmdline: "console=ttyS0 quiet",
+  vcpus: 1,
+  memMiB: 256,
+  drives: [{ path: "/tools.img", readOnly: true }, { path: "/state/dev/rw-1" }],
+  net: { user: { forwards: [{ hostPort: 20001, guestPort: 49983 }, { hostPort: 20002, guestPort: 8080 }] } },
+  balloon: true,
+};
+const launch: QemuLaunch = {
+  spec,
+  accel: "tcg",
+  ram: { path: "/dev/shm/vm-1/ram", share: true },
+  qmpSocket: "/run/vm-1/qmp.sock",
+  consoleLog: "/run/vm-1/console.log",
+  pidFile: "/run/vm-1/qemu.pid",
+  tscKhz: 2596134,
+};
+
+/** The value following each occurrence of flag. */
+function values(args: string[], flag: string): string[] {
+  return args.flatMap((a, i) => (a === flag ? [args[i + 1]!] : []));
+}
+
+describe("qemuArgs", () => {
+  test("boot: microvm over a shared RAM file, drives in order, forwards on loopback, balloon, QMP", () => {
+    const a = qemuArgs(launch);
+    expect(values(a, "-M")).toEqual(["microvm,acpi=on,memory-backend=ram0"]);
+    expect(values(a, "-object")).toEqual(["memory-backend-file,id=ram0,size=256M,mem-path=/dev/shm/vm-1/ram,share=on"]);
+    expect(values(a, "-accel")).toEqual(["tcg"]);
+    expect(values(a, "-cpu")).toEqual(["max"]);
+    expect(values(a, "-smp")).toEqual(["1"]);
+    expect(values(a, "-m")).toEqual(["256M"]);
+    expect(values(a, "-kernel")).toEqual(["/k/vmlinux"]);
+    expect(values(a, "-initrd")).toEqual(["/k/initrd.cpio"]);
+    expect(values(a, "-append")).toEqual(["console=ttyS0 quiet tsc_early_khz=2596134 tsc=reliable"]);
+    expect(values(a, "-drive")).toEqual([
+      "id=d0,file=/tools.img,format=raw,if=none,cache=writeback,aio=threads,readonly=on",
+      "id=d1,file=/state/dev/rw-1,format=raw,if=none,cache=writeback,aio=threads",
+    ]);
+    expect(values(a, "-device")).toEqual(["virtio-blk-device,drive=d0", "virtio-blk-device,drive=d1", "virtio-net-device,netdev=n0", "virtio-balloon-device,deflate-on-oom=on"]);
+    expect(values(a, "-netdev")).toEqual(["user,id=n0,hostfwd=tcp:127.0.0.1:20001-:49983,hostfwd=tcp:127.0.0.1:20002-:8080"]);
+    expect(values(a, "-qmp")).toEqual(["unix:/run/vm-1/qmp.sock,server=on,wait=off"]);
+    expect(values(a, "-serial")).toEqual(["file:/run/vm-1/console.log"]);
+    expect(values(a, "-pidfile")).toEqual(["/run/vm-1/qemu.pid"]);
+    for (const f of ["-nodefaults", "-no-user-config", "-no-reboot"]) expect(a).toContain(f);
+    expect(a).not.toContain("-incoming");
+  });
+
+  test("restore: the snapshot's RAM file mapped private, waiting for the stream", () => {
+    const a = qemuArgs({ ...launch, ram: { path: "/snap/mem", share: false }, incoming: true });
+    expect(values(a, "-object")).toEqual(["memory-backend-file,id=ram0,size=256M,mem-path=/snap/mem,share=off"]);
+    expect(values(a, "-incoming")).toEqual(["defer"]);
+  });
+
+  test("KVM: host CPU and the command line untouched", () => {
+    const a = qemuArgs({ ...launch, accel: "kvm" });
+    expect(values(a, "-accel")).toEqual(["kvm"]);
+    expect(values(a, "-cpu")).toEqual(["host"]);
+    expect(values(a, "-append")).toEqual(["console=ttyS0 quiet"]);
+  });
+
+  test("TAP with a MAC; no network at all", () => {
+    const a = qemuArgs({ ...launch, spec: { ...spec, net: { tap: "tap-s1", mac: "02:00:00:00:00:01" } } });
+    expect(values(a, "-netdev")).toEqual(["tap,id=n0,ifname=tap-s1,script=no,downscript=no"]);
+    expect(values(a, "-device")).toContain("virtio-net-device,netdev=n0,mac=02:00:00:00:00:01");
+    const none = qemuArgs({ ...launch, spec: { ...spec, net: undefined, balloon: false } });
+    expect(none).not.toContain("-netdev");
+    expect(values(none, "-device")).toEqual(["virtio-blk-device,drive=d0", "virtio-blk-device,drive=d1"]);
+  });
+
+  test("refusals: forwards off loopback, bad ports, bad TAP names, bad sizes", () => {
+    const withFwd = (hostAddr: string, hostPort = 1) => ({ ...launch, spec: { ...spec, net: { user: { forwards: [{ hostAddr, hostPort, guestPort: 80 }] } } } });
+    expect(() => qemuArgs(withFwd("0.0.0.0"))).toThrow(/loopback/);
+    expect(() => qemuArgs(withFwd("10.0.0.1"))).toThrow(/loopback/);
+    expect(qemuArgs(withFwd("127.0.0.2", 9000)).join(" ")).toContain("hostfwd=tcp:127.0.0.2:9000-:80");
+    expect(() => qemuArgs(withFwd("127.0.0.1", 70000))).toThrow(/port/);
+    expect(() => qemuArgs({ ...launch, spec: { ...spec, net: { tap: "tap0,script=/evil" } } })).toThrow(/TAP/);
+    expect(() => qemuArgs({ ...launch, spec: { ...spec, memMiB: 0 } })).toThrow(/memMiB/);
+    expect(() => qemuArgs({ ...launch, spec: { ...spec, vcpus: 0 } })).toThrow(/vcpus/);
+  });
+
+  test("commas in paths are doubled so they cannot add options", () => {
+    expect(qemuOptValue("/a,b/c")).toBe("/a,,b/c");
+    const a = qemuArgs({ ...launch, spec: { ...spec, drives: [{ path: "/x,readonly=off" }] } });
+    expect(values(a, "-drive")[0]).toBe("id=d0,file=/x,,readonly=off,format=raw,if=none,cache=writeback,aio=threads");
+  });
+
+  test("tsc_early_khz is added once, only under TCG", () => {
+    expect(effectiveCmdline("quiet", "tcg", 1000)).toBe("quiet tsc_early_khz=1000 tsc=reliable");
+    expect(effectiveCmdline("quiet tsc_early_khz=5", "tcg", 1000)).toBe("quiet tsc_early_khz=5");
+    expect(effectiveCmdline("quiet", "kvm", 1000)).toBe("quiet");
+    expect(effectiveCmdline("quiet", "tcg", undefined)).toBe("quiet");
+  });
+
+  test("accelerator: KVM probe matches the host; AENV_QEMU_ACCEL and the option override it", () => {
+    const p = probeKvm();
+    if (existsSync("/sys/module/kvm_pvm")) expect(p).toEqual({ usable: false, reason: "/dev/kvm is kvm_pvm (PVM guests only)" });
+    if (!existsSync("/dev/kvm")) expect(p.usable).toBe(false);
+    expect(resolveAccel({ accel: "tcg" })).toBe("tcg");
+    expect(resolveAccel({ accel: "kvm" })).toBe("kvm");
+    const saved = process.env.AENV_QEMU_ACCEL;
+    try {
+      process.env.AENV_QEMU_ACCEL = "tcg";
+      expect(resolveAccel()).toBe("tcg");
+      process.env.AENV_QEMU_ACCEL = "hvf";
+      expect(() => resolveAccel()).toThrow(/AENV_QEMU_ACCEL/);
+    } finally {
+      if (saved === undefined) delete process.env.AENV_QEMU_ACCEL;
+      else process.env.AENV_QEMU_ACCEL = saved;
+    }
+  });
+});

@@ -1,0 +1,363 @@
+// Real VMs under QEMU (TCG here, KVM where usable): a busybox rootfs served by blockd plus the
+// shared tools disk; boot until the guest answers HTTP through a loopback forward, pause/resume,
+// snapshot + restore into VMs with their own disk uppers, two restores side by side, and nothing
+// left behind (QEMU processes, blockd devices).
+
+import { afterAll, beforeAll, describe, expect, test } from "bun:test";
+import { existsSync, mkdirSync, statSync } from "node:fs";
+import { join } from "node:path";
+import { dirname } from "node:path";
+import { guestCmdline, toolsDisk } from "../../guest/artifacts.ts";
+import type { BlockdClient } from "../../src/blockdev/client.ts";
+import { QemuDriver } from "../../src/vmm/qemu.ts";
+import type { SnapshotInfo, Vmm } from "../../src/vmm/types.ts";
+import { startBlockd } from "../blockdev/harness.ts";
+import { freePort, guestFixture, guestSh, qemuPids, rmrf, runRoot, vmSkipReason, waitHttp, type GuestFixture } from "./harness.ts";
+
+const skip = vmSkipReason();
+if (skip) console.log(`QEMU VM tests skipped: ${skip}`);
+
+const GUEST_PORT = 8080;
+const DISK = 64 << 20;
+
+describe.skipIf(!!skip)("QEMU microVMs", async () => {
+  const { dir, client } = await startBlockd("vmm");
+  const root = runRoot("vmm-test");
+  const driver = new QemuDriver();
+  let fx: GuestFixture;
+  let devicesBefore = 0;
+  const live = new Set<Vmm>();
+  const devices: string[] = []; // rw devices to delete at the end
+  let toolsRefs = 0;
+  let toolsDev = "";
+  console.log(`QEMU VM tests: accel ${driver.accel}`);
+
+  beforeAll(async () => {
+    fx = await guestFixture();
+    devicesBefore = (await client.call<unknown[]>("list")).length;
+  }, 180_000);
+
+  afterAll(async () => {
+    for (const vm of live) await vm.stop();
+    rmrf(root);
+  });
+
+  async function toolsDrive() {
+    const d = await client.call("createReadOnly", { lowers: [fx.toolsLayer] });
+    toolsDev = d.id;
+    toolsRefs++;
+    return { path: d.path as string, readOnly: true };
+  }
+
+  async function rootfsDrive(c: BlockdClient, lowers: string[], name: string) {
+    const d = await c.call("create", { lowers, upperDir: join(dir, "uppers", name), size: DISK });
+    devices.push(d.id);
+    return { id: d.id as string, path: d.path as string };
+  }
+
+  async function boot(name: string, port: number, lowers = [fx.rootfsLayer]) {
+    const rootfs = await rootfsDrive(client, lowers, name);
+    const vm = await driver.boot({
+      id: name,
+      runDir: join(root, name),
+      kernel: fx.kernel.vmlinux,
+      initrd: fx.kernel.initrd,
+      cmdline: guestCmdline({ httpdPort: GUEST_PORT, httpdRoot: "/srv/www" }),
+      vcpus: 1,
+      memMiB: 256,
+      drives: [await toolsDrive(), { path: rootfs.path }],
+      net: { user: { forwards: [{ hostPort: port, guestPort: GUEST_PORT }] } },
+      balloon: true,
+    });
+    live.add(vm);
+    return { vm, rootfs };
+  }
+
+  async function stop(vm: Vmm) {
+    await vm.stop();
+    live.delete(vm);
+  }
+
+  /** Start a counter in the guest (1 per 100 ms into /tmp/counter); returns its pid. */
+  async function startCounter(port: number): Promise<number> {
+    const out = await guestSh(port, "setsid sh -c 'n=0; while :; do n=$((n+1)); echo $n > /tmp/counter; usleep 100000; done' </dev/null >/dev/null 2>&1 & echo $!");
+    return Number(out.trim());
+  }
+  const counter = async (port: number) => Number((await guestSh(port, "cat /tmp/counter")).trim());
+  const alive = async (port: number, pid: number) => (await guestSh(port, `kill -0 ${pid} && echo yes || echo no`)).trim() === "yes";
+
+  let snap: SnapshotInfo;
+  let counterPid = 0;
+  // Restack renames the upper into the layer file: it must sit on the uppers' filesystem.
+  const snap1Layer = join(dir, "snap1.rootfs.layer");
+  const snap2Layer = join(dir, "snap2.rootfs.layer");
+
+  test(
+    "boot: blockd rootfs + shared tools disk; guest answers HTTP; our init is PID 1 in the user's root",
+    async () => {
+      const port = freePort();
+      const t0 = performance.now();
+      const { vm } = await boot("boot1", port);
+      try {
+        const ms = await waitHttp(`http://127.0.0.1:${port}/health`, 45_000);
+        console.log(`  cold boot → HTTP: ${Math.round(performance.now() - t0)} ms (QEMU up after ${Math.round(performance.now() - t0 - ms)} ms)`);
+        expect(vm.state).toBe("running");
+        const mounts = await guestSh(port, "cat /proc/mounts");
+        expect(mounts).toMatch(/^\/dev\/vdb \/ ext4 rw/m);
+        expect(mounts).toMatch(/^\/dev\/vda \/agentenv ext4 ro/m);
+        for (const fs of ["proc", "sysfs", "devtmpfs", "devpts"]) expect(mounts).toContain(` ${fs} `);
+        expect(mounts).toMatch(/ \/run tmpfs /);
+        expect((await guestSh(port, "cat /proc/1/cmdline | tr '\\0' ' '")).trim()).toBe("/agentenv/bin/busybox sh /agentenv/init/run");
+        expect((await guestSh(port, "ip -4 addr show eth0")).trim()).toContain("10.0.2.15/24");
+        // No envd on this tools disk: no supervisor was started, and nothing of ours is in the image.
+        expect((await guestSh(port, "test -e /run/aenv/envd-supervisor.pid && echo yes || echo no")).trim()).toBe("no");
+        expect((await guestSh(port, "ls /agentenv")).split(/\s+/)).toContain("init");
+        const b = await vm.balloon(200);
+        expect(b.targetMiB).toBe(200);
+      } finally {
+        await stop(vm);
+      }
+      expect(vm.state).toBe("stopped");
+    },
+    60_000,
+  );
+
+  test(
+    "pause/resume: the guest stops answering while paused, its processes survive",
+    async () => {
+      const port = freePort();
+      const { vm } = await boot("pause1", port);
+      try {
+        await waitHttp(`http://127.0.0.1:${port}/health`, 45_000);
+        const pid = await startCounter(port);
+        await Bun.sleep(500);
+        await vm.pause();
+        expect(vm.state).toBe("paused");
+        const stalled = await fetch(`http://127.0.0.1:${port}/health`, { signal: AbortSignal.timeout(700) }).then(
+          () => "answered",
+          () => "no answer",
+        );
+        expect(stalled).toBe("no answer");
+        await vm.resume();
+        expect(vm.state).toBe("running");
+        const c1 = await counter(port);
+        await Bun.sleep(600);
+        const c2 = await counter(port);
+        expect(c2).toBeGreaterThan(c1);
+        expect(await alive(port, pid)).toBe(true);
+      } finally {
+        await stop(vm);
+      }
+    },
+    60_000,
+  );
+
+  test(
+    "snapshot (resumable) + restack; the source keeps running",
+    async () => {
+      const port = freePort();
+      const { vm, rootfs } = await boot("src1", port);
+      try {
+        await waitHttp(`http://127.0.0.1:${port}/health`, 45_000);
+        counterPid = await startCounter(port);
+        await guestSh(port, "echo before-snapshot > /root/marker");
+        await Bun.sleep(300);
+        const t0 = performance.now();
+        snap = await vm.snapshot(join(root, "snap1"), { resumable: true });
+        const tSnap = performance.now() - t0;
+        // The disk as of the snapshot becomes a read-only layer; the source gets a fresh upper.
+        await client.call("restack", { id: rootfs.id, layerPath: snap1Layer });
+        console.log(`  snapshot: ${Math.round(tSnap)} ms (state ${statSync(snap.statePath).size} B), restack: ${Math.round(performance.now() - t0 - tSnap)} ms`);
+        expect(vm.state).toBe("paused");
+        expect(snap.memPath && existsSync(snap.memPath)).toBeTruthy();
+        expect(statSync(snap.statePath).size).toBeLessThan(1 << 20); // device state only: RAM stays in the file
+        await vm.resume();
+        await guestSh(port, "echo after-snapshot > /root/source-only; sync");
+        expect(await alive(port, counterPid)).toBe(true);
+      } finally {
+        await stop(vm);
+      }
+    },
+    60_000,
+  );
+
+  test(
+    "restore into a VM with its own upper: same files, same processes",
+    async () => {
+      expect(snap).toBeDefined();
+      const port = freePort();
+      const rootfs = await rootfsDrive(client, [fx.rootfsLayer, snap1Layer], "restore1");
+      const t0 = performance.now();
+      const vm = await driver.restore(snap, { id: "restore1", runDir: join(root, "restore1"), drives: [await toolsDrive(), { path: rootfs.path }], net: { user: { forwards: [{ hostPort: port, guestPort: GUEST_PORT }] } } });
+      live.add(vm);
+      try {
+        const tQemu = performance.now() - t0;
+        await waitHttp(`http://127.0.0.1:${port}/health`, 20_000);
+        console.log(`  restore → HTTP: ${Math.round(performance.now() - t0)} ms (QEMU + state load ${Math.round(tQemu)} ms)`);
+        expect((await guestSh(port, "cat /root/marker")).trim()).toBe("before-snapshot");
+        expect((await guestSh(port, "cat /root/source-only 2>&1 || true")).trim()).toContain("No such file");
+        expect(await alive(port, counterPid)).toBe(true);
+        const c1 = await counter(port);
+        await Bun.sleep(500);
+        expect(await counter(port)).toBeGreaterThan(c1);
+        // Its disk writes survive a drop of the guest page cache, i.e. they reached its own upper.
+        await guestSh(port, "echo restored > /root/mine; sync; echo 3 > /proc/sys/vm/drop_caches");
+        expect((await guestSh(port, "cat /root/mine")).trim()).toBe("restored");
+      } finally {
+        await stop(vm);
+      }
+    },
+    60_000,
+  );
+
+  test(
+    "two restores side by side: each its own state; the memory image is never written",
+    async () => {
+      expect(snap).toBeDefined();
+      const md5 = () => Bun.spawnSync(["md5sum", snap.memPath!]).stdout.toString().split(" ")[0];
+      const before = md5();
+      const vms: { vm: Vmm; port: number }[] = [];
+      try {
+        for (const name of ["fork-a", "fork-b"]) {
+          const port = freePort();
+          const rootfs = await rootfsDrive(client, [fx.rootfsLayer, snap1Layer], name);
+          const vm = await driver.restore(snap, { id: name, runDir: join(root, name), drives: [await toolsDrive(), { path: rootfs.path }], net: { user: { forwards: [{ hostPort: port, guestPort: GUEST_PORT }] } } });
+          live.add(vm);
+          vms.push({ vm, port });
+        }
+        for (const { vm, port } of vms) {
+          await waitHttp(`http://127.0.0.1:${port}/health`, 20_000);
+          await guestSh(port, `echo ${vm.id} > /root/who; dd if=/dev/urandom of=/tmp/fill bs=1M count=16 2>/dev/null; sync`);
+        }
+        for (const { vm, port } of vms) {
+          expect((await guestSh(port, "cat /root/who")).trim()).toBe(vm.id);
+          expect((await guestSh(port, "cat /root/marker")).trim()).toBe("before-snapshot");
+          expect(await alive(port, counterPid)).toBe(true);
+        }
+        expect(new Set(vms.map((v) => v.vm.pid)).size).toBe(2);
+      } finally {
+        for (const { vm } of vms) await stop(vm);
+      }
+      expect(md5()).toBe(before);
+    },
+    60_000,
+  );
+
+  test(
+    "snapshot of a restored VM (RAM in the stream) restores too",
+    async () => {
+      expect(snap).toBeDefined();
+      const port = freePort();
+      const rootfs = await rootfsDrive(client, [fx.rootfsLayer, snap1Layer], "gen2");
+      const vm = await driver.restore(snap, { id: "gen2", runDir: join(root, "gen2"), drives: [await toolsDrive(), { path: rootfs.path }], net: { user: { forwards: [{ hostPort: port, guestPort: GUEST_PORT }] } } });
+      live.add(vm);
+      let snap2: SnapshotInfo;
+      try {
+        await waitHttp(`http://127.0.0.1:${port}/health`, 20_000);
+        await guestSh(port, "echo gen2 > /root/gen");
+        snap2 = await vm.snapshot(join(root, "snap2"));
+        await client.call("restack", { id: rootfs.id, layerPath: snap2Layer });
+        expect(snap2.memPath).toBeUndefined(); // a private (copy-on-write) RAM mapping goes into the stream
+      } finally {
+        await stop(vm);
+      }
+      const port3 = freePort();
+      const rootfs3 = await rootfsDrive(client, [fx.rootfsLayer, snap1Layer, snap2Layer], "gen3");
+      const vm3 = await driver.restore(snap2, { id: "gen3", runDir: join(root, "gen3"), drives: [await toolsDrive(), { path: rootfs3.path }], net: { user: { forwards: [{ hostPort: port3, guestPort: GUEST_PORT }] } } });
+      live.add(vm3);
+      try {
+        await waitHttp(`http://127.0.0.1:${port3}/health`, 20_000);
+        expect((await guestSh(port3, "cat /root/gen /root/marker")).trim()).toBe("gen2\nbefore-snapshot");
+        expect(await alive(port3, counterPid)).toBe(true);
+        // Restored from a stream, it got a shared RAM file of its own: its snapshot is cheap again,
+        // and without resumable the snapshot takes that file over, so the VM may not run on.
+        const snap3 = await vm3.snapshot(join(root, "snap3"));
+        expect(snap3.memPath).toBeDefined();
+        expect(statSync(snap3.statePath).size).toBeLessThan(1 << 20);
+        expect(vm3.state).toBe("snapshotted");
+        await expect(vm3.resume()).rejects.toThrow(/snapshotted/);
+      } finally {
+        await stop(vm3);
+      }
+    },
+    60_000,
+  );
+
+  test(
+    "envd on the tools disk: started by init, restarted by the supervisor when it dies",
+    async () => {
+      // A shell stand-in for envd; the real binary goes in the same way (toolsDisk({ envd })).
+      const tools = toolsDisk({ envd: join(import.meta.dir, "fake-envd.sh"), out: join(dirname(fx.toolsImage), "tools-test-envd.img") });
+      const port = freePort();
+      const envdPort = freePort();
+      const rootfs = await rootfsDrive(client, [fx.rootfsLayer], "envd1");
+      const vm = await driver.boot({
+        id: "envd1",
+        runDir: join(root, "envd1"),
+        kernel: fx.kernel.vmlinux,
+        initrd: fx.kernel.initrd,
+        cmdline: guestCmdline({ httpdPort: GUEST_PORT, httpdRoot: "/srv/www" }),
+        vcpus: 1,
+        memMiB: 256,
+        drives: [{ path: tools, readOnly: true }, { path: rootfs.path }],
+        net: { user: { forwards: [{ hostPort: port, guestPort: GUEST_PORT }, { hostPort: envdPort, guestPort: 49983 }] } },
+      });
+      live.add(vm);
+      try {
+        await waitHttp(`http://127.0.0.1:${envdPort}/health`, 45_000);
+        await waitHttp(`http://127.0.0.1:${port}/health`, 10_000);
+        const first = (await guestSh(port, "cat /run/fake-envd/pid")).trim();
+        await guestSh(port, `kill ${first}`);
+        // The supervisor waits 1 s before starting it again.
+        const until = Date.now() + 15_000;
+        let second = first;
+        while (second === first && Date.now() < until) {
+          await Bun.sleep(200);
+          second = (await guestSh(port, "cat /run/fake-envd/pid")).trim();
+        }
+        expect(second).not.toBe(first);
+        await waitHttp(`http://127.0.0.1:${envdPort}/health`, 10_000);
+        expect((await guestSh(port, "cat /run/aenv/envd.restarts")).trim()).toBe("1");
+      } finally {
+        await stop(vm);
+      }
+    },
+    60_000,
+  );
+
+  test("a QEMU that cannot start reports its stderr", async () => {
+    mkdirSync(join(root, "bad"), { recursive: true });
+    const port = freePort();
+    const blocker = Bun.listen({ hostname: "127.0.0.1", port, socket: { data() {} } });
+    try {
+      const err = await driver
+        .boot({
+          id: "bad",
+          runDir: join(root, "bad"),
+          kernel: fx.kernel.vmlinux,
+          initrd: fx.kernel.initrd,
+          cmdline: guestCmdline(),
+          vcpus: 1,
+          memMiB: 128,
+          drives: [{ path: fx.toolsImage, readOnly: true }],
+          net: { user: { forwards: [{ hostPort: port, guestPort: GUEST_PORT }] } },
+        })
+        .then(
+          () => undefined,
+          (e: Error) => e,
+        );
+      expect(err?.message).toContain("host forwarding");
+      expect(err?.name).toContain("StartFailed");
+    } finally {
+      blocker.stop(true);
+    }
+  }, 30_000);
+
+  test("nothing leaks: no QEMU process, no device beyond the ones we delete", async () => {
+    expect(live.size).toBe(0);
+    expect(qemuPids(root)).toEqual([]);
+    for (const id of devices) await client.call("delete", { id });
+    for (let i = 0; i < toolsRefs; i++) await client.call("delete", { id: toolsDev });
+    expect((await client.call<unknown[]>("list")).length).toBe(devicesBefore);
+  }, 30_000);
+});
