@@ -7,6 +7,8 @@ import { Image } from "../storage/image.ts";
 import type { ImageConfig } from "../storage/image_config.ts";
 import type { DeviceIo, WakeSource } from "./device_io.ts";
 import { FuseDisk } from "./fuse/server.ts";
+import { UblkQueue } from "./ublk/queue.ts";
+import type { UblkQueueSpec } from "./ublk/frontend.ts";
 import { IoRangeError } from "../storage/errors.ts";
 import { IoLimiter } from "../storage/io_limiter.ts";
 
@@ -14,7 +16,9 @@ declare const self: Worker;
 
 export interface WorkerInit {
   id: string;
-  frontend: "fuse";
+  frontend: "fuse" | "ublk";
+  /** ublk: the queue this worker serves (the device is made by blockd's main thread). */
+  ublk?: UblkQueueSpec;
   path: string;
   readOnly: boolean;
   config: ImageConfig | null; // null: an empty pool device, size 0 until acquired
@@ -62,7 +66,7 @@ class ImageIo implements DeviceIo {
 
 let init: WorkerInit;
 let io: ImageIo;
-let disk: FuseDisk;
+let disk: FuseDisk | undefined; // FUSE frontend only
 let stopping = false;
 let remoteIo: IoLimiter;
 let received = 0;
@@ -80,19 +84,19 @@ async function runControl(body: ControlOp): Promise<unknown> {
       io.image = body.config ? await Image.open(body.config, { remoteIo }) : null;
       io.readOnly = body.readOnly;
       if (old) await old.close();
-      disk.invalidate();
+      disk?.invalidate();
       return { size: io.size() };
     }
     case "resize":
       if (!io.image || io.readOnly) throw new IoRangeError("device is read-only", init.id);
       await io.image.resize(body.size);
-      disk.invalidate();
+      disk?.invalidate();
       return { size: io.size() };
     case "flush":
       await io.flush();
       return {};
     case "stats":
-      return { ...disk.stats, size: io.size() };
+      return { ...(disk?.stats ?? {}), size: io.size() };
     case "stop":
       stopping = true;
       if (io.image) await io.image.close();
@@ -125,16 +129,26 @@ self.onmessage = async (ev: MessageEvent) => {
       const image = init.config ? await Image.open(init.config, { remoteIo }) : null;
       io = new ImageIo(image, init.readOnly);
       const wakeFd = eventfd(0);
-      const opts = { path: init.path, readOnly: init.readOnly };
-      if (init.adoptFd !== undefined) {
-        disk = FuseDisk.adopt(init.adoptFd, opts);
-        disk.resend();
-      } else disk = FuseDisk.mount(opts);
-      self.postMessage({ type: "ready", wakeFd, fuseFd: disk.fd, size: io.size() });
       const wake: WakeSource = { fd: wakeFd, onWake: drainControl, stopping: () => stopping };
-      await disk.serve(io, wake);
-      disk.unmount();
-      disk.close();
+      if (init.frontend === "ublk") {
+        // The kernel binds a ublk queue to the thread that fetched it: this one, for its life.
+        const queue = UblkQueue.open(init.ublk!);
+        queue.prime();
+        self.postMessage({ type: "ready", wakeFd, fuseFd: -1, size: io.size() });
+        const exit = await queue.run(io, wake);
+        queue.close();
+        if (exit.reason === "failed") throw exit.error;
+      } else {
+        const opts = { path: init.path, readOnly: init.readOnly };
+        if (init.adoptFd !== undefined) {
+          disk = FuseDisk.adopt(init.adoptFd, opts);
+          disk.resend();
+        } else disk = FuseDisk.mount(opts);
+        self.postMessage({ type: "ready", wakeFd, fuseFd: disk.fd, size: io.size() });
+        await disk.serve(io, wake);
+        disk.unmount();
+        disk.close();
+      }
       close(wakeFd);
       self.postMessage({ type: "exited" });
     } catch (e) {

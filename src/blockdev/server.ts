@@ -11,6 +11,9 @@ import { WritableLayer } from "../storage/lsmt/writable_layer.ts";
 import { DeviceHandle } from "./device.ts";
 import { KeeperClient } from "./keeper_client.ts";
 import { IoLimiter } from "../storage/io_limiter.ts";
+import { Image } from "../storage/image.ts";
+import { UblkControl } from "./ublk/control.ts";
+import { UblkDevice } from "./ublk/frontend.ts";
 import { BlockdError, FrameReader, PROTOCOL_VERSION, encodeFrame, type Reply, type Request } from "./protocol.ts";
 
 export const WRITABLE_DATA = "writable_data";
@@ -22,6 +25,8 @@ export interface BlockdOptions {
   pool?: number;
   /** Remote-layer reads in flight across all devices (default 32). */
   remoteIo?: number;
+  /** "auto" (default): ublk when /dev/ublk-control exists, FUSE otherwise. */
+  frontend?: "auto" | "fuse" | "ublk";
 }
 
 /** What the table on disk keeps of a device: enough to bring it back after a crash. */
@@ -37,11 +42,17 @@ export interface DeviceRecord {
   loop?: string;
   /** Pool devices: true while handed out by acquire. */
   acquired?: boolean;
+  frontend?: "fuse" | "ublk";
+  /** ublk device id (the device is /dev/ublkb<id>). */
+  ublkId?: number;
+  /** Device size in bytes (ublk needs it before the image is open). */
+  size?: number;
 }
 
 interface Device {
   rec: DeviceRecord;
   handle: DeviceHandle;
+  ublk?: UblkDevice;
 }
 
 const ID_RE = /^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$/;
@@ -55,11 +66,14 @@ export class Blockd {
   private keeper!: KeeperClient;
   private remoteIo: IoLimiter;
   readonly socketPath: string;
-  readonly frontend = "fuse" as const; // ublk frontend: chosen when its device worker lands (see docs/blockd.md)
+  readonly frontend: "fuse" | "ublk";
+  private ublkCtrl: UblkControl | undefined;
 
   private constructor(readonly opts: BlockdOptions) {
     this.socketPath = join(opts.stateDir, "blockd.sock");
     this.remoteIo = IoLimiter.create(opts.remoteIo ?? 32);
+    const want = opts.frontend ?? (process.env.AENV_BLOCKD_FRONTEND as BlockdOptions["frontend"]) ?? "auto";
+    this.frontend = want === "auto" ? (UblkControl.available() ? "ublk" : "fuse") : want;
   }
 
   private get tablePath(): string {
@@ -99,6 +113,11 @@ export class Blockd {
       const n = Number(/-(\d+)$/.exec(rec.id)?.[1] ?? 0);
       if (n > this.serial) this.serial = n;
       try {
+        if ((rec.frontend ?? "fuse") === "ublk") {
+          const { handle, ublk } = await this.startUblk(rec, true);
+          this.devices.set(rec.id, { rec, handle, ublk });
+          continue;
+        }
         const live = await this.keeper.take(rec.id);
         if (live !== undefined) {
           const handle = await this.startWorker(rec, live);
@@ -124,6 +143,43 @@ export class Blockd {
     this.saveTable();
   }
 
+  /**
+   * A ublk device: ADD_DEV + SET_PARAMS here, the queue worker FETCHes, then START_DEV. After a
+   * crash (recover), the kernel kept the device: START/END_USER_RECOVERY re-attach a new worker.
+   */
+  private async startUblk(rec: DeviceRecord, recover = false): Promise<{ handle: DeviceHandle; ublk: UblkDevice }> {
+    this.ublkCtrl ??= new UblkControl();
+    let ublk: UblkDevice | undefined;
+    if (recover && rec.ublkId !== undefined) {
+      try {
+        ublk = await UblkDevice.recover(this.ublkCtrl, rec.ublkId);
+      } catch (e) {
+        console.error(`blockd: ublk ${rec.ublkId} not recoverable (${(e as Error).message}); adding it anew`);
+      }
+    }
+    // "reissue": I/O in flight when a blockd dies is sent again to the next one (writes are idempotent).
+    ublk ??= await UblkDevice.create(this.ublkCtrl, { sizeBytes: rec.size!, readOnly: rec.readOnly, recovery: "reissue" });
+    rec.ublkId = ublk.devId;
+    rec.path = ublk.blockPath;
+    try {
+      const handle = await DeviceHandle.start({
+        id: rec.id,
+        frontend: "ublk",
+        ublk: ublk.queueSpec(0),
+        path: rec.path,
+        readOnly: rec.readOnly,
+        config: rec.config,
+        remoteIo: this.remoteIo.shared,
+      });
+      await ublk.start();
+      return { handle, ublk };
+    } catch (e) {
+      await ublk.stop().catch(() => {});
+      await ublk.remove().catch(() => {});
+      throw e;
+    }
+  }
+
   private async startWorker(rec: DeviceRecord, adoptFd?: number): Promise<DeviceHandle> {
     if (adoptFd === undefined && !existsSync(rec.path)) writeFileSync(rec.path, "");
     const handle = await DeviceHandle.start({ id: rec.id, frontend: "fuse", path: rec.path, readOnly: rec.readOnly, config: rec.config, adoptFd, remoteIo: this.remoteIo.shared });
@@ -136,6 +192,15 @@ export class Blockd {
   }
 
   private async addDevice(rec: DeviceRecord, loop: boolean): Promise<DeviceRecord> {
+    if (this.frontend === "ublk" && rec.kind !== "pool") {
+      rec.frontend = "ublk";
+      rec.size ??= await imageSize(rec.config!);
+      const { handle, ublk } = await this.startUblk(rec);
+      this.devices.set(rec.id, { rec, handle, ublk });
+      this.saveTable();
+      return rec; // already a block device: no loop needed
+    }
+    rec.frontend = "fuse";
     const handle = await this.startWorker(rec);
     this.devices.set(rec.id, { rec, handle });
     try {
@@ -189,7 +254,7 @@ export class Blockd {
     for (let i = 0; i < config.lowers.length; i++) resolveLayerPath(config.lowers[i]!, i); // missing layer → ConfigError now
     mkdirSync(upperDir, { recursive: true });
     await (await WritableLayer.create(data, index, { virtualSize: size as number, sparse: sparse === true })).close();
-    const rec = await this.addDevice({ id: devId, kind: "rw", path: this.devPath(devId), config, readOnly: false, refs: 1 }, loop === true);
+    const rec = await this.addDevice({ id: devId, kind: "rw", path: this.devPath(devId), config, readOnly: false, refs: 1, size: size as number }, loop === true);
     return this.view(rec, size as number);
   }
 
@@ -243,6 +308,12 @@ export class Blockd {
   }
 
   private async teardown(d: Device): Promise<void> {
+    if (d.ublk) {
+      await d.handle.stop();
+      await d.ublk.stop();
+      await d.ublk.remove();
+      return;
+    }
     await this.keeper.drop(d.rec.id);
     if (d.rec.loop) {
       try {
@@ -398,6 +469,12 @@ export class Blockd {
         if (d.rec.loop) loopDetach(d.rec.loop);
       } catch {}
       try {
+        if (d.ublk) {
+          await d.handle.stop();
+          await d.ublk.stop();
+          await d.ublk.remove();
+          continue;
+        }
         await this.keeper.drop(d.rec.id);
         await d.handle.stop();
       } catch (e) {
@@ -423,6 +500,16 @@ function checkLowers(lowers: unknown): LayerRef[] {
   if (lowers === undefined) return [];
   if (!Array.isArray(lowers)) throw new BlockdError("BadRequest", `"lowers" must be an array of layers`);
   return lowers.map((l) => (typeof l === "string" ? { file: l } : l)) as LayerRef[];
+}
+
+/** The virtual size a config's stack has (ublk sets the device size before a worker opens it). */
+async function imageSize(config: ImageConfig): Promise<number> {
+  const image = await Image.open(config);
+  try {
+    return image.virtualSize;
+  } finally {
+    await image.close();
+  }
 }
 
 export function isFile(p: string): boolean {

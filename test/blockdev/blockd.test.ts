@@ -6,7 +6,7 @@ import { join } from "node:path";
 import { WritableLayer } from "../../src/storage/lsmt/writable_layer.ts";
 import { sha256 } from "../helpers/tmp.ts";
 import { haveFuse, haveLoop, sh, startBlockd } from "./harness.ts";
-import { encodeFrame } from "../../src/blockdev/protocol.ts";
+import { FrameReader, encodeFrame } from "../../src/blockdev/protocol.ts";
 
 const canRun = haveFuse && haveLoop;
 if (!canRun) console.log("blockd tests skipped: they need root, /dev/fuse and /dev/loop-control");
@@ -91,7 +91,7 @@ describe.skipIf(!canRun)("blockd (FUSE frontend)", async () => {
     expect((await client.call("list")).some((d: { id: string }) => d.id === a.id)).toBe(true);
     expect((await client.call("delete", { id: a.id })).freed).toBe(true);
     expect((await client.call("list")).some((d: { id: string }) => d.id === a.id)).toBe(false);
-  });
+  }, 30_000);
 
   test("warm pool: acquire swaps the image under a live device and a reader sees it", async () => {
     const l1 = await makeLayer(join(dir, "pool-a.sealed"), 1 << 20, 0, new Uint8Array(4096).fill(0xa1));
@@ -118,7 +118,7 @@ describe.skipIf(!canRun)("blockd (FUSE frontend)", async () => {
     const d3 = await client.call("acquire", { lowers: [l1], upperDir: join(dir, "pool-up"), size: 1 << 20 });
     expect(readAll(d3.path, 4096)[0]).toBe(0xa1);
     await client.call("release", { id: d3.id });
-  });
+  }, 30_000);
 
   test("bad input gets a typed error and blockd keeps serving other devices", async () => {
     const keep = await client.call("create", { upperDir: join(dir, "keep"), size: 1 << 20 });
@@ -158,10 +158,12 @@ describe.skipIf(!canRun)("blockd (FUSE frontend)", async () => {
     const { BlockdClient } = await import("../../src/blockdev/client.ts");
     const raw = await BlockdClient.connect(join(dir, "state", "blockd.sock"));
     const got: string[] = [];
+    const frames = new FrameReader();
     const replies = new Promise<void>((resolve) => {
+      // Both replies may arrive in one chunk: split frames as the client does.
       (raw as unknown as { onData: (c: Uint8Array) => void }).onData = (c: Uint8Array) => {
-        got.push(new TextDecoder().decode(c.subarray(4)));
-        if (got.length === 2) resolve();
+        for (const f of frames.push(c)) got.push(new TextDecoder().decode(f));
+        if (got.length >= 2) resolve();
       };
     });
     raw.sendRaw(encodeFrame({ v: 99, id: 7, method: "hello" }));
@@ -174,5 +176,5 @@ describe.skipIf(!canRun)("blockd (FUSE frontend)", async () => {
     expect(readAll(keep.path, 4096).length).toBe(4096);
     expect((await client.call("hello")).version).toBe(1);
     await client.call("delete", { id: keep.id });
-  });
+  }, 30_000);
 });

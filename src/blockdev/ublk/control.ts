@@ -18,6 +18,7 @@ import {
   UBLK_PARAMS_SIZE,
   UBLK_PARAM_TYPE_BASIC,
   UBLK_PARAM_TYPE_DEVT,
+  UBLK_SECTOR_SHIFT,
   UBLK_U_CMD_ADD_DEV,
   UBLK_U_CMD_DEL_DEV,
   UBLK_U_CMD_DEL_DEV_ASYNC,
@@ -114,8 +115,6 @@ interface Waiter {
 
 const POLL_BACKOFF_MS = [0, 0, 0, 1, 1, 2, 4, 8];
 const RETRY_LIMIT = 50;
-/** The DISCARD/basic limits SET_PARAMS checks against the device's negotiated buffer size. */
-const SECTOR_SHIFT = 9;
 
 export class UblkControl {
   readonly fd: number;
@@ -129,7 +128,6 @@ export class UblkControl {
   private readonly infos = new Map<number, UblksrvCtrlDevInfo>();
   private readonly unprivileged = new Set<number>();
   private nextSeq = 1;
-  private polling: Promise<void> | null = null;
   private closed = false;
 
   constructor(opts: UblkControlOptions = {}) {
@@ -233,7 +231,7 @@ export class UblkControl {
       throw new UblkInvalidArgument("params.types", params.types, "must include UBLK_PARAM_TYPE_BASIC");
     }
     const info = this.infos.get(devId);
-    if (info && params.basic.maxSectors > info.maxIoBufBytes >> SECTOR_SHIFT) {
+    if (info && params.basic.maxSectors > info.maxIoBufBytes >> UBLK_SECTOR_SHIFT) {
       throw new UblkInvalidArgument(
         "params.basic.max_sectors",
         params.basic.maxSectors,
@@ -382,7 +380,8 @@ export class UblkControl {
   /** Run one control command: encode through the pure encoders, submit, await the CQE, map res. */
   private async command(name: string, spec: CmdSpec, read?: (dv: DataView, at: number) => void): Promise<void> {
     if (this.closed) throw new Error(`ublk ${name}: control is closed`);
-    const withPath = spec.withPath || (spec.devId >= 0 && this.unprivileged.has(spec.devId));
+    // Unprivileged devices name their char node in every command but ADD_DEV (the driver checks it).
+    const withPath = spec.withPath || (spec.cmdOp !== UBLK_U_CMD_ADD_DEV && spec.devId >= 0 && this.unprivileged.has(spec.devId));
     const path = withPath ? Buffer.from(ublkCharPath(spec.devId) + "\0", "utf8") : null;
     const pathLen = path ? path.length : 0;
     const payload = spec.payload ?? 0;
@@ -455,38 +454,26 @@ export class UblkControl {
     w.res = res;
   };
 
-  /** Reap CQEs until w is done; one poller serves every waiter. */
+  /** Reap CQEs (for every waiter) until w is done, sleeping with backoff in between. */
   private async pollUntil(w: Waiter): Promise<void> {
-    while (!w.done) {
-      if (!this.polling) this.polling = this.pollLoop();
-      await this.polling;
-    }
-  }
-
-  private async pollLoop(): Promise<void> {
-    try {
-      let idle = 0;
-      for (;;) {
-        if (this.closed) {
-          for (const w of this.waiters.values()) {
-            w.done = true;
-            w.res = -E.ECANCELED;
-          }
-          this.waiters.clear();
-          return;
+    let idle = 0;
+    for (;;) {
+      if (this.closed) {
+        for (const x of this.waiters.values()) {
+          x.done = true;
+          x.res = -E.ECANCELED;
         }
-        let n = this.ring.reap(this.onCqe);
-        if (n === 0) {
-          // io-wq posts most CQEs directly, but a GETEVENTS enter also runs any task work queued to us.
-          this.ring.enter(0, 0, IORING_ENTER_GETEVENTS);
-          n = this.ring.reap(this.onCqe);
-        }
-        if (n > 0) return;
-        const ms = Math.min(POLL_BACKOFF_MS[Math.min(idle++, POLL_BACKOFF_MS.length - 1)]!, this.maxPollMs);
-        await Bun.sleep(ms);
+        this.waiters.clear();
       }
-    } finally {
-      this.polling = null;
+      if (w.done) return;
+      if (this.ring.reap(this.onCqe) === 0) {
+        // io-wq posts most CQEs directly, but a GETEVENTS enter also runs any task work queued to us.
+        this.ring.enter(0, 0, IORING_ENTER_GETEVENTS);
+        this.ring.reap(this.onCqe);
+      }
+      if (w.done) return;
+      const ms = Math.min(POLL_BACKOFF_MS[Math.min(idle++, POLL_BACKOFF_MS.length - 1)]!, this.maxPollMs);
+      await Bun.sleep(ms);
     }
   }
 }

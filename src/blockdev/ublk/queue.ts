@@ -28,7 +28,6 @@ import {
   SYS_io_uring_enter,
   SYS_prctl,
   SyscallError,
-  addressOf,
   allocAligned,
   close as closeFd,
   errno,
@@ -102,19 +101,24 @@ export const UBLK_QUEUE_RING_FLAGS: readonly number[] = [
 ];
 
 const GETEVENTS_ARG_SIZE = 24; // struct io_uring_getevents_arg
+const WAIT_TS_OFF = 32; // where the timespec lives in the wait buffer
 
 /** UblkQueueRing over a real IoUring (never SQPOLL; SQEs never carry IOSQE_ASYNC). */
 export class UringQueueRing implements UblkQueueRing {
   readonly sqes: DataView;
   private readonly taskrunFlag: boolean;
-  // A timed wait reads {sigmask, sigmask_sz, min_wait_usec, ts} and the timespec during the call only.
-  private readonly waitArg = new Uint8Array(GETEVENTS_ARG_SIZE);
-  private readonly waitTs = new Uint8Array(16);
+  // struct io_uring_getevents_arg @0 and the timespec it points to @32, in memory that never moves.
+  private readonly waitMem: AlignedBuffer;
+  private readonly waitDv: DataView;
 
   constructor(readonly ring: IoUring) {
     this.sqes = ring.sqes;
     this.taskrunFlag = (ring.setupFlags & IORING_SETUP_TASKRUN_FLAG) !== 0;
-    new DataView(this.waitArg.buffer).setBigUint64(16, BigInt(addressOf(this.waitTs)), true);
+    this.waitMem = allocAligned(64);
+    this.waitDv = new DataView(this.waitMem.bytes.buffer);
+    // {u64 sigmask = 0; u32 sigmask_sz = 0; u32 min_wait_usec = 0; u64 ts = &timespec}
+    this.waitDv.setUint32(16, (this.waitMem.ptr + WAIT_TS_OFF) % 2 ** 32, true);
+    this.waitDv.setUint32(20, Math.floor((this.waitMem.ptr + WAIT_TS_OFF) / 2 ** 32), true);
   }
 
   /** A ring sized for one command per tag plus the wake READ, with the first setup flags the kernel takes. */
@@ -157,14 +161,15 @@ export class UringQueueRing implements UblkQueueRing {
   }
 
   private timedWait(ms: number): void {
-    const ts = new DataView(this.waitTs.buffer);
-    ts.setBigInt64(0, BigInt(Math.floor(ms / 1000)), true);
-    ts.setBigInt64(8, BigInt((ms % 1000) * 1_000_000), true);
+    const whole = Math.floor(ms);
+    this.waitDv.setUint32(WAIT_TS_OFF, Math.floor(whole / 1000), true); // tv_sec (small, high half stays 0)
+    this.waitDv.setUint32(WAIT_TS_OFF + 8, (whole % 1000) * 1_000_000, true); // tv_nsec
     const rc = Number(
-      libc.syscall(SYS_io_uring_enter, this.ring.fd, 0, 1, IORING_ENTER_GETEVENTS | IORING_ENTER_EXT_ARG, this.waitArg, GETEVENTS_ARG_SIZE),
+      libc.syscall(SYS_io_uring_enter, this.ring.fd, 0, 1, IORING_ENTER_GETEVENTS | IORING_ENTER_EXT_ARG, this.waitMem.ptr, GETEVENTS_ARG_SIZE),
     );
     if (rc < 0) {
       const e = errno();
+      // ETIME is the timeout itself; the others just mean "look at the ring again".
       if (e !== E.ETIME && e !== E.EINTR && e !== E.EAGAIN && e !== E.EBUSY) throw new SyscallError("io_uring_enter", e);
     }
   }
@@ -175,6 +180,7 @@ export class UringQueueRing implements UblkQueueRing {
 
   close(): void {
     this.ring.close();
+    this.waitMem.free();
   }
 }
 
