@@ -20,6 +20,7 @@ import {
   SyscallError,
   prctl,
   PR_SET_IO_FLUSHER,
+  allocAligned,
 } from "../../../ffi/libc.ts";
 import * as F from "../../../ffi/fuse.ts";
 import type { DeviceIo, WakeSource } from "../device_io.ts";
@@ -52,8 +53,11 @@ export interface FuseDiskOptions {
 
 /** Buffers for one request in flight: the request as read, and its reply. */
 class Slot {
-  readonly req = new Uint8Array(MAX_WRITE + 8192);
-  readonly reqView = new DataView(this.req.buffer);
+  // WRITE data starts 80 bytes into a request: place the buffer so that byte is page-aligned,
+  // and the O_DIRECT append of the upper takes it without a bounce copy.
+  private readonly mem = allocAligned(MAX_WRITE + 3 * 4096);
+  readonly req = this.mem.bytes.subarray(4096 - F.FUSE_WRITE_DATA_OFFSET);
+  readonly reqView = new DataView(this.req.buffer, this.req.byteOffset, this.req.byteLength);
   readonly out = new Uint8Array(MAX_WRITE + F.FUSE_OUT_HEADER);
   readonly outView = new DataView(this.out.buffer);
 }
