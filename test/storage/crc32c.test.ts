@@ -1,19 +1,8 @@
 import { describe, expect, test } from "bun:test";
 import { crc32c, crc32cBackend, rawCrc32c, rawCrc32cPortable } from "../../src/storage/crc32c.ts";
+import { randomBytes } from "../helpers/memfile.ts";
 
 const check = new TextEncoder().encode("123456789");
-
-function randomBytes(n: number, seed: number): Uint8Array {
-  const out = new Uint8Array(n);
-  let x = seed >>> 0 || 1;
-  for (let i = 0; i < n; i++) {
-    x ^= x << 13;
-    x ^= x >>> 17;
-    x ^= x << 5;
-    out[i] = x & 0xff;
-  }
-  return out;
-}
 
 describe("raw CRC-32C (format §7.3, §11.5)", () => {
   test("check values", () => {

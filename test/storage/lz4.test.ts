@@ -1,30 +1,7 @@
 import { describe, expect, test } from "bun:test";
 import { FormatError } from "../../src/storage/errors.ts";
 import { lz4Compress, lz4CompressBound, lz4CompressInto, lz4Decompress, lz4DecompressInto } from "../../src/storage/lz4.ts";
-
-function randomBytes(n: number, seed: number): Uint8Array {
-  const out = new Uint8Array(n);
-  let x = seed >>> 0 || 1;
-  for (let i = 0; i < n; i++) {
-    x ^= x << 13;
-    x ^= x >>> 17;
-    x ^= x << 5;
-    out[i] = x & 0xff;
-  }
-  return out;
-}
-
-function compressible(n: number, seed: number): Uint8Array {
-  const words = ["overlaybd ", "zfile ", "block ", "lsmt ", "segment ", "index ", "\n", "0123 "];
-  const out = new Uint8Array(n);
-  const rnd = randomBytes(n, seed);
-  let p = 0;
-  for (let i = 0; p < n; i++) {
-    const w = words[rnd[i % n]! % words.length]!;
-    for (let k = 0; k < w.length && p < n; k++) out[p++] = w.charCodeAt(k);
-  }
-  return out;
-}
+import { compressible, randomBytes } from "../helpers/memfile.ts";
 
 const hex = (b: Uint8Array) => Buffer.from(b).toString("hex");
 
