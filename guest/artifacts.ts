@@ -1,11 +1,16 @@
 // The guest's built pieces (kernel, initramfs, tools disk, a test rootfs) as paths, built by the
 // scripts beside this file when missing or stale. Tests, benchmarks and the node call this.
 
-import { existsSync, openSync, readSync, closeSync, renameSync, rmSync, statSync } from "node:fs";
+import { existsSync, mkdirSync, openSync, readdirSync, readSync, closeSync, renameSync, rmSync, statSync } from "node:fs";
 import { join } from "node:path";
 import { WritableLayer } from "../src/storage/lsmt/writable_layer.ts";
 
 const GUEST_DIR = import.meta.dir;
+
+/** Where built artifacts are cached; the same rule as lib.sh (AENV_GUEST_CACHE moves it). */
+export function guestCache(): string {
+  return process.env.AENV_GUEST_CACHE ?? join(GUEST_DIR, ".cache");
+}
 
 export interface GuestKernel {
   /** Uncompressed PVH ELF: QEMU boots it without decompressing. */
@@ -33,6 +38,28 @@ export function toolsDisk(opts: { envd?: string; out?: string } = {}): string {
   if (opts.envd) args.push("--envd", opts.envd);
   if (opts.out) args.push("--out", opts.out);
   return run("build-tools-disk.sh", args).at(-1)!;
+}
+
+/**
+ * envd as one `bun build --compile` binary, built from guest/envd/*.ts with the Bun running this
+ * code; rebuilt when any source file is newer. Still linked against the host's glibc: the tools
+ * disk build points it at its own copy of the loader and libraries.
+ */
+export function envdBinary(out = join(guestCache(), "envd", "envd")): string {
+  const srcDir = join(GUEST_DIR, "envd");
+  const newest = Math.max(...readdirSync(srcDir).filter((f) => f.endsWith(".ts")).map((f) => statSync(join(srcDir, f)).mtimeMs));
+  if (existsSync(out) && statSync(out).mtimeMs >= newest) return out;
+  mkdirSync(join(out, ".."), { recursive: true });
+  const tmp = `${out}.tmp`;
+  const r = Bun.spawnSync([process.execPath, "build", "--compile", join(srcDir, "main.ts"), "--outfile", tmp], { stdout: "pipe", stderr: "pipe" });
+  if (r.exitCode !== 0) throw new Error(`bun build --compile envd failed (${r.exitCode}): ${r.stderr.toString().trim()}`);
+  renameSync(tmp, out);
+  return out;
+}
+
+/** The tools disk with the real envd on it (a separate image, so the envd-less default stays). */
+export function envdToolsDisk(): string {
+  return toolsDisk({ envd: envdBinary(), out: join(guestCache(), "tools-envd.img") });
 }
 
 /** A busybox-only root filesystem image (raw ext4), standing in for a user's image. */

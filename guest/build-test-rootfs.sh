@@ -28,6 +28,10 @@ done
 printf 'root:x:0:0:root:/root:/bin/sh\nuser:x:1000:1000:user:/home/user:/bin/sh\n' >"$tree/etc/passwd"
 printf 'root:x:0:\nuser:x:1000:\n' >"$tree/etc/group"
 mkdir -p "$tree/home/user" && chown 1000:1000 "$tree/home/user"
+# The e2b SDK runs every command as `/bin/bash -l -c …` (and a PTY as `/bin/bash -i -l`); busybox
+# has no bash applet, so this image's bash is ash under that name, as a slim user image might ship.
+printf '#!/bin/sh\nexec /bin/busybox sh "$@"\n' >"$tree/bin/bash"
+chmod 0755 "$tree/bin/bash"
 echo "aenv-test-rootfs" >"$tree/etc/hostname"
 # A test service of the image's own: busybox httpd (started by init with aenv.httpd_root=/srv/www)
 # runs this CGI, which executes the POST body with sh. Tests drive the guest through it.

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Builds the read-only tools disk (vda): busybox-static from Debian, our init stages and, when given,
-# the envd binary. Every VM on a node shares this one image.
+# the envd binary. Every VM on a node shares this one image. A dynamically linked envd (a
+# `bun build --compile` binary) is patched to load from /agentenv/lib, which gets its loader and
+# libraries, so it runs on any user image, with or without a libc of its own.
 #   guest/build-tools-disk.sh [--envd FILE] [--out FILE] [--force]
 # Prints the image path. Rebuilt only when missing or older than its inputs.
 source "$(dirname "$0")/lib.sh"
@@ -34,7 +36,24 @@ for applet in $("$BUSYBOX" --list); do
   [ "$applet" = busybox ] || ln -s busybox "$tree/bin/$applet"
 done
 install -m 0755 "$GUEST_DIR/init/boot" "$GUEST_DIR/init/run" "$GUEST_DIR/init/disk-init" "$tree/init/"
-[ -n "$ENVD" ] && install -m 0755 "$ENVD" "$tree/envd"
+if [ -n "$ENVD" ]; then
+  install -m 0755 "$ENVD" "$tree/envd"
+  is_elf=0
+  [ "$(head -c4 "$ENVD" | od -An -c | tr -d ' \n')" = '177ELF' ] && is_elf=1
+  if [ $is_elf = 1 ] && ! command -v patchelf >/dev/null; then
+    echo "patchelf is needed to point $ENVD at /agentenv/lib (apt-get install patchelf)" >&2; exit 1
+  fi
+  # Only a dynamic ELF has an interpreter; a static binary or a script goes in as it is.
+  if [ $is_elf = 1 ] && interp=$(patchelf --print-interpreter "$tree/envd" 2>/dev/null); then
+    mkdir -p "$tree/lib"
+    # ldd lists the resolved libraries ("name => /path") and the loader (a bare absolute path).
+    libs=$(ldd "$ENVD" | awk '$2 == "=>" && $3 ~ /^\// {print $3} $1 ~ /^\// {print $1}')
+    [ -n "$libs" ] || { echo "ldd found no libraries for $ENVD" >&2; exit 1; }
+    for lib in $libs; do cp -L "$lib" "$tree/lib/$(basename "$lib")"; done
+    [ -e "$tree/lib/$(basename "$interp")" ] || { echo "loader $interp of $ENVD not found by ldd" >&2; exit 1; }
+    patchelf --set-interpreter "/agentenv/lib/$(basename "$interp")" --set-rpath /agentenv/lib "$tree/envd"
+  fi
+fi
 
 # Size: content plus a margin for ext4 metadata, in whole MiB.
 kib=$(du -sk "$tree" | cut -f1)

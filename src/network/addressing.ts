@@ -11,6 +11,11 @@ export const GATEWAY_IP = "169.254.0.22";
 export const GUEST_PREFIX_LEN = 30;
 /** Locally administered, spelling 169.254.0.21 in its last four bytes; identical in every slot. */
 export const DEFAULT_GUEST_MAC = "06:00:a9:fe:00:15";
+/**
+ * The gateway side of every slot's TAP has this one MAC too: a VM restored into another slot
+ * still has the old gateway's neighbour entry, which must stay right.
+ */
+export const GATEWAY_MAC = "06:00:a9:fe:00:16";
 
 export const DEFAULT_PREFIX = "aenv-";
 export const DEFAULT_HOST_CIDR = "10.200.0.0/16";

@@ -4,6 +4,7 @@
 import { existsSync, readdirSync, writeFileSync } from "node:fs";
 import {
   GATEWAY_IP,
+  GATEWAY_MAC,
   GUEST_PREFIX_LEN,
   NETNS_DIR,
   NS_VETH,
@@ -89,6 +90,7 @@ export function createSlot(cfg: NetworkConfig, id: number): Slot {
         `address add ${slot.nsIp}/31 dev ${NS_VETH}`,
         `link set ${NS_VETH} up`,
         `tuntap add dev ${slot.tap} mode tap${owner}`,
+        `link set ${slot.tap} address ${GATEWAY_MAC}`,
         `address add ${GATEWAY_IP}/${GUEST_PREFIX_LEN} dev ${slot.tap}`,
         `link set ${slot.tap} up`,
         `route add default via ${slot.hostIp} dev ${NS_VETH}`,

@@ -16,6 +16,7 @@ import {
   type VmmDriver,
   VmmError,
   type VmState,
+  netnsArgv,
 } from "./types.ts";
 
 // ---- request builders -------------------------------------------------------------------------
@@ -585,11 +586,13 @@ export class FirecrackerDriver implements VmmDriver {
     let argv: string[];
     if (this.opts.jailer) {
       // The jailer's Firecracker binds its socket inside the chroot.
-      argv = jailerArgs(spec.id, bin, this.opts.jailer, ["--api-sock", "/firecracker.sock"]);
+      // The jailer joins the namespace itself (by path) before it execs Firecracker.
+      const jailer = spec.netnsPath && !this.opts.jailer.netns ? { ...this.opts.jailer, netns: spec.netnsPath } : this.opts.jailer;
+      argv = jailerArgs(spec.id, bin, jailer, ["--api-sock", "/firecracker.sock"]);
       sock = join(jailRoot(spec.id, bin, this.opts.jailer), "firecracker.sock");
     } else {
       sock = join(spec.runDir, "firecracker.sock");
-      argv = [bin, "--api-sock", sock, "--id", spec.id];
+      argv = netnsArgv(spec.netnsPath, [bin, "--api-sock", sock, "--id", spec.id]);
     }
     rmSync(sock, { force: true });
     // The guest's serial console is Firecracker's stdout.
@@ -629,7 +632,7 @@ export class FirecrackerDriver implements VmmDriver {
     const old = snap.spec;
     if (r.drives.length !== old.drives.length) throw new VmmError("BadSpec", `restore needs ${old.drives.length} drives`);
     if (r.net && !("tap" in r.net)) throw new VmmError("Unsupported", "Firecracker networking needs a TAP device");
-    const spec: VmSpec = { ...old, id: r.id, runDir: resolve(r.runDir), drives: r.drives, net: r.net };
+    const spec: VmSpec = { ...old, id: r.id, runDir: resolve(r.runDir), drives: r.drives, net: r.net, netnsPath: r.netnsPath };
     const { proc, api, consoleLog } = await this.start(spec);
     const vm = new FirecrackerVm(spec, proc, api, consoleLog);
     try {

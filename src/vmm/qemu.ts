@@ -17,6 +17,7 @@ import {
   type VmmDriver,
   VmmError,
   type VmState,
+  netnsArgv,
 } from "./types.ts";
 
 export type Accel = "kvm" | "tcg";
@@ -325,7 +326,7 @@ export class QemuDriver implements VmmDriver {
 
   /** Spawn QEMU and connect to QMP; a QEMU that dies first is reported with its stderr. */
   private async start(launch: QemuLaunch, qemuLog: string): Promise<{ proc: ReturnType<typeof Bun.spawn>; qmp: QmpClient }> {
-    const argv = [this.binary, ...qemuArgs(launch)];
+    const argv = netnsArgv(launch.spec.netnsPath, [this.binary, ...qemuArgs(launch)]);
     rmSync(launch.qmpSocket, { force: true });
     writeFileSync(join(dirname(qemuLog), "qemu.argv"), JSON.stringify(argv));
     const log = Bun.file(qemuLog);
@@ -382,7 +383,7 @@ export class QemuDriver implements VmmDriver {
     const kindOf = (n: NetSpec | undefined) => (!n ? "none" : "tap" in n ? "tap" : "user");
     // The netdev backend is part of the migration stream; a different kind fails to load.
     if (kindOf(r.net) !== kindOf(old.net)) throw new VmmError("BadSpec", `restore needs a ${kindOf(old.net)} network like the snapshot`);
-    const spec: VmSpec = { ...old, id: r.id, runDir: resolve(r.runDir), drives: r.drives, net: r.net, memFile: r.memFile };
+    const spec: VmSpec = { ...old, id: r.id, runDir: resolve(r.runDir), drives: r.drives, net: r.net, memFile: r.memFile, netnsPath: r.netnsPath };
     mkdirSync(spec.runDir, { recursive: true });
     const p = this.paths(spec.runDir);
     const ignoreShared = snap.extra?.ignoreShared === true;

@@ -44,6 +44,11 @@ export interface VmSpec {
   memFile?: string;
   /** Add a virtio-balloon device so the host can take memory back. */
   balloon?: boolean;
+  /**
+   * The network namespace the VMM process runs in (a path such as /run/netns/<name>, e.g. a
+   * slot's `netnsPath`), so `net: {tap}` names a TAP inside it. The VMM keeps its pid.
+   */
+  netnsPath?: string;
 }
 
 /** What a restore needs that is not in the snapshot: this VM's own disks, network and files. */
@@ -56,6 +61,8 @@ export interface RestoreSpec {
   net?: NetSpec;
   /** Where the restored VM's own RAM file goes when the snapshot carries RAM in its stream. */
   memFile?: string;
+  /** This VM's own network namespace path (not inherited from the snapshot: each restore has its slot). */
+  netnsPath?: string;
 }
 
 /** A snapshot on disk: enough to start any number of VMs from it. */
@@ -127,6 +134,17 @@ export class VmmError extends Error {
     super(message);
     this.name = `VmmError(${code})`;
   }
+}
+
+function checkNetnsPath(path: string): string {
+  // An absolute path only: anything else could read as an option or a relative file.
+  if (!/^\/[A-Za-z0-9_./-]{1,255}$/.test(path) || path.includes("/../")) throw new VmmError("BadSpec", `bad network namespace path ${JSON.stringify(path)}`);
+  return path;
+}
+
+/** argv run inside the network namespace at `netnsPath` (nsenter execs in place: the pid stays). */
+export function netnsArgv(netnsPath: string | undefined, argv: string[]): string[] {
+  return netnsPath === undefined ? argv : ["nsenter", `--net=${checkNetnsPath(netnsPath)}`, "--", ...argv];
 }
 
 /** Reads snapshot.json from a snapshot directory. */

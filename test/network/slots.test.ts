@@ -72,6 +72,7 @@ describe.skipIf(!canRun)("network slots", () => {
     const tap = sh(["ip", "-n", slot.netns, "-d", "address", "show", "dev", "tap0"]).out;
     expect(tap).toContain("tun type tap");
     expect(tap).toContain("inet 169.254.0.22/30");
+    expect(tap).toContain("link/ether 06:00:a9:fe:00:16"); // one gateway MAC in every slot (restores move)
     // The helper the VMM driver uses to start QEMU/Firecracker inside the namespace.
     const inside = sh(netnsExecArgv(slot, ["ip", "-br", "address", "show", "dev", "vpeer"]));
     expect(inside.out).toContain(`${slot.nsIp}/31`);

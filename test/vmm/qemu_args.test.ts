@@ -4,7 +4,7 @@
 import { describe, expect, test } from "bun:test";
 import { existsSync } from "node:fs";
 import { effectiveCmdline, probeKvm, qemuArgs, qemuOptValue, resolveAccel, type QemuLaunch } from "../../src/vmm/qemu.ts";
-import type { VmSpec } from "../../src/vmm/types.ts";
+import { netnsArgv, type VmSpec } from "../../src/vmm/types.ts";
 
 const spec: VmSpec = {
   id: "vm-1",
@@ -89,6 +89,13 @@ describe("qemuArgs", () => {
     expect(() => qemuArgs({ ...launch, spec: { ...spec, net: { tap: "tap0,script=/evil" } } })).toThrow(/TAP/);
     expect(() => qemuArgs({ ...launch, spec: { ...spec, memMiB: 0 } })).toThrow(/memMiB/);
     expect(() => qemuArgs({ ...launch, spec: { ...spec, vcpus: 0 } })).toThrow(/vcpus/);
+  });
+
+  test("netns: the VMM argv runs under `nsenter --net=<path>`; paths that could be options are refused", () => {
+    const argv = ["qemu-system-x86_64", "-name", "vm-1"];
+    expect(netnsArgv(undefined, argv)).toEqual(argv);
+    expect(netnsArgv("/run/netns/aenv-3", argv)).toEqual(["nsenter", "--net=/run/netns/aenv-3", "--", ...argv]);
+    for (const bad of ["-all", "", "aenv-3", "/run/netns/../x", "/x y"]) expect(() => netnsArgv(bad, argv)).toThrow(/namespace/);
   });
 
   test("commas in paths are doubled so they cannot add options", () => {
