@@ -28,7 +28,7 @@ import type { DeviceIo, WakeSource } from "../device_io.ts";
 /** Loop splits requests at ~520 KiB anyway; 512 KiB keeps per-slot buffers modest. */
 const MAX_WRITE = 512 << 10;
 /** Requests taken from the kernel per wakeup and served concurrently (their I/O batches). */
-const MAX_SLOTS = 8;
+const MAX_SLOTS = 32;
 const ATTR_VALID_SEC = 1;
 const SECTOR = 512;
 // Linux errno values sent back as −errno.
