@@ -10,7 +10,7 @@ import { openLayerFile } from "./open_layer.ts";
 import { type CompactOptions, compact } from "./lsmt/compact.ts";
 import { ReadOnlyLayer } from "./lsmt/readonly_layer.ts";
 import { type Segment, SECTOR, segEnd, mergeAdjacent } from "./lsmt/segment.ts";
-import { SegmentIndex, comboWalk } from "./lsmt/segment_index.ts";
+import { SegmentIndex, comboWalk, comboVisit, type PieceSink } from "./lsmt/segment_index.ts";
 import { WritableLayer } from "./lsmt/writable_layer.ts";
 import type { IoLimiter } from "./io_limiter.ts";
 
@@ -20,7 +20,7 @@ export class Image {
   private ops = 0;
   private idle: (() => void)[] = [];
   private gate: Promise<void> | undefined; // set while the stack is being restacked
-  private scratch: Segment[] = [];
+  private plan = new ReadPlan(this);
 
   private constructor(
     readonly lowers: ReadOnlyLayer[],
@@ -109,51 +109,21 @@ export class Image {
     return this.readNow(buf, offset);
   }
 
-  // Hot path: no async frames, one pread per run of pieces that continue each other in one file.
+  // Hot path: no async frames, no allocation in the mapping walk, one pread per run of pieces
+  // that continue each other in one file.
   private readNow(buf: Uint8Array, offset: number): Promise<void> {
-    const start = offset / SECTOR;
-    const end = start + buf.length / SECTOR;
-    const jobs: Promise<number>[] = [];
-    let want = 0; // bytes the preads must return
-    const upperFile = this.upperLayer?.dataFile;
-    let cur = start;
-    let runFile: ReadableFile | undefined;
-    let runAt = 0; // byte in buf
-    let runLen = 0;
-    let runOff = 0; // byte in runFile
-    const issue = () => {
-      if (runLen) jobs.push(runFile!.pread(buf.subarray(runAt, runAt + runLen), runOff));
-      want += runLen;
-      runLen = 0;
-    };
+    const plan = this.plan;
     try {
-      comboWalk(this.upperLayer?.index, this.merged, start, end, (s, fromUpper) => {
-        const at = (s.offset - start) * SECTOR;
-        if (s.offset > cur) buf.fill(0, (cur - start) * SECTOR, at);
-        cur = segEnd(s);
-        const len = s.length * SECTOR;
-        if (s.zeroed) {
-          buf.fill(0, at, at + len);
-          return;
-        }
-        const file = fromUpper ? upperFile! : this.lowers[s.tag]!.file;
-        const off = s.moffset * SECTOR;
-        if (runLen && file === runFile && runAt + runLen === at && runOff + runLen === off) {
-          runLen += len;
-          return;
-        }
-        issue();
-        runFile = file;
-        runAt = at;
-        runLen = len;
-        runOff = off;
-      }, this.scratch);
-      issue();
-      if (cur < end) buf.fill(0, (cur - start) * SECTOR);
+      plan.begin(buf, offset / SECTOR, this.upperLayer?.dataFile);
+      comboVisit(this.upperLayer?.index, this.merged, plan.start, plan.start + buf.length / SECTOR, plan);
+      plan.finish();
     } catch (e) {
+      plan.jobs.length = 0;
       this.leave();
       return Promise.reject(e);
     }
+    const want = plan.want;
+    const jobs = plan.jobs;
     if (jobs.length === 0) {
       this.leave();
       return Promise.resolve();
@@ -167,7 +137,12 @@ export class Image {
       this.leave();
       throw e;
     };
-    if (jobs.length === 1) return jobs[0]!.then(check, fail);
+    if (jobs.length === 1) {
+      const only = jobs[0]!;
+      jobs.length = 0;
+      return only.then(check, fail);
+    }
+    plan.jobs = [];
     return Promise.all(jobs).then((ns) => check(ns.reduce((a, b) => a + b, 0)), fail);
   }
 
@@ -284,3 +259,70 @@ export class Image {
   }
 }
 
+
+/**
+ * The mapping phase of one read, turned into preads. One per Image and reused: the walk is
+ * synchronous, so reads never share it while it runs.
+ */
+const NO_BYTES = new Uint8Array(0);
+
+class ReadPlan implements PieceSink {
+  buf = NO_BYTES;
+  start = 0;
+  private cur = 0;
+  private upperFile: ReadableFile | undefined;
+  jobs: Promise<number>[] = [];
+  want = 0;
+  private runFile: ReadableFile | undefined;
+  private runAt = 0; // byte in buf
+  private runLen = 0;
+  private runOff = 0; // byte in runFile
+
+  constructor(private image: Image) {}
+
+  begin(buf: Uint8Array, start: number, upperFile: ReadableFile | undefined): void {
+    this.buf = buf;
+    this.start = start;
+    this.cur = start;
+    this.upperFile = upperFile;
+    this.want = 0;
+    this.runLen = 0;
+  }
+
+  piece(s: Segment, from: number, to: number, fromUpper: boolean): void {
+    const at = (from - this.start) * SECTOR;
+    if (from > this.cur) this.buf.fill(0, (this.cur - this.start) * SECTOR, at);
+    this.cur = to;
+    const len = (to - from) * SECTOR;
+    if (s.zeroed) {
+      this.buf.fill(0, at, at + len);
+      return;
+    }
+    const file = fromUpper ? this.upperFile! : this.image.lowers[s.tag]!.file;
+    const off = (s.moffset + (from - s.offset)) * SECTOR;
+    if (this.runLen && file === this.runFile && this.runAt + this.runLen === at && this.runOff + this.runLen === off) {
+      this.runLen += len;
+      return;
+    }
+    this.issue();
+    this.runFile = file;
+    this.runAt = at;
+    this.runLen = len;
+    this.runOff = off;
+  }
+
+  private issue(): void {
+    if (!this.runLen) return;
+    this.jobs.push(this.runFile!.pread(this.buf.subarray(this.runAt, this.runAt + this.runLen), this.runOff));
+    this.want += this.runLen;
+    this.runLen = 0;
+  }
+
+  finish(): void {
+    this.issue();
+    const end = this.start + this.buf.length / SECTOR;
+    if (this.cur < end) this.buf.fill(0, (this.cur - this.start) * SECTOR);
+    this.buf = NO_BYTES; // drop the caller's buffer
+    this.runFile = undefined;
+  }
+}

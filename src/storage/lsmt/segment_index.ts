@@ -139,6 +139,26 @@ export class SegmentIndex {
     }
   }
 
+  /** Each segment overlapping [start, end), with the overlap, in order; nothing allocated. */
+  visit(start: number, end: number, sink: PieceSink, fromUpper: boolean): void {
+    let ci = this.chunkFor(start);
+    if (ci === this.chunks.length) return;
+    let chunk = this.chunks[ci]!;
+    let i = firstEndingAfter(chunk, start);
+    for (;;) {
+      if (i === chunk.length) {
+        if (++ci === this.chunks.length) return;
+        chunk = this.chunks[ci]!;
+        i = 0;
+        continue;
+      }
+      const s = chunk[i++]!;
+      if (s.offset >= end) return;
+      const e = s.offset + s.length;
+      sink.piece(s, s.offset > start ? s.offset : start, e < end ? e : end, fromUpper);
+    }
+  }
+
   /** All segments in order. */
   *[Symbol.iterator](): IterableIterator<Segment> {
     for (const c of this.chunks) yield* c;
@@ -183,3 +203,37 @@ export function comboWalk(
     }
   if (cur < end) fromLower(cur, end);
 }
+
+/** Receives the visible pieces of a range: segment s, clipped to sectors [from, to). */
+export interface PieceSink {
+  piece(s: Segment, from: number, to: number, fromUpper: boolean): void;
+}
+
+/**
+ * comboWalk without allocation, for the read path: the same pieces in the same order, given as
+ * (segment, from, to) instead of clipped copies. Not re-entrant per sink.
+ */
+export function comboVisit(upper: SegmentIndex | undefined, lower: SegmentIndex, start: number, end: number, sink: PieceSink): void {
+  if (!upper || upper.size === 0) return lower.visit(start, end, sink, false);
+  const gaps = GAP_FILLER;
+  gaps.lower = lower;
+  gaps.sink = sink;
+  gaps.cur = start;
+  upper.visit(start, end, gaps, true);
+  if (gaps.cur < end) lower.visit(gaps.cur, end, sink, false);
+  gaps.sink = undefined;
+}
+
+/** Passes upper pieces on and fills the gaps between them from the lower index. */
+class GapFiller implements PieceSink {
+  lower!: SegmentIndex;
+  sink: PieceSink | undefined;
+  cur = 0;
+  piece(u: Segment, from: number, to: number): void {
+    if (from > this.cur) this.lower.visit(this.cur, from, this.sink!, false);
+    this.sink!.piece(u, from, to, true);
+    this.cur = to;
+  }
+}
+// One per thread is enough: a visit runs to completion before the next starts.
+const GAP_FILLER = new GapFiller();
