@@ -38,8 +38,6 @@ import { SegmentIndex } from "./segment_index.ts";
 export const MAX_IO_SECTORS = 8192;
 /** C++ limit on entries in an RW index file. */
 export const MAX_RW_INDEX_ENTRIES = 128_000_000;
-/** Unpersisted entries kept in memory before they are appended (unsynced) to the index file. */
-const PENDING_LIMIT = 8192;
 
 export interface WritableLayerOptions {
   virtualSize: number;
@@ -55,18 +53,18 @@ export class LayerSealedError extends StorageError {
 
 export class WritableLayer {
   readonly index = new SegmentIndex();
-  private pending: Segment[] = [];
+  /** Entries mapped in this tick, appended to the index file together by one pwrite. */
+  private queued: Segment[] = [];
+  private queuedWrite: Promise<void> | undefined;
   private inflight = 0;
   private idle: (() => void)[] = [];
   private sealed = false;
-  private appends: Promise<void>[] = [];
   /**
    * Data appends go through an O_DIRECT fd: a log-structured upper only grows, so caching what
    * the guest writes (it has its own cache) only fills host memory and throttles on writeback.
    * Reads and everything else use the buffered fd; the kernel keeps the two coherent.
    */
   private appender: WritableFile | undefined;
-  private failure: unknown = undefined; // first failed background append, reported by flush
 
   private constructor(
     readonly dataPath: string,
@@ -137,8 +135,8 @@ export class WritableLayer {
 
   /**
    * Open an RW pair and replay its index. Recovery after a crash: a torn last entry is cut off,
-   * and entries from the first one that points past the data file's end are dropped (they were
-   * never flushed: flush makes data durable before the entries that name it).
+   * and entries from the first one that points past the data file's end are dropped (only a
+   * machine crash can leave those: an entry is written after the data it names).
    */
   static async open(dataPath: string, indexPath: string): Promise<WritableLayer> {
     const data = await LocalFile.open(dataPath, { write: true });
@@ -251,46 +249,48 @@ export class WritableLayer {
   /** Make [offset, offset+length) read as zeros, masking lower layers (discard and write-zeroes). */
   async discard(offset: number, length: number): Promise<void> {
     this.checkRange(offset, length);
-    // Sparse layers punch a hole and keep the zero entry in memory only (C++ does the same, so
-    // after a reopen the range falls through to the lower layers again).
-    if (this.sparse) await this.data.punchHole(HT_SPACE + offset, length);
-    for (let s = offset / SECTOR, left = length / SECTOR; left > 0; ) {
-      const k = Math.min(left, MAX_SEGMENT_SECTORS);
-      this.map(seg(s, k, this.sparse ? s + HT_SPACE / SECTOR : this.dataEnd / SECTOR, true));
-      s += k;
-      left -= k;
+    this.begin();
+    try {
+      // Sparse layers punch a hole and keep the zero entry in memory only (C++ does the same, so
+      // after a reopen the range falls through to the lower layers again).
+      if (this.sparse) await this.data.punchHole(HT_SPACE + offset, length);
+      const jobs: Promise<void>[] = [];
+      for (let s = offset / SECTOR, left = length / SECTOR; left > 0; ) {
+        const k = Math.min(left, MAX_SEGMENT_SECTORS);
+        jobs.push(this.map(seg(s, k, this.sparse ? s + HT_SPACE / SECTOR : this.dataEnd / SECTOR, true)));
+        s += k;
+        left -= k;
+      }
+      await Promise.all(jobs);
+    } finally {
+      this.end();
     }
-    if (this.pending.length >= PENDING_LIMIT) this.startAppend();
   }
 
-  private map(s: Segment): void {
+  /**
+   * Map s and put its entry in the index file (page cache, not synced) before the write that
+   * made it resolves: a completed write then survives the death of this process, and only a
+   * machine crash can take back what no flush covered.
+   */
+  private map(s: Segment): Promise<void> {
     this.index.insert(s);
-    if (this.sparse) return;
-    this.pending.push(s);
-    if (this.pending.length >= PENDING_LIMIT) this.startAppend();
-  }
-
-  private startAppend(): void {
-    this.appends.push(this.appendPending().catch((e) => void (this.failure ??= e)));
-  }
-
-  /** Append the unpersisted entries to the index file (no sync). */
-  private async appendPending(): Promise<void> {
-    if (this.pending.length === 0 || !this.indexFile) return;
-    const list = this.pending;
-    this.pending = [];
-    const pos = this.indexEnd;
-    this.indexEnd += list.length * SEGMENT_BYTES;
-    await this.indexFile.pwrite(encodeSegments(list), pos);
+    if (this.sparse || !this.indexFile) return Promise.resolve();
+    this.queued.push(s);
+    // Entries queued in the same tick share one pwrite; the order in the file is map order.
+    return (this.queuedWrite ??= Promise.resolve().then(() => {
+      const list = this.queued;
+      this.queued = [];
+      this.queuedWrite = undefined;
+      const pos = this.indexEnd;
+      this.indexEnd += list.length * SEGMENT_BYTES;
+      return this.indexFile!.pwrite(encodeSegments(list), pos);
+    }));
   }
 
   /** Persist every completed write: data first, then the entries that name it. */
   async flush(): Promise<void> {
     await this.drain();
     await this.data.fdatasync();
-    this.startAppend();
-    await Promise.all(this.appends.splice(0));
-    if (this.failure !== undefined) throw this.failure;
     await this.indexFile?.fdatasync();
   }
 
