@@ -56,6 +56,8 @@ async function until(cond: () => boolean | Promise<boolean>, ms = 10_000, what =
 }
 
 describe.skipIf(!!skip)("sandbox VMs: envd in the guest, VM in a network slot, the e2b SDK", async () => {
+  // bun runs a skipped describe's body: start nothing there, and show why it skipped.
+  if (skip) return void test.skip(skip!, () => {});
   const { dir, client } = await startBlockd("sandbox-vm");
   const root = runRoot("sandbox-vm");
   const driver = new QemuDriver();

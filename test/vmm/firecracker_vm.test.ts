@@ -1,0 +1,98 @@
+// Firecracker for real, where it can run: a Firecracker binary, a usable (non-PVM) /dev/kvm, and a
+// guest kernel built by guest/kernel/build-firecracker-kernel.sh (AENV_FC_KERNEL, or the guest
+// cache). The same sandbox as sandbox_vm.test.ts: tools disk with envd as the root device, the
+// user's rootfs on blockd, the VM in a network slot; boot, pause/resume, snapshot and a restore
+// into a second slot. Elsewhere it prints why it skipped.
+import { afterAll, beforeAll, describe, expect, test } from "bun:test";
+import { existsSync, readdirSync } from "node:fs";
+import { join } from "node:path";
+import { envdToolsDisk, guestCmdline, sealedLayer } from "../../guest/artifacts.ts";
+import { SlotPool, type Slot } from "../../src/network/index.ts";
+import { FirecrackerDriver, firecrackerAvailable } from "../../src/vmm/firecracker.ts";
+import type { Vmm } from "../../src/vmm/types.ts";
+import { startBlockd } from "../blockdev/harness.ts";
+import { guestFixture, rmrf, runRoot, type GuestFixture } from "./harness.ts";
+
+function fcKernel(): string | undefined {
+  if (process.env.AENV_FC_KERNEL) return process.env.AENV_FC_KERNEL;
+  const dir = join(import.meta.dir, "../../guest/.cache/kernel-firecracker");
+  const found = existsSync(dir) ? readdirSync(dir).find((n) => n.startsWith("vmlinux-")) : undefined;
+  return found && join(dir, found);
+}
+
+function skipReason(): string | undefined {
+  const fc = firecrackerAvailable();
+  if (!fc.usable) return `Firecracker cannot run here: ${fc.reason}`;
+  const k = fcKernel();
+  if (!k || !existsSync(k)) return "no Firecracker guest kernel (run guest/kernel/build-firecracker-kernel.sh or set AENV_FC_KERNEL)";
+  if (!existsSync("/dev/net/tun")) return "no /dev/net/tun for the slot's TAP";
+  return undefined;
+}
+
+const skip = skipReason();
+if (skip) console.log(`Firecracker VM tests skipped: ${skip}`);
+
+describe.skipIf(!!skip)("Firecracker microVMs", async () => {
+  // bun runs a skipped describe's body: start nothing there, and show why it skipped.
+  if (skip) return void test.skip(skip!, () => {});
+  const { dir, client } = await startBlockd("fc-vm");
+  const root = runRoot("fc-vm");
+  const driver = new FirecrackerDriver();
+  const pool = new SlotPool({ size: 0, prefix: `afc${process.pid % 1000}-`, hostCidr: `10.215.${process.pid % 250}.0/24`, hostTable: `aenv_fctest` });
+  const live = new Set<Vmm>();
+  let fx: GuestFixture;
+  let toolsLayer = "";
+
+  beforeAll(async () => {
+    fx = await guestFixture();
+    toolsLayer = await sealedLayer(envdToolsDisk());
+    await pool.start();
+  }, 240_000);
+  afterAll(async () => {
+    for (const vm of live) await vm.stop().catch(() => {});
+    await pool.destroy().catch(() => {});
+    rmrf(root);
+  });
+
+  async function drives(name: string) {
+    const tools = await client.call("createReadOnly", { lowers: [toolsLayer] });
+    const rootfs = await client.call("create", { lowers: [fx.rootfsLayer], upperDir: join(dir, name), size: 64 << 20 });
+    return [{ path: tools.path as string, readOnly: true }, { path: rootfs.path as string }];
+  }
+  async function health(s: Slot, ms = 30_000): Promise<void> {
+    const end = Date.now() + ms;
+    for (;;) {
+      try {
+        if ((await fetch(`http://${s.nsIp}:49983/health`, { signal: AbortSignal.timeout(1000) })).status === 204) return;
+      } catch {}
+      if (Date.now() > end) throw new Error(`envd in slot ${s.id} did not answer`);
+      await Bun.sleep(50);
+    }
+  }
+
+  test("boot, pause/resume, snapshot, restore into another slot", async () => {
+    const a = await pool.acquire();
+    const cmdline = guestCmdline({ ip: `${a.guestIp}/${a.guestPrefixLen}`, gw: a.gatewayIp, extra: "init=/init/disk-init" });
+    const vm = await driver.boot({
+      id: "fc-a", runDir: join(root, "a"), kernel: fcKernel()!, cmdline, vcpus: 1, memMiB: 256,
+      drives: await drives("a"), net: { tap: a.tap, mac: a.guestMac }, netnsPath: a.netnsPath,
+    });
+    live.add(vm);
+    await health(a);
+    await vm.pause();
+    await vm.resume();
+    await health(a, 5000);
+    const snap = await vm.snapshot(join(root, "snap"));
+    await vm.stop();
+    live.delete(vm);
+    const b = await pool.acquire();
+    const vm2 = await driver.restore(snap, { id: "fc-b", runDir: join(root, "b"), drives: await drives("b"), net: { tap: b.tap, mac: b.guestMac }, netnsPath: b.netnsPath });
+    live.add(vm2);
+    await health(b, 10_000);
+    await vm2.stop();
+    live.delete(vm2);
+    expect(vm2.state).toBe("stopped");
+    await pool.release(a);
+    await pool.release(b);
+  }, 180_000);
+});
