@@ -15,7 +15,7 @@ import {
   type Vmm,
   type VmmDriver,
   VmmError,
-  type VmState,
+  VmProcess,
   netnsArgv,
 } from "./types.ts";
 
@@ -500,33 +500,16 @@ export function bootRequests(spec: VmSpec, o: FirecrackerOptions = {}): FcReques
   return reqs;
 }
 
-class FirecrackerVm implements Vmm {
+class FirecrackerVm extends VmProcess implements Vmm {
   readonly kind = "firecracker" as const;
-  private _state: VmState = "running";
-  readonly exited: Promise<number | null>;
 
   constructor(
-    readonly spec: VmSpec,
-    private proc: ReturnType<typeof Bun.spawn>,
+    spec: VmSpec,
+    proc: ReturnType<typeof Bun.spawn>,
     readonly api: FirecrackerApi,
     readonly consoleLog: string,
   ) {
-    this.exited = proc.exited.then((c) => {
-      this._state = "stopped";
-      return c;
-    });
-  }
-  get id(): string {
-    return this.spec.id;
-  }
-  get pid(): number {
-    return this.proc.pid;
-  }
-  get state(): VmState {
-    return this._state;
-  }
-  private need(...ok: VmState[]): void {
-    if (!ok.includes(this._state)) throw new VmmError("BadState", `VM ${this.id} is ${this._state}, expected ${ok.join(" or ")}`);
+    super(spec, proc);
   }
 
   async pause(): Promise<void> {
@@ -565,7 +548,7 @@ class FirecrackerVm implements Vmm {
   }
 
   async stop(): Promise<void> {
-    if (this.proc.exitCode === null && !this.proc.killed) {
+    if (this.running) {
       this.proc.kill("SIGKILL");
       await this.exited;
     }

@@ -16,7 +16,7 @@ import {
   type Vmm,
   type VmmDriver,
   VmmError,
-  type VmState,
+  VmProcess,
   netnsArgv,
 } from "./types.ts";
 
@@ -175,44 +175,26 @@ function sparseCopy(from: string, to: string): void {
   if (r.exitCode !== 0) throw new VmmError("Protocol", `copying ${from}: ${r.stderr.toString().trim()}`);
 }
 
-class QemuVm implements Vmm {
+class QemuVm extends VmProcess implements Vmm {
   readonly kind = "qemu" as const;
-  private _state: VmState = "running";
-  readonly exited: Promise<number | null>;
 
   constructor(
-    readonly spec: VmSpec,
-    private proc: ReturnType<typeof Bun.spawn>,
+    spec: VmSpec,
+    proc: ReturnType<typeof Bun.spawn>,
     private qmp: QmpClient,
     private launch: QemuLaunch,
     /** The RAM file is ours to delete on stop (not a snapshot's image mapped private). */
     private ownsRam: boolean,
   ) {
-    this.exited = proc.exited.then((code) => {
-      this._state = "stopped";
-      return code;
-    });
+    super(spec, proc);
   }
 
-  get id(): string {
-    return this.spec.id;
-  }
-  get pid(): number {
-    return this.proc.pid;
-  }
-  get state(): VmState {
-    return this._state;
-  }
   get consoleLog(): string {
     return this.launch.consoleLog;
   }
   /** The QMP connection, for callers that need a command this interface does not cover. */
   get monitor(): QmpClient {
     return this.qmp;
-  }
-
-  private need(...ok: VmState[]): void {
-    if (!ok.includes(this._state)) throw new VmmError("BadState", `VM ${this.id} is ${this._state}, expected ${ok.join(" or ")}`);
   }
 
   async pause(): Promise<void> {
@@ -284,7 +266,7 @@ class QemuVm implements Vmm {
   }
 
   async stop(): Promise<void> {
-    if (this.proc.exitCode === null && !this.proc.killed) {
+    if (this.running) {
       try {
         await withTimeout(this.qmp.execute("quit"), 2000, "quit");
       } catch {}

@@ -147,6 +147,40 @@ export function netnsArgv(netnsPath: string | undefined, argv: string[]): string
   return netnsPath === undefined ? argv : ["nsenter", `--net=${checkNetnsPath(netnsPath)}`, "--", ...argv];
 }
 
+/**
+ * What every driver's VM shares: the VMM process, its exit, and the state checks around it.
+ * The driver's class adds the VMM-specific control (QMP, Firecracker's API).
+ */
+export abstract class VmProcess {
+  protected _state: VmState = "running";
+  readonly exited: Promise<number | null>;
+
+  constructor(
+    readonly spec: VmSpec,
+    protected proc: ReturnType<typeof Bun.spawn>,
+  ) {
+    this.exited = proc.exited.then((code) => {
+      this._state = "stopped";
+      return code;
+    });
+  }
+  get id(): string {
+    return this.spec.id;
+  }
+  get pid(): number {
+    return this.proc.pid;
+  }
+  get state(): VmState {
+    return this._state;
+  }
+  protected need(...ok: VmState[]): void {
+    if (!ok.includes(this._state)) throw new VmmError("BadState", `VM ${this.id} is ${this._state}, expected ${ok.join(" or ")}`);
+  }
+  protected get running(): boolean {
+    return this.proc.exitCode === null && !this.proc.killed;
+  }
+}
+
 /** Reads snapshot.json from a snapshot directory. */
 export async function readSnapshot(dir: string): Promise<SnapshotInfo> {
   return (await Bun.file(`${dir}/snapshot.json`).json()) as SnapshotInfo;
