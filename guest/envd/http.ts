@@ -3,7 +3,7 @@ import { mkdirSync, readFileSync, statfsSync, writeFileSync } from "node:fs";
 import { cpus } from "node:os";
 import { httpError, tokenMatches } from "./files.ts";
 import { ENVD_VERSION, type EnvdState } from "./state.ts";
-import { setClock } from "./sys.ts";
+import { reseedRandom, setClock } from "./sys.ts";
 
 const NO_STORE = { "Cache-Control": "no-store" };
 
@@ -51,6 +51,13 @@ export async function init(req: Request, state: EnvdState): Promise<Response> {
   for (const k of ["defaultUser", "defaultWorkdir", "timestamp"]) {
     if (body[k] !== undefined && body[k] !== null && typeof body[k] !== "string") return httpError(400, `${k} must be a string`);
   }
+  // Our extension (E2B's envd ignores unknown fields): fresh entropy for a restored guest.
+  let entropy: Uint8Array | undefined;
+  if (body.aenvEntropy !== undefined) {
+    if (typeof body.aenvEntropy !== "string") return httpError(400, "aenvEntropy must be base64");
+    entropy = Buffer.from(body.aenvEntropy, "base64");
+    if (entropy.length < 16 || entropy.length > 4096) return httpError(400, "aenvEntropy must carry 16 to 4096 bytes");
+  }
   let ts: number | undefined;
   if (typeof body.timestamp === "string" && body.timestamp) {
     ts = Date.parse(body.timestamp);
@@ -71,6 +78,13 @@ export async function init(req: Request, state: EnvdState): Promise<Response> {
       } catch (e) {
         console.error(`envd: clock sync failed: ${(e as Error).message}`);
       }
+    }
+  }
+  if (entropy && state.opts.guest) {
+    try {
+      reseedRandom(entropy);
+    } catch (e) {
+      console.error(`envd: reseeding the CRNG failed: ${(e as Error).message}`);
     }
   }
   writeMarkers(state);

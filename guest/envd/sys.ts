@@ -17,6 +17,9 @@ function load() {
         listxattr: { args: ["ptr", "ptr", "u64"], returns: "i64" },
         removexattr: { args: ["ptr", "ptr"], returns: "i32" },
         clock_settime: { args: ["i32", "ptr"], returns: "i32" },
+        open: { args: ["ptr", "i32"], returns: "i32" },
+        write: { args: ["i32", "ptr", "u64"], returns: "i64" },
+        ioctl: { args: ["i32", "u64", "u64"], returns: "i32" },
         strerror: { args: ["i32"], returns: "cstring" },
         __errno_location: { args: [], returns: "ptr" },
       }).symbols;
@@ -96,6 +99,25 @@ export const xattr = {
     if (c().removexattr(cstr(path), cstr(name)) < 0) fail(`removexattr ${path}`);
   },
 };
+
+const RNDRESEEDCRNG = 0x5207;
+const O_WRONLY_CLOEXEC = 0o1 | 0o2000000;
+
+/**
+ * Mixes host-given bytes into the kernel's entropy pool and forces the CRNG to reseed from it
+ * (RNDRESEEDCRNG, needs CAP_SYS_ADMIN). Restores of one snapshot start with one CRNG state, so
+ * without this they would hand out the same "random" bytes.
+ */
+export function reseedRandom(bytes: Uint8Array) {
+  const fd = c().open(cstr("/dev/urandom"), O_WRONLY_CLOEXEC);
+  if (fd < 0) fail("open /dev/urandom");
+  try {
+    if (Number(c().write(fd, bytes, bytes.length)) !== bytes.length) fail("write /dev/urandom");
+    if (c().ioctl(fd, RNDRESEEDCRNG, 0) < 0) fail("ioctl RNDRESEEDCRNG");
+  } finally {
+    c().close(fd);
+  }
+}
 
 /** Sets CLOCK_REALTIME (needs CAP_SYS_TIME); used by /init to fix a restored guest's clock. */
 export function setClock(ms: number) {

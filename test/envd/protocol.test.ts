@@ -298,6 +298,9 @@ describe("/init, token, signing, /envs, /metrics", () => {
       const token = "0tQG31xiMp0IOQfaz9dcwi72L1CPo8e0";
       const init = (body: unknown, headers: Record<string, string> = {}) => fetch(`${e.url}/init`, { method: "POST", body: JSON.stringify(body), headers });
       expect((await fetch(`${e.url}/init`, { method: "POST", body: "{" })).status).toBe(400);
+      // Our aenvEntropy extension is checked even where (not --guest) it is not applied.
+      expect((await init({ aenvEntropy: 7 })).status).toBe(400);
+      expect((await init({ aenvEntropy: Buffer.from("short").toString("base64") })).status).toBe(400);
       const first = await init({ accessToken: token, envVars: { A: "1" }, timestamp: new Date().toISOString(), defaultWorkdir: "/tmp" });
       expect([first.status, first.headers.get("x-envd-version")]).toEqual([204, "0.6.13"]);
       // A replayed (older) init changes nothing but still answers 204.

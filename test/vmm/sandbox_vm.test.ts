@@ -421,6 +421,16 @@ describe.skipIf(!!skip)("sandbox VMs: envd in the guest, VM in a network slot, t
         expect((await sbxB.commands.list()).some((p) => p.pid === counterPid)).toBe(true);
         expect(await sbxC.files.read("/root/marker")).toBe("before-snapshot");
         expect(new Set([vmB.pid, vmC.pid]).size).toBe(2);
+        // Both restores woke with one CRNG state; /init's fresh entropy makes their randomness differ.
+        for (const s of [slotB, slotC]) {
+          const seed = Buffer.from(crypto.getRandomValues(new Uint8Array(64))).toString("base64");
+          const r = await fetch(`${envdUrl(s)}/init`, { method: "POST", body: JSON.stringify({ timestamp: new Date().toISOString(), aenvEntropy: seed }) });
+          expect(r.status).toBe(204);
+        }
+        const rnd = "head -c 16 /dev/urandom | od -An -tx1";
+        const [rb, rc] = await Promise.all([sbxB.commands.run(rnd), sbxC.commands.run(rnd)]);
+        expect(rb.stdout.trim().length).toBeGreaterThan(0);
+        expect(rb.stdout).not.toBe(rc.stdout);
       } finally {
         await stop(vmC);
         await release(slotC);
