@@ -4,6 +4,7 @@ import { fstatSync } from "node:fs";
 import {
   IORING_FSYNC_DATASYNC,
   IOSQE_IO_DRAIN,
+  IORING_REGISTER_EVENTFD,
   IoUring,
 } from "../../ffi/io_uring.ts";
 import {
@@ -21,6 +22,7 @@ import {
   allocAligned,
   cString,
   libc,
+  eventfd,
   errno as lastErrno,
   type AlignedBuffer,
 } from "../../ffi/libc.ts";
@@ -97,6 +99,7 @@ const OP_FSYNC = 2; // barrier: after everything queued before it
 const OP_PUNCH = 3; // barrier
 const OP_TRUNCATE = 4; // run synchronously at its turn (no ring op before 6.9)
 const OP_CLOSE = 5; // run synchronously at its turn
+const runsAlone = (kind: number) => kind === OP_TRUNCATE || kind === OP_CLOSE;
 
 const CALL_NAMES = ["pread", "pwrite", "fdatasync", "fallocate", "ftruncate", "close"];
 
@@ -151,6 +154,15 @@ class Engine {
   private scheduled = false;
   private readonly onCqe = (userData: number, res: number) => this.complete(userData, res);
   private readonly flushFn = () => this.flush();
+  /**
+   * Deferred completions (opt-in per thread): a flush submits and returns; CQEs are reaped when
+   * the thread's event loop sees `eventFd` readable. Lets a server overlap disk I/O with taking
+   * new requests. Default: a flush waits for all its CQEs.
+   */
+  private deferred = false;
+  private eventFd = -1;
+  private free: number[] = [];
+  private inflight = 0;
 
   kind(): IoEngineKind {
     return this.getRing() ? "io_uring" : "sync";
@@ -168,11 +180,51 @@ class Engine {
     }
   }
 
+  /**
+   * Switch this thread to deferred completions (returns the eventfd to watch, -1 without a ring)
+   * or back (on = false: waits for everything in flight, then flushes block again).
+   */
+  deferCompletions(on: boolean): number {
+    const ring = this.getRing();
+    if (!ring) return -1;
+    if (on && !this.deferred) {
+      if (this.eventFd < 0) {
+        this.eventFd = eventfd(0);
+        ring.register(IORING_REGISTER_EVENTFD, addressOf(new Int32Array([this.eventFd])), 1);
+      }
+      this.free = Array.from({ length: this.slots.length }, (_, i) => this.slots.length - 1 - i);
+      this.inflight = 0;
+      this.deferred = true;
+    } else if (!on && this.deferred) {
+      while (this.inflight > 0) {
+        ring.submitAndWait(1);
+        this.reapReady();
+      }
+      this.deferred = false;
+    }
+    return this.eventFd;
+  }
+
+  /** Deferred mode: handle every CQE that is ready, without waiting. */
+  reapReady(): void {
+    if (!this.ring) return;
+    this.ring.reap(this.onCqe);
+    if (this.retry.length) {
+      for (const op of this.retry) this.queue.push(op);
+      this.retry.length = 0;
+      if (!this.scheduled) {
+        this.scheduled = true;
+        queueMicrotask(this.flushFn);
+      }
+    }
+  }
+
   /** Drain the queue (runs as a microtask after the tick that queued the ops). */
   flush(): void {
     this.scheduled = false;
     try {
-      this.run();
+      if (this.deferred && this.ring) this.runDeferred(this.ring);
+      else this.run();
     } catch (e) {
       this.failAll(e);
     }
@@ -231,6 +283,40 @@ class Engine {
     this.qHead = 0;
   }
 
+  private runDeferred(ring: IoUring): void {
+    let n = 0;
+    while (this.qHead < this.queue.length) {
+      const op = this.queue[this.qHead]!;
+      if (runsAlone(op.kind) || this.free.length === 0) {
+        // truncate/close run after everything before them; a full ring frees a slot first.
+        if (n) ring.submit();
+        n = 0;
+        const want = runsAlone(op.kind) ? 0 : this.inflight - 1;
+        while (this.inflight > want) {
+          ring.submitAndWait(1);
+          this.reapReady();
+        }
+        if (runsAlone(op.kind)) {
+          this.qHead++;
+          runSync(op);
+        }
+        continue;
+      }
+      this.qHead++;
+      const slot = this.free.pop()!;
+      const barrier = op.kind === OP_FSYNC || op.kind === OP_PUNCH;
+      if (this.prep(ring, op, slot, barrier ? IOSQE_IO_DRAIN : 0)) {
+        this.slots[slot] = op;
+        this.inflight++;
+        n++;
+      } else this.free.push(slot);
+    }
+    this.queue.length = 0;
+    this.qHead = 0;
+    if (n) ring.submit();
+    this.reapReady(); // cached reads complete inside the submit
+  }
+
   /** Fill the SQE for op; false (op rejected) when its buffer cannot be addressed. */
   private prep(ring: IoUring, op: Op, ud: number, sqeFlags: number): boolean {
     const fd = op.file.fd;
@@ -269,6 +355,10 @@ class Engine {
   private complete(ud: number, res: number): void {
     const op = this.slots[ud]!;
     this.slots[ud] = null;
+    if (this.deferred) {
+      this.free.push(ud);
+      this.inflight--;
+    }
     if (res < 0) {
       if (res === -E.EINTR || res === -E.EAGAIN) this.retry.push(op);
       else op.fail(-res);
@@ -395,6 +485,18 @@ export function localIoEngine(): IoEngineKind {
 /** Why io_uring is not used on this thread ("" when it is). */
 export function localIoEngineReason(): string {
   return engine.unavailableReason;
+}
+
+/**
+ * Deferred completions for this thread (a server that polls): returns an eventfd that becomes
+ * readable when I/O completes; then read it and call reapLocalIo(). -1 when there is no ring.
+ */
+export function deferLocalIoCompletions(on = true): number {
+  return engine.deferCompletions(on);
+}
+
+export function reapLocalIo(): void {
+  engine.reapReady();
 }
 
 /** Force synchronous libc calls on this thread (tests, debugging); takes effect at the next flush. */

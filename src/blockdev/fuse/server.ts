@@ -24,6 +24,7 @@ import {
 } from "../../../ffi/libc.ts";
 import * as F from "../../../ffi/fuse.ts";
 import type { DeviceIo, WakeSource } from "../device_io.ts";
+import { deferLocalIoCompletions, reapLocalIo } from "../../storage/local_file.ts";
 
 /** Loop splits requests at ~520 KiB anyway; 512 KiB keeps per-slot buffers modest. */
 const MAX_WRITE = 512 << 10;
@@ -63,8 +64,7 @@ class Slot {
 }
 
 export class FuseDisk {
-  private slots: Slot[] = []; // grown on demand: an idle device keeps one
-  private pollfds = new Uint8Array(16);
+
   private initialized = false;
   readonly stats = { requests: 0, reads: 0, writes: 0, fsyncs: 0, discards: 0 };
 
@@ -102,46 +102,36 @@ export class FuseDisk {
     }
   }
 
-  /** Serve requests until the mount goes away or wake.stopping(). */
+  /**
+   * Serve requests until the mount goes away or wake.stopping(). One poll(2) watches /dev/fuse,
+   * the control eventfd and the eventfd of this thread's I/O ring: requests are taken while
+   * earlier ones wait on the disk, and control work (a restack, which drains requests) runs
+   * beside them, since their I/O completes only while this loop keeps polling.
+   */
   async serve(io: DeviceIo, wake: WakeSource): Promise<void> {
     try {
       prctl(PR_SET_IO_FLUSHER, 1); // page reclaim may write back through us: do not recurse
     } catch {}
-    const pv = new DataView(this.pollfds.buffer);
-    pv.setInt32(0, this.fd, true);
-    pv.setInt16(4, POLLIN, true);
-    pv.setInt32(8, wake.fd, true);
-    pv.setInt16(12, POLLIN, true);
-    const counter = new Uint8Array(8);
-    for (;;) {
-      if (wake.stopping()) return;
-      pv.setInt16(6, 0, true);
-      pv.setInt16(14, 0, true);
-      if (poll(this.pollfds, 2, -1) === 0) continue;
-      if (pv.getInt16(14, true) & POLLIN) {
-        read(wake.fd, counter);
-        await wake.onWake();
-        continue;
-      }
-      if (pv.getInt16(6, true) === 0) continue;
-      let taken = 0;
-      while (taken < MAX_SLOTS) {
-        const slot = (this.slots[taken] ??= new Slot());
-        let n: number;
-        try {
-          n = read(this.fd, slot.req);
-        } catch (e) {
-          const code = (e as SyscallError).code;
-          if (code === "EAGAIN") break; // queue drained
-          if (code === "ENOENT" || code === "EINTR") continue; // interrupted request
-          if (code === "ENODEV" || code === "ECONNABORTED") return; // unmounted or aborted
-          throw e;
-        }
-        if (n >= F.FUSE_IN_HEADER) taken++;
-      }
-      if (taken === 1) await this.handle(io, this.slots[0]!);
-      else if (taken > 1) await Promise.all(this.slots.slice(0, taken).map((s) => this.handle(io, s)));
+    const ioFd = deferLocalIoCompletions();
+    try {
+      await new ServeLoop(this, io, wake, ioFd).run();
+    } finally {
+      deferLocalIoCompletions(false);
     }
+  }
+
+  /** Take one queued request into slot; false when none is queued (or it was interrupted). */
+  take(slot: Slot): boolean | "gone" {
+    let n: number;
+    try {
+      n = read(this.fd, slot.req);
+    } catch (e) {
+      const code = (e as SyscallError).code;
+      if (code === "EAGAIN" || code === "ENOENT" || code === "EINTR") return false; // drained / interrupted
+      if (code === "ENODEV" || code === "ECONNABORTED") return "gone"; // unmounted or aborted
+      throw e;
+    }
+    return n >= F.FUSE_IN_HEADER;
   }
 
   private reply(slot: Slot, unique: bigint, error: number, payloadLen = 0): void {
@@ -196,7 +186,7 @@ export class FuseDisk {
     }
   }
 
-  private async handle(io: DeviceIo, slot: Slot): Promise<void> {
+  async handle(io: DeviceIo, slot: Slot): Promise<void> {
     const h = F.decodeInHeader(slot.reqView);
     const dv = slot.reqView;
     const out = slot.outView;
@@ -298,6 +288,87 @@ export class FuseDisk {
 
   close(): void {
     close(this.fd);
+  }
+}
+
+/** The state of one serve(): slots, requests in flight, control work in flight. */
+class ServeLoop {
+  private pollfds = new Uint8Array(24);
+  private pv = new DataView(this.pollfds.buffer);
+  private counter = new Uint8Array(8);
+  private idle: Slot[] = [];
+  private busy = 0;
+  private control: Promise<void> | undefined;
+  private controlAgain = false;
+  private readonly nfds: number;
+
+  constructor(
+    private disk: FuseDisk,
+    private io: DeviceIo,
+    private wake: WakeSource,
+    private ioFd: number,
+  ) {
+    this.nfds = ioFd >= 0 ? 3 : 2;
+    this.pv.setInt32(0, disk.fd, true);
+    this.pv.setInt32(8, wake.fd, true);
+    this.pv.setInt16(12, POLLIN, true);
+    this.pv.setInt32(16, ioFd, true);
+    this.pv.setInt16(20, POLLIN, true);
+  }
+
+  private runControl(): void {
+    if (this.control) return void (this.controlAgain = true);
+    this.control = this.wake.onWake().finally(() => {
+      this.control = undefined;
+      if (this.controlAgain) {
+        this.controlAgain = false;
+        this.runControl();
+      }
+    });
+  }
+
+  private start(slot: Slot): void {
+    this.busy++;
+    void this.disk.handle(this.io, slot).finally(() => {
+      this.busy--;
+      this.idle.push(slot);
+    });
+  }
+
+  async run(): Promise<void> {
+    const pv = this.pv;
+    for (;;) {
+      const stopping = this.wake.stopping();
+      if (stopping && this.busy === 0 && !this.control) return;
+      // No new request while every slot is busy (the kernel queues them) or while stopping.
+      pv.setInt16(4, this.busy < MAX_SLOTS && !stopping ? POLLIN : 0, true);
+      for (const at of [6, 14, 22]) pv.setInt16(at, 0, true);
+      // Control work may wait on timers and messages: keep the event loop turning meanwhile.
+      if (poll(this.pollfds, this.nfds, this.control ? 1 : -1) > 0) {
+        if (this.nfds === 3 && pv.getInt16(22, true) & POLLIN) {
+          read(this.ioFd, this.counter);
+          reapLocalIo();
+        }
+        if (pv.getInt16(14, true) & POLLIN) {
+          read(this.wake.fd, this.counter);
+          this.runControl();
+        }
+        if (pv.getInt16(6, true) !== 0) {
+          while (this.busy < MAX_SLOTS) {
+            const slot = this.idle.pop() ?? new Slot();
+            const got = this.disk.take(slot);
+            if (got === true) this.start(slot);
+            else {
+              this.idle.push(slot);
+              if (got === "gone") return;
+              break;
+            }
+          }
+        }
+      }
+      // Let every handler run until it waits on the disk (its I/O is then submitted).
+      await new Promise<void>((r) => setImmediate(r));
+    }
   }
 }
 
