@@ -9,7 +9,7 @@ import { WritableLayer } from "../../src/storage/lsmt/writable_layer.ts";
 import { openLayerFile } from "../../src/storage/open_layer.ts";
 import { ReadOnlyLayer } from "../../src/storage/lsmt/readonly_layer.ts";
 import { ZFileReader, writeZFile } from "../../src/storage/zfile.ts";
-import { posixFadvise, POSIX_FADV_DONTNEED } from "../../ffi/libc.ts";
+import { posixFadvise, POSIX_FADV_DONTNEED, POSIX_FADV_WILLNEED } from "../../ffi/libc.ts";
 
 const arg = (name: string, dflt: number) => {
   const i = process.argv.indexOf(`--${name}`);
@@ -111,7 +111,11 @@ async function recache(paths: string[]): Promise<void> {
   const buf = new Uint8Array(1 << 20);
   for (const p of paths) {
     const f = await LocalFile.open(p, {});
+    await f.fdatasync(); // dirty pages would survive DONTNEED and keep their write-time shape
     posixFadvise(f.fd, 0, 0, POSIX_FADV_DONTNEED);
+    // WILLNEED reads the whole file ahead in big chunks, so small layer files get the same
+    // large folios as the big raw file (a plain sequential read ramps up from small ones).
+    posixFadvise(f.fd, 0, 0, POSIX_FADV_WILLNEED);
     for (let pos = 0; pos < f.size(); pos += buf.length) await f.pread(buf, pos);
     await f.close();
   }
