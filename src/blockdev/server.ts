@@ -1,13 +1,13 @@
 // blockd: the one long-lived process that owns every block device on a node. It keeps a device
 // table on disk, runs one worker per device, and answers the node's RPCs on a unix socket.
 
-import { existsSync, mkdirSync, renameSync, rmSync, writeFileSync, readFileSync, statSync } from "node:fs";
+import { existsSync, mkdirSync, renameSync, rmSync, writeFileSync, readFileSync } from "node:fs";
 import { join, resolve } from "node:path";
 import type { Socket } from "bun";
 import { umount2, MNT_DETACH } from "../../ffi/libc.ts";
 import { loopAttach, loopDetach } from "../../ffi/loop.ts";
 import { type ImageConfig, type LayerRef, parseImageConfig, resolveLayerPath } from "../storage/image_config.ts";
-import { WritableLayer } from "../storage/lsmt/writable_layer.ts";
+import { WRITABLE_DATA, WRITABLE_INDEX, WritableLayer } from "../storage/lsmt/writable_layer.ts";
 import { DeviceHandle } from "./device.ts";
 import { KeeperClient } from "./keeper_client.ts";
 import { IoLimiter } from "../storage/io_limiter.ts";
@@ -16,8 +16,6 @@ import { UblkControl } from "./ublk/control.ts";
 import { UblkDevice } from "./ublk/frontend.ts";
 import { BlockdError, FrameReader, PROTOCOL_VERSION, encodeFrame, type Reply, type Request } from "./protocol.ts";
 
-export const WRITABLE_DATA = "writable_data";
-export const WRITABLE_INDEX = "writable_index";
 
 export interface BlockdOptions {
   stateDir: string;
@@ -510,8 +508,4 @@ async function imageSize(config: ImageConfig): Promise<number> {
   } finally {
     await image.close();
   }
-}
-
-export function isFile(p: string): boolean {
-  return existsSync(p) && statSync(p).isFile();
 }

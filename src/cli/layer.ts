@@ -8,15 +8,13 @@ import { FormatError } from "../storage/errors.ts";
 import { LocalFile } from "../storage/local_file.ts";
 import { openLayerFile, unwrap } from "../storage/open_layer.ts";
 import { ReadOnlyLayer } from "../storage/lsmt/readonly_layer.ts";
-import { WritableLayer } from "../storage/lsmt/writable_layer.ts";
+import { WRITABLE_DATA, WRITABLE_INDEX, WritableLayer } from "../storage/lsmt/writable_layer.ts";
 import { decodeHeader, isLsmtHeader, HT_SPACE, userTagText, FLAG_DATA, FLAG_SEALED, type HeaderTrailer } from "../storage/lsmt/header.ts";
 import { SECTOR, SEGMENT_BYTES, decodeSegments, type Segment } from "../storage/lsmt/segment.ts";
 import { writeZFile, ZFileReader } from "../storage/zfile.ts";
 import { writeOverlaybdTar } from "../storage/tar.ts";
 import { UsageError, parseArgs, parseSize } from "./args.ts";
 
-export const WRITABLE_DATA = "writable_data";
-export const WRITABLE_INDEX = "writable_index";
 
 const USAGE = `usage:
   aenv layer create --size BYTES [--sparse] [--uuid U] [--parent-uuid P] DIR

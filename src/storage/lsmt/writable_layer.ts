@@ -34,6 +34,10 @@ import {
 } from "./segment.ts";
 import { SegmentIndex } from "./segment_index.ts";
 
+/** File names of a writable layer in its directory, as containerd's overlaybd snapshotter names them. */
+export const WRITABLE_DATA = "writable_data";
+export const WRITABLE_INDEX = "writable_index";
+
 /** C++ MAX_IO_SIZE: one index entry maps at most 4 MiB of written data. */
 export const MAX_IO_SECTORS = 8192;
 /** C++ limit on entries in an RW index file. */
