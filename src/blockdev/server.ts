@@ -131,7 +131,7 @@ export class Blockd {
           umount2(rec.path, MNT_DETACH);
         } catch {}
         const handle = await this.startWorker(rec);
-        const dev = { rec: { ...rec, loop: undefined }, handle };
+        const dev: Device = { rec: { ...rec, loop: undefined }, handle };
         this.devices.set(rec.id, dev);
         if (rec.loop) dev.rec.loop = loopAttach(rec.path).path;
       } catch (e) {
@@ -332,7 +332,7 @@ export class Blockd {
   }
 
   /** Take a ready device and swap the image in under it (no mount, no worker start). */
-  private async acquire(p: Record<string, unknown>) {
+  private async acquire(p: Record<string, unknown>): Promise<ReturnType<Blockd["view"]>> {
     const idle = [...this.devices.values()].find((d) => d.rec.kind === "pool" && !d.rec.acquired && !this.busy.has(d.rec.id));
     if (!idle) {
       // Pool empty: a cold device, still handed out as a pool device so release recycles it.

@@ -264,10 +264,10 @@ export class Image {
  * The mapping phase of one read, turned into preads. One per Image and reused: the walk is
  * synchronous, so reads never share it while it runs.
  */
-const NO_BYTES = new Uint8Array(0);
+const NO_BYTES: Uint8Array = new Uint8Array(0);
 
 class ReadPlan implements PieceSink {
-  buf = NO_BYTES;
+  buf: Uint8Array = NO_BYTES;
   start = 0;
   private cur = 0;
   private upperFile: ReadableFile | undefined;
