@@ -38,6 +38,9 @@ import { SegmentIndex } from "./segment_index.ts";
 export const WRITABLE_DATA = "writable_data";
 export const WRITABLE_INDEX = "writable_index";
 
+/** Appends this large go to the data file with O_DIRECT; smaller ones through the page cache. */
+const DIRECT_MIN = 64 << 10;
+
 /** C++ MAX_IO_SIZE: one index entry maps at most 4 MiB of written data. */
 export const MAX_IO_SECTORS = 8192;
 /** C++ limit on entries in an RW index file. */
@@ -234,7 +237,10 @@ export class WritableLayer {
           pos = this.dataEnd; // reserved now, so concurrent writes never share space
           this.dataEnd += chunk.length;
         }
-        jobs.push((this.appender ??= this.openAppender()).pwrite(chunk, pos).then(() => this.map(seg(voff / SECTOR, chunk.length / SECTOR, pos / SECTOR))));
+        // Small appends stay buffered: O_DIRECT writes that extend a file serialize on the inode
+        // lock and go through io-wq (profiled: context switches dominated 4 KiB random writes).
+        const file = chunk.length >= DIRECT_MIN ? (this.appender ??= this.openAppender()) : this.data;
+        jobs.push(file.pwrite(chunk, pos).then(() => this.map(seg(voff / SECTOR, chunk.length / SECTOR, pos / SECTOR))));
       }
       await Promise.all(jobs);
     } finally {
