@@ -9,8 +9,8 @@ import { type ImageConfig, MAX_LOWERS, resolveLayerPath } from "./image_config.t
 import { openLayerFile } from "./open_layer.ts";
 import { type CompactOptions, compact } from "./lsmt/compact.ts";
 import { ReadOnlyLayer } from "./lsmt/readonly_layer.ts";
-import { type Segment, SECTOR, segEnd, mergeAdjacent } from "./lsmt/segment.ts";
-import { SegmentIndex, comboWalk, comboVisit, type PieceSink } from "./lsmt/segment_index.ts";
+import { type Segment, SECTOR, clip, mergeAdjacent } from "./lsmt/segment.ts";
+import { SegmentIndex, comboVisit, type PieceSink } from "./lsmt/segment_index.ts";
 import { WritableLayer } from "./lsmt/writable_layer.ts";
 import type { IoLimiter } from "./io_limiter.ts";
 
@@ -235,9 +235,9 @@ export class Image {
     const top = this.lowers.length - 1;
     const base = this.upperLayer ? 1 : 0;
     const index: Segment[] = [];
-    comboWalk(this.upperLayer?.index, this.merged, 0, Number.MAX_SAFE_INTEGER, (s, fromUpper) =>
-      index.push({ ...s, tag: fromUpper ? 0 : base + top - s.tag }),
-    );
+    comboVisit(this.upperLayer?.index, this.merged, 0, Number.MAX_SAFE_INTEGER, {
+      piece: (s, from, to, fromUpper) => index.push({ ...clip(s, from, to), tag: fromUpper ? 0 : base + top - s.tag }),
+    });
     return { files, index };
   }
 

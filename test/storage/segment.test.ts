@@ -124,7 +124,7 @@ describe("lookup (§5.5 lookup vector)", () => {
 });
 
 describe("combo lookup (§5.5 upstream vectors)", () => {
-  const { comboWalk } = require("../../src/storage/lsmt/segment_index.ts");
+  const { comboVisit } = require("../../src/storage/lsmt/segment_index.ts");
   const U = [[5, 5, 0], [10, 10, 50], [100, 10, 20]];
   const L1 = [[0, 1, 7], [2, 4, 5], [15, 10, 22], [30, 15, 89], [87, 50, 32], [150, 10, 84]];
   const L2 = [[1, 3, 134], [8, 4, 873], [18, 72, 320], [100, 100, 4893], [1000, 1000, 39823]];
@@ -140,9 +140,10 @@ describe("combo lookup (§5.5 upstream vectors)", () => {
     const upper = new SegmentIndex();
     U.forEach(([o, l, m]) => upper.insert(seg(o!, l!, m!)));
     const out: number[][] = [];
-    comboWalk(upper, merged, 0, 10000, (s: Segment, fromUpper: boolean) =>
-      out.push([s.offset, s.length, s.moffset, fromUpper ? n : n - 1 - s.tag]),
-    );
+    comboVisit(upper, merged, 0, 10000, {
+      piece: (s: Segment, from: number, to: number, fromUpper: boolean) =>
+        out.push([from, to - from, s.moffset + (from - s.offset), fromUpper ? n : n - 1 - s.tag]),
+    });
     return out;
   };
   const one = [[0, 1, 7, 0], [2, 3, 5, 0], [5, 5, 0, 1], [10, 10, 50, 1], [20, 5, 27, 0], [30, 15, 89, 0], [87, 13, 32, 0], [100, 10, 20, 1], [110, 27, 55, 0], [150, 10, 84, 0]];

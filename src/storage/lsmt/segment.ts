@@ -8,7 +8,6 @@ export const SEGMENT_BYTES = 16;
 export const MAX_SEGMENT_SECTORS = 16383;
 /** offset value that marks a padding / invalid entry (2^50 − 1). */
 export const INVALID_OFFSET = 2 ** 50 - 1;
-export const MAX_OFFSET = 2 ** 50 - 2;
 /** moffset is 55 bits on disk, but a JS number is exact only to 2^53: larger ones are refused. */
 export const MAX_MOFFSET = Number.MAX_SAFE_INTEGER;
 

@@ -122,21 +122,8 @@ export class SegmentIndex {
 
   /** §5.1 lookup: pieces covering [start, end), trimmed, appended to out. */
   lookup(start: number, end: number, out: Segment[] = []): Segment[] {
-    let ci = this.chunkFor(start);
-    if (ci === this.chunks.length) return out;
-    let chunk = this.chunks[ci]!;
-    let i = firstEndingAfter(chunk, start);
-    for (;;) {
-      if (i === chunk.length) {
-        if (++ci === this.chunks.length) return out;
-        chunk = this.chunks[ci]!;
-        i = 0;
-        continue;
-      }
-      const s = chunk[i++]!;
-      if (s.offset >= end) return out;
-      out.push(s.offset >= start && segEnd(s) <= end ? s : clip(s, start, end));
-    }
+    this.visit(start, end, { piece: (s, from, to) => out.push(from === s.offset && to === segEnd(s) ? s : clip(s, from, to)) }, false);
+    return out;
   }
 
   /** Each segment overlapping [start, end), with the overlap, in order; nothing allocated. */
@@ -177,41 +164,15 @@ export class SegmentIndex {
   }
 }
 
-/**
- * §5.5 combo lookup: walk [start, end) of a writable index over a merged read-only one, calling
- * fn for each visible piece in order (trimmed; gaps between pieces are holes).
- */
-export function comboWalk(
-  upper: SegmentIndex | undefined,
-  lower: SegmentIndex,
-  start: number,
-  end: number,
-  fn: (s: Segment, fromUpper: boolean) => void,
-  scratch: Segment[] = [],
-): void {
-  let cur = start;
-  const fromLower = (b: number, e: number) => {
-    lower.lookup(b, e, scratch);
-    for (const s of scratch) fn(s, false);
-    scratch.length = 0;
-  };
-  if (upper)
-    for (const u of upper.lookup(start, end)) {
-      if (u.offset > cur) fromLower(cur, u.offset);
-      fn(u, true);
-      cur = segEnd(u);
-    }
-  if (cur < end) fromLower(cur, end);
-}
-
 /** Receives the visible pieces of a range: segment s, clipped to sectors [from, to). */
 export interface PieceSink {
   piece(s: Segment, from: number, to: number, fromUpper: boolean): void;
 }
 
 /**
- * comboWalk without allocation, for the read path: the same pieces in the same order, given as
- * (segment, from, to) instead of clipped copies. Not re-entrant per sink.
+ * §5.5 combo lookup: the visible pieces of [start, end) of a writable index over a merged
+ * read-only one, in order, as (segment, from, to); gaps between pieces are holes. Allocates
+ * nothing (the read path runs it per request).
  */
 export function comboVisit(upper: SegmentIndex | undefined, lower: SegmentIndex, start: number, end: number, sink: PieceSink): void {
   if (!upper || upper.size === 0) return lower.visit(start, end, sink, false);
