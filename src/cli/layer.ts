@@ -9,7 +9,7 @@ import { LocalFile } from "../storage/local_file.ts";
 import { openLayerFile, unwrap } from "../storage/open_layer.ts";
 import { ReadOnlyLayer } from "../storage/lsmt/readonly_layer.ts";
 import { WRITABLE_DATA, WRITABLE_INDEX, WritableLayer } from "../storage/lsmt/writable_layer.ts";
-import { decodeHeader, isLsmtHeader, HT_SPACE, userTagText, FLAG_DATA, FLAG_SEALED, type HeaderTrailer } from "../storage/lsmt/header.ts";
+import { decodeHeader, parseUuidArg, isLsmtHeader, HT_SPACE, userTagText, FLAG_DATA, FLAG_SEALED, type HeaderTrailer } from "../storage/lsmt/header.ts";
 import { SECTOR, SEGMENT_BYTES, decodeSegments, type Segment } from "../storage/lsmt/segment.ts";
 import { writeZFile, ZFileReader } from "../storage/zfile.ts";
 import { writeOverlaybdTar } from "../storage/tar.ts";
@@ -54,8 +54,8 @@ async function create(args: string[]): Promise<void> {
   mkdirSync(dir!, { recursive: true });
   const l = await WritableLayer.create(join(dir!, WRITABLE_DATA), join(dir!, WRITABLE_INDEX), {
     virtualSize: size,
-    uuid: a.value("uuid"),
-    parentUuid: a.value("parent-uuid"),
+    uuid: uuidArg(a.value("uuid")),
+    parentUuid: uuidArg(a.value("parent-uuid")),
     sparse: a.flag("sparse"),
   });
   await l.close();
@@ -119,7 +119,7 @@ async function commit(args: string[]): Promise<void> {
   try {
     const raw = await LocalFile.open(rawPath, { write: true, create: true });
     try {
-      await image.commit(raw, { uuid: a.value("uuid"), parentUuid: a.value("parent-uuid"), message: a.value("m") });
+      await image.commit(raw, { uuid: uuidArg(a.value("uuid")), parentUuid: uuidArg(a.value("parent-uuid")), message: a.value("m") });
     } finally {
       await raw.close();
     }
@@ -147,6 +147,9 @@ async function commit(args: string[]): Promise<void> {
     unlinkSync(cur);
   }
 }
+
+/** A UUID option: a malformed one is an error, not silently the null UUID. */
+const uuidArg = (v: string | undefined) => (v === undefined ? undefined : parseUuidArg(v));
 
 function algorithmOf(v: string | undefined): "zstd" | "lz4" {
   if (v === undefined || v === "zstd" || v === "lz4") return v ?? "zstd";

@@ -60,6 +60,9 @@ describe("aenv layer", () => {
     expect(u.err).toContain("--size is required");
     expect(aenv(["layer", "write", join(dir, "up"), "--offset", "100"]).err).toContain("not a multiple of 512");
     expect(aenv(["layer", "frobnicate"]).code).toBe(2);
+    const badUuid = aenv(["layer", "create", "--size", "1M", "--uuid", "not-a-uuid", join(dir, "baduuid")]);
+    expect(badUuid.code).toBe(1);
+    expect(badUuid.err).toContain("not a UUID");
     writeFileSync(join(dir, "junk"), new Uint8Array(10000).fill(7));
     const b = aenv(["layer", "cat", join(dir, "junk")]);
     expect(b.code).toBe(1);
