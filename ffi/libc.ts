@@ -203,6 +203,7 @@ export const MADV_REMOVE = 9;
 export const MADV_DONTFORK = 10;
 export const MADV_DOFORK = 11;
 export const MADV_HUGEPAGE = 14;
+export const HUGE_PAGE_SIZE = 2 << 20;
 
 export const FALLOC_FL_KEEP_SIZE = 0x01;
 export const FALLOC_FL_PUNCH_HOLE = 0x02;
@@ -483,11 +484,27 @@ export interface AlignedBuffer {
   free(): void;
 }
 
-/** Anonymous private mmap of len bytes (rounded up to pages), zero-filled, owned by the caller. */
-export function allocAligned(len: number): AlignedBuffer {
+/**
+ * Anonymous private mmap of len bytes (rounded up to pages), zero-filled, owned by the caller.
+ * hugePages: 2 MiB-aligned and MADV_HUGEPAGE, for buffers the kernel pins and copies into on
+ * every request (one PMD instead of 512 PTEs to walk; fewer TLB misses in the copy).
+ */
+export function allocAligned(len: number, hugePages = false): AlignedBuffer {
   if (!(len > 0)) throw new RangeError(`allocAligned: bad length ${len}`);
-  const mapLen = Math.ceil(len / PAGE_SIZE) * PAGE_SIZE;
-  const addr = mmap(0, mapLen, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  const unit = hugePages ? HUGE_PAGE_SIZE : PAGE_SIZE;
+  const mapLen = Math.ceil(len / unit) * unit;
+  let addr = mmap(0, mapLen + unit - PAGE_SIZE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (hugePages) {
+    // Over-mapped by up to one huge page: cut the head and tail off around the aligned span.
+    const start = Math.ceil(addr / unit) * unit;
+    if (start > addr) munmap(addr, start - addr);
+    const tail = addr + mapLen + unit - PAGE_SIZE - (start + mapLen);
+    if (tail > 0) munmap(start + mapLen, tail);
+    addr = start;
+    try {
+      madvise(addr, mapLen, MADV_HUGEPAGE);
+    } catch {} // THP compiled out or off: small pages still work
+  }
   const ab = toArrayBuffer(addr as Pointer, 0, len);
   let freed = false;
   return {

@@ -32,6 +32,7 @@ import {
   O_RDONLY,
   O_RDWR,
   PAGE_SIZE,
+  HUGE_PAGE_SIZE,
   SyscallError,
   addressOf,
   allocAligned,
@@ -203,6 +204,19 @@ describe("libc", () => {
     a.bytes[9999] = 1;
     a.free();
     expect(a.bytes.length).toBe(0);
+    a.free();
+  });
+
+  test("allocAligned with huge pages is 2 MiB-aligned and advised for them", () => {
+    const a = allocAligned(3 << 20, true);
+    expect(a.ptr % HUGE_PAGE_SIZE).toBe(0);
+    a.bytes.fill(7); // touch it all
+    expect(a.bytes[(3 << 20) - 1]).toBe(7);
+    const smaps = readFileSync("/proc/self/smaps", "utf8");
+    const start = a.ptr.toString(16).padStart(8, "0");
+    const entry = smaps.split(/\n(?=[0-9a-f]+-[0-9a-f]+ )/).find((e) => e.startsWith(start));
+    expect(entry).toBeDefined();
+    expect(entry).toMatch(/VmFlags:.* hg/); // MADV_HUGEPAGE took (whether THP finds free huge pages is up to the host)
     a.free();
   });
 

@@ -17,7 +17,11 @@ const fill = (n: number, v: number) => new Uint8Array(n).fill(v);
 async function scenarioA(tag: string) {
   const data = join(dir, `${tag}.data`);
   const index = join(dir, `${tag}.index`);
-  const l = await WritableLayer.create(data, index, { virtualSize: 1 << 30, uuid: "5D8A6F1E-2B3C-4D4E-8F90-A1B2C3D4E5F6" });
+  const l = await WritableLayer.create(data, index, {
+    virtualSize: 1 << 30,
+    uuid: "5D8A6F1E-2B3C-4D4E-8F90-A1B2C3D4E5F6",
+    appendOnly: true, // the vector is C++'s writer, which appends the rewrite of sector 1
+  });
   await l.write(fill(4096, 0xaa), 0);
   await l.write(fill(1024, 0xbb), 8192);
   await l.discard(16384, 2048);
@@ -176,6 +180,43 @@ describe("writable layer rules", () => {
     expect(re.index.size).toBe(5);
     await re.close();
     expect(readFileSync(index).length).toBe(4160);
+  });
+
+  test("rewrites of ranges the layer owns go in place; others append; all survive a reopen", async () => {
+    const data = join(dir, "ip.data");
+    const index = join(dir, "ip.index");
+    const l = await WritableLayer.create(data, index, { virtualSize: 1 << 20 });
+    await l.write(fill(8192, 1), 0); // sectors 0..15
+    await l.write(fill(8192, 2), 16384); // sectors 32..47
+    await l.discard(65536, 4096); // sectors 128..135, zeroed
+    const dataSize = l.dataSize;
+    const entries = l.index.size;
+    // Inside one run, and across two runs of the same layer: no new data, no new entries.
+    await l.write(fill(2048, 3), 1024);
+    await l.write(fill(512, 4), 7680);
+    expect(l.dataSize).toBe(dataSize);
+    expect(l.index.size).toBe(entries);
+    // Across a hole, onto a zeroed run, and past the mapped end: appended and mapped.
+    await l.write(fill(16384, 5), 4096);
+    expect(l.dataSize).toBe(dataSize + 16384);
+    await l.write(fill(1024, 6), 65536);
+    await l.write(fill(1024, 7), 131072);
+    expect(l.dataSize).toBe(dataSize + 16384 + 2048);
+    // Now 4096..20480 is two runs of owned data: rewriting it stays in place.
+    await l.write(fill(8192, 8), 12288);
+    expect(l.dataSize).toBe(dataSize + 16384 + 2048);
+    const want = new Uint8Array(1 << 20);
+    want.fill(1, 0, 4096).fill(3, 1024, 3072).fill(5, 4096, 12288).fill(8, 12288, 20480).fill(2, 20480, 24576);
+    want.fill(6, 65536, 66560).fill(7, 131072, 132096);
+    await l.close();
+    for (const appendOnly of [false, true]) {
+      const re = await WritableLayer.open(data, index, { appendOnly });
+      const image = Image.fromLayers([], re);
+      const got = new Uint8Array(1 << 20);
+      await image.read(got, 0);
+      expect(sha256(got)).toBe(sha256(want));
+      await image.close();
+    }
   });
 
   test("a sealed file cannot be reopened writable", async () => {

@@ -21,6 +21,9 @@ import {
   prctl,
   PR_SET_IO_FLUSHER,
   allocAligned,
+  FALLOC_FL_KEEP_SIZE,
+  FALLOC_FL_PUNCH_HOLE,
+  FALLOC_FL_ZERO_RANGE,
 } from "../../../ffi/libc.ts";
 import * as F from "../../../ffi/fuse.ts";
 import type { DeviceIo, WakeSource } from "../device_io.ts";
@@ -40,9 +43,6 @@ const EROFS = 30;
 const ENOSYS = 38;
 const EINVAL = 22;
 const ENOTSUP = 95;
-const FALLOC_FL_KEEP_SIZE = 0x01;
-const FALLOC_FL_PUNCH_HOLE = 0x02;
-const FALLOC_FL_ZERO_RANGE = 0x10;
 
 export interface FuseDiskOptions {
   /** A regular file to mount over; it becomes the device. */
@@ -52,15 +52,24 @@ export interface FuseDiskOptions {
   directIo?: boolean;
 }
 
+/** Bytes of one slot: a page before each buffer so the payload after the header is page-aligned. */
+const SLOT_BYTES = 2 * (4096 + MAX_WRITE);
+
 /** Buffers for one request in flight: the request as read, and its reply. */
 class Slot {
-  // WRITE data starts 80 bytes into a request: place the buffer so that byte is page-aligned,
-  // and the O_DIRECT append of the upper takes it without a bounce copy.
-  private readonly mem = allocAligned(MAX_WRITE + 3 * 4096);
-  readonly req = this.mem.bytes.subarray(4096 - F.FUSE_WRITE_DATA_OFFSET);
-  readonly reqView = new DataView(this.req.buffer, this.req.byteOffset, this.req.byteLength);
-  readonly out = new Uint8Array(MAX_WRITE + F.FUSE_OUT_HEADER);
-  readonly outView = new DataView(this.out.buffer);
+  readonly req: Uint8Array;
+  readonly reqView: DataView;
+  readonly out: Uint8Array;
+  readonly outView: DataView;
+  constructor(mem: Uint8Array, at: number) {
+    // WRITE data starts 80 bytes into a request and READ data 16 bytes into a reply: both land
+    // page-aligned, so O_DIRECT I/O of the layers takes them without a bounce copy.
+    this.req = mem.subarray(at + 4096 - F.FUSE_WRITE_DATA_OFFSET, at + 4096 + MAX_WRITE);
+    this.reqView = new DataView(this.req.buffer, this.req.byteOffset, this.req.byteLength);
+    const o = at + 4096 + MAX_WRITE;
+    this.out = mem.subarray(o + 4096 - F.FUSE_OUT_HEADER, o + 4096 + MAX_WRITE);
+    this.outView = new DataView(this.out.buffer, this.out.byteOffset, this.out.byteLength);
+  }
 }
 
 export class FuseDisk {
@@ -140,7 +149,9 @@ export class FuseDisk {
     try {
       write(this.fd, slot.out.subarray(0, len));
     } catch (e) {
-      if ((e as SyscallError).code !== "ENOENT") throw e; // ENOENT: the request was interrupted
+      const code = (e as SyscallError).code;
+      // ENOENT: the request was interrupted; ENODEV: unmounted while it ran (nobody waits for it).
+      if (code !== "ENOENT" && code !== "ENODEV" && code !== "ECONNABORTED") throw e;
     }
   }
 
@@ -297,6 +308,9 @@ class ServeLoop {
   private pv = new DataView(this.pollfds.buffer);
   private counter = new Uint8Array(8);
   private idle: Slot[] = [];
+  /** Every slot's buffers in one huge-page mapping: the kernel pins and copies into them per request. */
+  private readonly arena = allocAligned(MAX_SLOTS * SLOT_BYTES, true);
+  private made = 0;
   private busy = 0;
   private control: Promise<void> | undefined;
   private controlAgain = false;
@@ -335,16 +349,27 @@ class ServeLoop {
     });
   }
 
+  /** Serve until stopped or the connection is gone, then release the slots once none is in use. */
   async run(): Promise<void> {
+    try {
+      await this.loop();
+    } finally {
+      this.arena.free();
+    }
+  }
+
+  private async loop(): Promise<void> {
     const pv = this.pv;
+    let gone = false;
     for (;;) {
-      const stopping = this.wake.stopping();
+      const stopping = gone || this.wake.stopping();
       if (stopping && this.busy === 0 && !this.control) return;
+      if (gone) pv.setInt32(0, -1, true); // poll skips it: a dead connection reports POLLERR forever
       // No new request while every slot is busy (the kernel queues them) or while stopping.
       pv.setInt16(4, this.busy < MAX_SLOTS && !stopping ? POLLIN : 0, true);
       for (const at of [6, 14, 22]) pv.setInt16(at, 0, true);
       // Control work may wait on timers and messages: keep the event loop turning meanwhile.
-      if (poll(this.pollfds, this.nfds, this.control ? 1 : -1) > 0) {
+      if (poll(this.pollfds, this.nfds, this.control || gone ? 1 : -1) > 0) {
         if (this.nfds === 3 && pv.getInt16(22, true) & POLLIN) {
           read(this.ioFd, this.counter);
           reapLocalIo();
@@ -355,12 +380,12 @@ class ServeLoop {
         }
         if (pv.getInt16(6, true) !== 0) {
           while (this.busy < MAX_SLOTS) {
-            const slot = this.idle.pop() ?? new Slot();
+            const slot = this.idle.pop() ?? new Slot(this.arena.bytes, SLOT_BYTES * this.made++);
             const got = this.disk.take(slot);
             if (got === true) this.start(slot);
             else {
               this.idle.push(slot);
-              if (got === "gone") return;
+              if (got === "gone") gone = true; // requests in flight still finish into the slots
               break;
             }
           }

@@ -32,7 +32,7 @@ import {
   seg,
   splitLong,
 } from "./segment.ts";
-import { SegmentIndex } from "./segment_index.ts";
+import { type PieceSink, SegmentIndex } from "./segment_index.ts";
 
 /** File names of a writable layer in its directory, as containerd's overlaybd snapshotter names them. */
 export const WRITABLE_DATA = "writable_data";
@@ -40,6 +40,9 @@ export const WRITABLE_INDEX = "writable_index";
 
 /** Appends this large go to the data file with O_DIRECT; smaller ones through the page cache. */
 const DIRECT_MIN = 64 << 10;
+
+/** Rewrites spread over more runs than this are appended instead (one pwrite per run). */
+const MAX_IN_PLACE_PIECES = 8;
 
 /** C++ MAX_IO_SIZE: one index entry maps at most 4 MiB of written data. */
 export const MAX_IO_SECTORS = 8192;
@@ -52,6 +55,8 @@ export interface WritableLayerOptions {
   parentUuid?: string;
   /** Sparse mode (§4.2): the disk lives in place in the data file; no index file is kept. */
   sparse?: boolean;
+  /** Append rewrites too, as C++ overlaybd's writer does (byte-identical files for the same writes). */
+  appendOnly?: boolean;
 }
 
 export class LayerSealedError extends StorageError {
@@ -72,6 +77,8 @@ export class WritableLayer {
    * Reads and everything else use the buffered fd; the kernel keeps the two coherent.
    */
   private appender: WritableFile | undefined;
+  /** See WritableLayerOptions.appendOnly. */
+  appendOnly = false;
 
   private constructor(
     readonly dataPath: string,
@@ -122,7 +129,9 @@ export class WritableLayer {
     await indexFile.pwrite(encodeHeader({ ...header, flags: FLAG_HEADER, indexOffset: HT_SPACE }), 0);
     await data.fdatasync();
     await indexFile.fdatasync();
-    return new WritableLayer(dataPath, indexPath, data, indexFile, header, HT_SPACE, HT_SPACE);
+    const layer = new WritableLayer(dataPath, indexPath, data, indexFile, header, HT_SPACE, HT_SPACE);
+    layer.appendOnly = opts.appendOnly === true;
+    return layer;
   }
 
   /** A sparse layer's index is the data file's allocated ranges (SEEK_DATA / SEEK_HOLE from 4096). */
@@ -145,7 +154,7 @@ export class WritableLayer {
    * and entries from the first one that points past the data file's end are dropped (only a
    * machine crash can leave those: an entry is written after the data it names).
    */
-  static async open(dataPath: string, indexPath: string): Promise<WritableLayer> {
+  static async open(dataPath: string, indexPath: string, opts: { appendOnly?: boolean } = {}): Promise<WritableLayer> {
     const data = await LocalFile.open(dataPath, { write: true });
     const hb0 = new Uint8Array(HT_SPACE);
     if ((await data.pread(hb0, 0)) === HT_SPACE && hasLsmtMagic(hb0) && hb0[28]! & FLAG_SPARSE && !(hb0[28]! & FLAG_SEALED)) {
@@ -194,6 +203,7 @@ export class WritableLayer {
         layer.index.insert(s);
       }
       layer.indexEnd = HT_SPACE + n * SEGMENT_BYTES;
+      layer.appendOnly = opts.appendOnly === true;
       if (layer.indexEnd !== isize) await indexFile.truncate(layer.indexEnd);
       return layer;
     } catch (e) {
@@ -222,7 +232,12 @@ export class WritableLayer {
     return this.inflight === 0 ? Promise.resolve() : new Promise((r) => this.idle.push(r));
   }
 
-  /** Append buf's bytes to the data file and map them at `offset` (bytes, 512-aligned). */
+  /**
+   * Write buf's bytes at `offset` (bytes, 512-aligned). A range this layer already maps to its
+   * own data is overwritten in place (a guest rewrites its journal and hot blocks all the time:
+   * appending each rewrite would grow the upper without bound and allocate fresh disk blocks);
+   * anything else is appended to the data file and mapped.
+   */
   async write(buf: Uint8Array, offset: number): Promise<void> {
     this.checkRange(offset, buf.length);
     this.begin();
@@ -232,21 +247,61 @@ export class WritableLayer {
       for (let done = 0; done < buf.length; done += step) {
         const chunk = buf.subarray(done, Math.min(buf.length, done + step));
         const voff = offset + done;
-        let pos = HT_SPACE + voff; // sparse: the disk sits in place after the header
-        if (!this.sparse) {
-          pos = this.dataEnd; // reserved now, so concurrent writes never share space
+        const file = this.fileFor(chunk.length);
+        if (this.sparse) {
+          // The disk sits in place after the header.
+          const pos = HT_SPACE + voff;
+          jobs.push(file.pwrite(chunk, pos).then(() => this.map(seg(voff / SECTOR, chunk.length / SECTOR, pos / SECTOR))));
+        } else if (!this.appendOnly && this.ownPieces(voff / SECTOR, (voff + chunk.length) / SECTOR)) {
+          // The mapping may still be on its way to the index file: resolve only once it is there,
+          // or a process crash could lose this acknowledged write with the entry.
+          const mapped = this.indexTail;
+          const p = this.pieces;
+          for (let i = 0; i < this.npieces; i++) {
+            const at = (p[3 * i]! - offset / SECTOR) * SECTOR;
+            jobs.push(file.pwrite(buf.subarray(at, at + p[3 * i + 1]! * SECTOR), p[3 * i + 2]! * SECTOR));
+          }
+          jobs.push(mapped);
+        } else {
+          const pos = this.dataEnd; // reserved now, so concurrent writes never share space
           this.dataEnd += chunk.length;
+          jobs.push(file.pwrite(chunk, pos).then(() => this.map(seg(voff / SECTOR, chunk.length / SECTOR, pos / SECTOR))));
         }
-        // Small appends stay buffered: O_DIRECT writes that extend a file serialize on the inode
-        // lock and go through io-wq (profiled: context switches dominated 4 KiB random writes).
-        const file = chunk.length >= DIRECT_MIN ? (this.appender ??= this.openAppender()) : this.data;
-        jobs.push(file.pwrite(chunk, pos).then(() => this.map(seg(voff / SECTOR, chunk.length / SECTOR, pos / SECTOR))));
       }
       await Promise.all(jobs);
     } finally {
       this.end();
     }
   }
+
+  /**
+   * Small writes stay buffered: O_DIRECT writes that extend a file serialize on the inode lock
+   * and go through io-wq (profiled: context switches dominated 4 KiB random writes).
+   */
+  private fileFor(length: number): WritableFile {
+    return length >= DIRECT_MIN ? (this.appender ??= this.openAppender()) : this.data;
+  }
+
+  /**
+   * Whether sectors [start, end) are all mapped to this layer's own data (not zeroed, not a
+   * lower layer), in at most MAX_IN_PLACE_PIECES runs; the runs are left in `pieces` as
+   * (virtual sector, sectors, data-file sector) triples. Allocates nothing.
+   */
+  private ownPieces(start: number, end: number): boolean {
+    const sink = this.pieceSink;
+    sink.next = start;
+    sink.n = 0;
+    sink.ok = true;
+    this.index.visit(start, end, sink, true);
+    this.npieces = sink.n;
+    return sink.ok && sink.next === end;
+  }
+
+  private readonly pieces = new Float64Array(3 * MAX_IN_PLACE_PIECES);
+  private npieces = 0;
+  private readonly pieceSink = new OwnPieceSink(this.pieces);
+  /** Settles once every index entry mapped so far is in the index file. */
+  private indexTail: Promise<void> = Promise.resolve();
 
   private openAppender(): WritableFile {
     try {
@@ -287,14 +342,19 @@ export class WritableLayer {
     if (this.sparse || !this.indexFile) return Promise.resolve();
     this.queued.push(s);
     // Entries queued in the same tick share one pwrite; the order in the file is map order.
-    return (this.queuedWrite ??= Promise.resolve().then(() => {
+    if (this.queuedWrite) return this.queuedWrite;
+    const batch = Promise.resolve().then(() => {
       const list = this.queued;
       this.queued = [];
       this.queuedWrite = undefined;
       const pos = this.indexEnd;
       this.indexEnd += list.length * SEGMENT_BYTES;
       return this.indexFile!.pwrite(encodeSegments(list), pos);
-    }));
+    });
+    const before = this.indexTail;
+    this.indexTail = batch.then(() => before);
+    this.indexTail.catch(() => {}); // the failure reaches writers through their own awaits
+    return (this.queuedWrite = batch);
   }
 
   /** Persist every completed write: data first, then the entries that name it. */
@@ -348,6 +408,24 @@ export class WritableLayer {
     if (this.appender && this.appender !== this.data) await this.appender.close();
     await this.data.close();
     await this.indexFile?.close();
+  }
+}
+
+/** Collects the runs of a range that a layer maps to its own data; see ownPieces. */
+class OwnPieceSink implements PieceSink {
+  next = 0;
+  n = 0;
+  ok = true;
+  constructor(private readonly out: Float64Array) {}
+  piece(s: Segment, from: number, to: number): void {
+    if (!this.ok) return;
+    if (s.zeroed || from !== this.next || this.n === MAX_IN_PLACE_PIECES) return void (this.ok = false);
+    const o = this.out;
+    o[3 * this.n] = from;
+    o[3 * this.n + 1] = to - from;
+    o[3 * this.n + 2] = s.moffset + (from - s.offset);
+    this.n++;
+    this.next = to;
   }
 }
 
