@@ -521,6 +521,11 @@ export function allocAligned(len: number, hugePages = false): AlignedBuffer {
   };
 }
 
+/** A view of len bytes at addr: memory another thread of this process mapped (it must outlive the view). */
+export function viewAt(addr: number, len: number): Uint8Array<ArrayBuffer> {
+  return new Uint8Array(toArrayBuffer(addr as Pointer, 0, len));
+}
+
 /** Address of a non-empty typed array's first byte (bun:ffi ptr), for SQEs and iovecs. */
 export function addressOf(view: NodeJS.TypedArray | DataView): number {
   if (view.byteLength === 0) throw new RangeError("addressOf: empty buffer has no address");

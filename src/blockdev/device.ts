@@ -13,8 +13,8 @@ export class DeviceHandle {
   private waiting = new Map<number, { resolve: (v: any) => void; reject: (e: Error) => void }>();
   private posted = new SharedArrayBuffer(4);
   private wakeFd = -1;
-  /** The device's /dev/fuse fd (process-wide), for the fd keeper. */
-  fuseFd = -1;
+  /** The device's /dev/fuse fds (process-wide): its connection's, then its reader's clone; for the fd keeper. */
+  fuseFds: number[] = [];
   private exited: Promise<void>;
   private markExited!: () => void;
   size = 0;
@@ -32,7 +32,7 @@ export class DeviceHandle {
         const m = ev.data;
         if (m.type === "ready") {
           h.wakeFd = m.wakeFd;
-          h.fuseFd = m.fuseFd;
+          h.fuseFds = m.fuseFds;
           h.size = m.size;
           resolve();
         } else if (m.type === "failed") {

@@ -28,6 +28,8 @@ export interface WorkerInit {
   remoteIo: SharedArrayBuffer;
   /** A live FUSE connection to serve (taken back from the fd keeper) instead of mounting anew. */
   adoptFd?: number;
+  /** With adoptFd: the dead server's reader clone on that connection, if it had one. */
+  adoptCloneFd?: number;
 }
 
 export type ControlOp =
@@ -134,17 +136,18 @@ self.onmessage = async (ev: MessageEvent) => {
         // The kernel binds a ublk queue to the thread that fetched it: this one, for its life.
         const queue = UblkQueue.open(init.ublk!);
         queue.prime();
-        self.postMessage({ type: "ready", wakeFd, fuseFd: -1, size: io.size() });
+        self.postMessage({ type: "ready", wakeFd, fuseFds: [], size: io.size() });
         const exit = await queue.run(io, wake);
         queue.close();
         if (exit.reason === "failed") throw exit.error;
       } else {
         const opts = { path: init.path, readOnly: init.readOnly };
         if (init.adoptFd !== undefined) {
-          disk = FuseDisk.adopt(init.adoptFd, opts);
+          disk = FuseDisk.adopt(init.adoptFd, opts, init.adoptCloneFd);
           disk.resend();
         } else disk = FuseDisk.mount(opts);
-        self.postMessage({ type: "ready", wakeFd, fuseFd: disk.fd, size: io.size() });
+        const fuseFds = disk.cloneFd >= 0 ? [disk.fd, disk.cloneFd] : [disk.fd];
+        self.postMessage({ type: "ready", wakeFd, fuseFds, size: io.size() });
         await disk.serve(io, wake);
         disk.unmount();
         disk.close();

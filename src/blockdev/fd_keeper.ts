@@ -1,7 +1,8 @@
 // fd keeper: a tiny process that holds a copy of every FUSE connection blockd serves, so the
 // connections (and the files VMs hold open on them) outlive a blockd crash. A restarted blockd
-// takes its fds back with pidfd_getfd. Protocol: JSON lines on <state>/keeper.sock.
-//   {op:"hold", pid, fd, key} → {ok, fd}   {op:"drop", key} → {ok}   {op:"list"} → {ok, held:{key: fd}}
+// takes its fds back with pidfd_getfd. A device's fds (its connection's, and its reader's clone)
+// are held under one key. Protocol: JSON lines on <state>/keeper.sock.
+//   {op:"hold", pid, fds, key} → {ok, fds}   {op:"drop", key} → {ok}   {op:"list"} → {ok, held:{key: fds}}
 
 import { rmSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
@@ -12,26 +13,34 @@ if (!state) {
   console.error("usage: fd_keeper STATE_DIR");
   process.exit(2);
 }
-const held = new Map<string, number>();
+const held = new Map<string, number[]>();
 const sock = join(state, "keeper.sock");
 rmSync(sock, { force: true });
 
-function run(req: { op?: string; pid?: number; fd?: number; key?: string }): unknown {
+function release(key: string): void {
+  for (const fd of held.get(key) ?? []) close(fd);
+  held.delete(key);
+}
+
+function run(req: { op?: string; pid?: number; fds?: number[]; key?: string }): unknown {
   switch (req.op) {
     case "hold": {
-      if (typeof req.key !== "string" || !Number.isInteger(req.pid) || !Number.isInteger(req.fd)) throw new Error("hold needs key, pid, fd");
-      const old = held.get(req.key);
-      if (old !== undefined) close(old);
-      const fd = takeFdFrom(req.pid!, req.fd!);
-      held.set(req.key, fd);
-      return { ok: true, fd };
+      if (typeof req.key !== "string" || !Number.isInteger(req.pid) || !Array.isArray(req.fds) || !req.fds.every(Number.isInteger))
+        throw new Error("hold needs key, pid, fds");
+      const fds: number[] = [];
+      try {
+        for (const fd of req.fds) fds.push(takeFdFrom(req.pid!, fd));
+      } catch (e) {
+        for (const fd of fds) close(fd);
+        throw e;
+      }
+      release(req.key);
+      held.set(req.key, fds);
+      return { ok: true, fds };
     }
-    case "drop": {
-      const fd = held.get(req.key ?? "");
-      if (fd !== undefined) close(fd);
-      held.delete(req.key ?? "");
+    case "drop":
+      release(req.key ?? "");
       return { ok: true };
-    }
     case "list":
       return { ok: true, held: Object.fromEntries(held) };
     default:
@@ -64,7 +73,7 @@ Bun.listen<{ buf: string }>({
 });
 writeFileSync(join(state, "keeper.pid"), String(process.pid));
 process.on("SIGTERM", () => {
-  for (const fd of held.values()) close(fd);
+  for (const key of [...held.keys()]) release(key);
   rmSync(sock, { force: true });
   process.exit(0);
 });

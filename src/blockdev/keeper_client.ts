@@ -60,18 +60,18 @@ export class KeeperClient {
     return r;
   }
 
-  /** Park a copy of our fd under key. */
-  async hold(key: string, fd: number): Promise<void> {
-    await this.call({ op: "hold", pid: process.pid, fd, key });
+  /** Park copies of our fds under key (replacing what it held). */
+  async hold(key: string, fds: number[]): Promise<void> {
+    await this.call({ op: "hold", pid: process.pid, fds, key });
   }
   async drop(key: string): Promise<void> {
     await this.call({ op: "drop", key });
   }
-  /** Our own copy of the fd parked under key, or undefined. */
-  async take(key: string): Promise<number | undefined> {
+  /** Our own copies of the fds parked under key, in the order given to hold, or undefined. */
+  async take(key: string): Promise<number[] | undefined> {
     const { held } = await this.call({ op: "list" });
-    const fd = held[key];
-    return fd === undefined ? undefined : takeFdFrom(this.pid, fd);
+    const fds = held[key] as number[] | undefined;
+    return fds?.map((fd) => takeFdFrom(this.pid, fd));
   }
   /** Let the keeper go when it holds nothing (graceful shutdown). */
   async exitIfEmpty(): Promise<void> {

@@ -117,7 +117,7 @@ export class Blockd {
           continue;
         }
         const live = await this.keeper.take(rec.id);
-        if (live !== undefined) {
+        if (live?.length) {
           const handle = await this.startWorker(rec, live);
           this.devices.set(rec.id, { rec, handle });
           continue;
@@ -178,10 +178,20 @@ export class Blockd {
     }
   }
 
-  private async startWorker(rec: DeviceRecord, adoptFd?: number): Promise<DeviceHandle> {
-    if (adoptFd === undefined && !existsSync(rec.path)) writeFileSync(rec.path, "");
-    const handle = await DeviceHandle.start({ id: rec.id, frontend: "fuse", path: rec.path, readOnly: rec.readOnly, config: rec.config, adoptFd, remoteIo: this.remoteIo.shared });
-    await this.keeper.hold(rec.id, handle.fuseFd); // the connection now outlives us
+  /** adopt: the fds the keeper kept of a live connection (its own, then its reader's clone). */
+  private async startWorker(rec: DeviceRecord, adopt?: number[]): Promise<DeviceHandle> {
+    if (adopt === undefined && !existsSync(rec.path)) writeFileSync(rec.path, "");
+    const handle = await DeviceHandle.start({
+      id: rec.id,
+      frontend: "fuse",
+      path: rec.path,
+      readOnly: rec.readOnly,
+      config: rec.config,
+      adoptFd: adopt?.[0],
+      adoptCloneFd: adopt?.[1],
+      remoteIo: this.remoteIo.shared,
+    });
+    await this.keeper.hold(rec.id, handle.fuseFds); // the connection now outlives us
     return handle;
   }
 

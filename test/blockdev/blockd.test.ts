@@ -82,6 +82,24 @@ describe.skipIf(!canRun)("blockd (FUSE frontend)", async () => {
     await client.call("delete", { id: ro.id });
   }, 120_000);
 
+  test("a reader thread takes requests beside the device worker; fio verifies every block", async () => {
+    const dev = await client.call("create", { upperDir: join(dir, "up-reader"), size: SIZE });
+    const fio = Bun.spawnSync(
+      ["fio", "--name=v", `--filename=${dev.path}`, "--rw=randwrite", "--bs=4k", "--iodepth=32", "--ioengine=io_uring", "--direct=1",
+        "--size=16M", "--verify=crc32c", "--do_verify=1", "--verify_fatal=1", "--verify_state_save=0", "--output-format=json"],
+      { stdout: "pipe", stderr: "pipe" },
+    );
+    expect(fio.stderr.toString()).toBe("");
+    expect(fio.exitCode).toBe(0);
+    const job = JSON.parse(fio.stdout.toString()).jobs[0];
+    expect(job.error).toBe(0);
+    expect(job.read.io_bytes).toBe(16 << 20); // the verify pass read it all back
+    const stats = await client.call("stats", { id: dev.id });
+    expect(stats.takenByReader).toBeGreaterThan(0);
+    expect(stats.takenByReader).toBeLessThan(stats.requests);
+    await client.call("delete", { id: dev.id });
+  }, 60_000);
+
   test("two read-only devices for one image share one instance; the last release frees it", async () => {
     const layer = await makeLayer(join(dir, "shared.sealed"), 1 << 20, 0, new Uint8Array(8192).fill(0x5a));
     const a = await client.call("createReadOnly", { lowers: [layer] });

@@ -28,11 +28,14 @@ import {
 import * as F from "../../../ffi/fuse.ts";
 import type { DeviceIo, WakeSource } from "../device_io.ts";
 import { deferLocalIoCompletions, reapLocalIo } from "../../storage/local_file.ts";
+import { ReaderLink } from "./reader_link.ts";
 
 /** Loop splits requests at ~520 KiB anyway; 512 KiB keeps per-slot buffers modest. */
 const MAX_WRITE = 512 << 10;
 /** Requests taken from the kernel per wakeup and served concurrently (their I/O batches). */
 const MAX_SLOTS = 32;
+/** Slots lent to the reader thread (fuse/reader.ts); 0 turns the reader off. */
+const READER_SLOTS = Number(process.env.AENV_FUSE_READER_SLOTS ?? 8);
 const ATTR_VALID_SEC = 1;
 const SECTOR = 512;
 // Linux errno values sent back as −errno.
@@ -57,11 +60,18 @@ const SLOT_BYTES = 2 * (4096 + MAX_WRITE);
 
 /** Buffers for one request in flight: the request as read, and its reply. */
 class Slot {
+  /** The /dev/fuse fd the request in this slot came from; its reply goes back there. */
+  fd = -1;
   readonly req: Uint8Array;
   readonly reqView: DataView;
   readonly out: Uint8Array;
   readonly outView: DataView;
-  constructor(mem: Uint8Array, at: number) {
+  constructor(
+    mem: Uint8Array,
+    readonly at: number,
+    /** Slot number in the reader's share, or -1 for the device worker's own slots. */
+    readonly readerSlot = -1,
+  ) {
     // WRITE data starts 80 bytes into a request and READ data 16 bytes into a reply: both land
     // page-aligned, so O_DIRECT I/O of the layers takes them without a bounce copy.
     this.req = mem.subarray(at + 4096 - F.FUSE_WRITE_DATA_OFFSET, at + 4096 + MAX_WRITE);
@@ -75,11 +85,13 @@ class Slot {
 export class FuseDisk {
 
   private initialized = false;
-  readonly stats = { requests: 0, reads: 0, writes: 0, fsyncs: 0, discards: 0 };
+  readonly stats = { requests: 0, reads: 0, writes: 0, fsyncs: 0, discards: 0, takenByReader: 0 };
 
   private constructor(
     readonly fd: number,
     readonly opts: FuseDiskOptions,
+    /** A second fd on the connection, served by a reader thread; -1 when there is none. */
+    readonly cloneFd: number,
   ) {}
 
   /** Open /dev/fuse and mount it over opts.path. INIT is queued at once; serve() answers it. */
@@ -93,12 +105,16 @@ export class FuseDisk {
       close(fd);
       throw e;
     }
-    return new FuseDisk(fd, opts);
+    return new FuseDisk(fd, opts, READER_SLOTS > 0 ? ReaderLink.cloneFd(fd) : -1);
   }
 
-  /** Adopt an fd of a live connection (after a blockd restart) instead of mounting. */
-  static adopt(fd: number, opts: FuseDiskOptions): FuseDisk {
-    const d = new FuseDisk(fd, opts);
+  /**
+   * Adopt the fds of a live connection (after a blockd restart) instead of mounting: the
+   * connection's own and, when the dead server had one, its reader's clone.
+   */
+  static adopt(fd: number, opts: FuseDiskOptions, cloneFd?: number): FuseDisk {
+    if (cloneFd === undefined && READER_SLOTS > 0) cloneFd = ReaderLink.cloneFd(fd);
+    const d = new FuseDisk(fd, opts, cloneFd ?? -1);
     d.initialized = true;
     return d;
   }
@@ -132,6 +148,7 @@ export class FuseDisk {
   /** Take one queued request into slot; false when none is queued (or it was interrupted). */
   take(slot: Slot): boolean | "gone" {
     let n: number;
+    slot.fd = this.fd;
     try {
       n = read(this.fd, slot.req);
     } catch (e) {
@@ -147,7 +164,7 @@ export class FuseDisk {
     const len = F.FUSE_OUT_HEADER + (error ? 0 : payloadLen);
     F.encodeOutHeader(slot.outView, len, error ? -error : 0, unique);
     try {
-      write(this.fd, slot.out.subarray(0, len));
+      write(slot.fd, slot.out.subarray(0, len));
     } catch (e) {
       const code = (e as SyscallError).code;
       // ENOENT: the request was interrupted; ENODEV: unmounted while it ran (nobody waits for it).
@@ -298,36 +315,45 @@ export class FuseDisk {
   }
 
   close(): void {
+    if (this.cloneFd >= 0) close(this.cloneFd);
     close(this.fd);
   }
 }
 
 /** The state of one serve(): slots, requests in flight, control work in flight. */
 class ServeLoop {
-  private pollfds = new Uint8Array(24);
+  // pollfds: 0 /dev/fuse, 1 control eventfd, 2 ring eventfd, 3 reader's "taken" eventfd (-1: none).
+  private pollfds = new Uint8Array(32);
   private pv = new DataView(this.pollfds.buffer);
   private counter = new Uint8Array(8);
   private idle: Slot[] = [];
   /** Every slot's buffers in one huge-page mapping: the kernel pins and copies into them per request. */
-  private readonly arena = allocAligned(MAX_SLOTS * SLOT_BYTES, true);
+  private readonly arena = allocAligned((MAX_SLOTS + READER_SLOTS) * SLOT_BYTES, true);
   private made = 0;
   private busy = 0;
   private control: Promise<void> | undefined;
   private controlAgain = false;
-  private readonly nfds: number;
+  private reader: ReaderLink | undefined;
+  private readerSlots: Slot[] = [];
 
   constructor(
     private disk: FuseDisk,
     private io: DeviceIo,
     private wake: WakeSource,
-    private ioFd: number,
+    ioFd: number,
   ) {
-    this.nfds = ioFd >= 0 ? 3 : 2;
-    this.pv.setInt32(0, disk.fd, true);
-    this.pv.setInt32(8, wake.fd, true);
-    this.pv.setInt16(12, POLLIN, true);
-    this.pv.setInt32(16, ioFd, true);
-    this.pv.setInt16(20, POLLIN, true);
+    const fds = [disk.fd, wake.fd, ioFd, -1];
+    if (disk.cloneFd >= 0) {
+      for (let i = 0; i < READER_SLOTS; i++) this.readerSlots.push(new Slot(this.arena.bytes, SLOT_BYTES * (MAX_SLOTS + i), i));
+      for (const s of this.readerSlots) s.fd = disk.cloneFd;
+      const r = this.readerSlots[0]!.req;
+      this.reader = new ReaderLink(disk.cloneFd, this.arena, this.readerSlots.map((s) => s.req.byteOffset), r.byteLength);
+      fds[3] = this.reader.takenFd;
+    }
+    fds.forEach((fd, i) => {
+      this.pv.setInt32(8 * i, fd, true);
+      this.pv.setInt16(8 * i + 4, POLLIN, true);
+    });
   }
 
   private runControl(): void {
@@ -341,11 +367,17 @@ class ServeLoop {
     });
   }
 
+  private readonly startTaken = (i: number) => {
+    this.disk.stats.takenByReader++;
+    this.start(this.readerSlots[i]!);
+  };
+
   private start(slot: Slot): void {
     this.busy++;
     void this.disk.handle(this.io, slot).finally(() => {
       this.busy--;
-      this.idle.push(slot);
+      if (slot.readerSlot >= 0) this.reader!.giveBack(slot.readerSlot);
+      else this.idle.push(slot);
     });
   }
 
@@ -354,29 +386,40 @@ class ServeLoop {
     try {
       await this.loop();
     } finally {
+      this.reader?.close();
       this.arena.free();
     }
   }
 
   private async loop(): Promise<void> {
     const pv = this.pv;
+    const reader = this.reader;
     let gone = false;
     for (;;) {
       const stopping = gone || this.wake.stopping();
-      if (stopping && this.busy === 0 && !this.control) return;
+      if (stopping && reader && !reader.exited) reader.stop();
+      // Done once nothing is in flight: no request, no control work, no reader that may still take one.
+      if (stopping && this.busy === 0 && !this.control && (!reader || reader.exited)) {
+        if (reader) reader.drainTaken(this.startTaken); // taken as it stopped
+        if (this.busy === 0) return;
+      }
       if (gone) pv.setInt32(0, -1, true); // poll skips it: a dead connection reports POLLERR forever
       // No new request while every slot is busy (the kernel queues them) or while stopping.
       pv.setInt16(4, this.busy < MAX_SLOTS && !stopping ? POLLIN : 0, true);
-      for (const at of [6, 14, 22]) pv.setInt16(at, 0, true);
+      for (const at of [6, 14, 22, 30]) pv.setInt16(at, 0, true);
       // Control work may wait on timers and messages: keep the event loop turning meanwhile.
-      if (poll(this.pollfds, this.nfds, this.control || gone ? 1 : -1) > 0) {
-        if (this.nfds === 3 && pv.getInt16(22, true) & POLLIN) {
-          read(this.ioFd, this.counter);
+      if (poll(this.pollfds, 4, this.control || gone ? 1 : -1) > 0) {
+        if (pv.getInt16(22, true) & POLLIN) {
+          read(pv.getInt32(16, true), this.counter);
           reapLocalIo();
         }
         if (pv.getInt16(14, true) & POLLIN) {
           read(this.wake.fd, this.counter);
           this.runControl();
+        }
+        if (pv.getInt16(30, true) & POLLIN) {
+          read(reader!.takenFd, this.counter);
+          reader!.drainTaken(this.startTaken);
         }
         if (pv.getInt16(6, true) !== 0) {
           while (this.busy < MAX_SLOTS) {
