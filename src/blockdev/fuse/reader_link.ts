@@ -30,7 +30,6 @@ export function ringBytes(slots: number): number {
   return (RING.header + 2 * slots) * 4;
 }
 
-
 /** The device worker's handle on one reader: slots it lends out, slots it gets back taken. */
 export class ReaderLink {
   readonly ctl: Int32Array;
@@ -54,6 +53,12 @@ export class ReaderLink {
     this.worker = new Worker(new URL("./reader.ts", import.meta.url).href);
     this.worker.addEventListener("message", (ev: MessageEvent) => {
       if (ev.data?.type === "exited") this.exitReason = ev.data.reason;
+    });
+    // A reader that never ran (its script failed) must not keep the device worker waiting for it.
+    this.worker.addEventListener("error", (ev: ErrorEvent) => {
+      this.exitReason = `failed: ${ev.message}`;
+      Atomics.store(this.ctl, RING.exited, 1);
+      write(this.takenFd, new Uint8Array([1, 0, 0, 0, 0, 0, 0, 0]));
     });
     const init: ReaderInit = { fd: cloneFd, takenFd: this.takenFd, stopFd: this.stopFd, arena: arena.ptr, arenaLen: arena.length, reqAt, reqLen, ctl: this.ctl.buffer as SharedArrayBuffer };
     this.worker.postMessage(init);
