@@ -27,18 +27,33 @@ export class QmpClient {
   /** Connect, read the greeting and leave capabilities negotiation mode. */
   static async connect(path: string, timeoutMs = 10_000): Promise<QmpClient> {
     const client = new QmpClient(undefined);
-    const socket = await Bun.connect({
-      unix: path,
-      socket: {
-        data: (_s, chunk) => client.onData(chunk),
-        close: () => client.onClose(new VmmError("Protocol", `QMP connection ${path} closed`)),
-        error: (_s, e) => client.onClose(e),
-      },
-    });
+    const until = Date.now() + timeoutMs;
+    const open = () =>
+      Bun.connect({
+        unix: path,
+        socket: {
+          data: (_s, chunk) => client.onData(chunk),
+          close: () => client.onClose(new VmmError("Protocol", `QMP connection ${path} closed`)),
+          error: (_s, e) => client.onClose(e),
+        },
+      });
+    let socket: Awaited<ReturnType<typeof open>>;
+    for (;;) {
+      try {
+        socket = await open();
+        break;
+      } catch (e) {
+        // QEMU binds the socket before it listens: the file can exist a moment before connect works
+        // (ECONNREFUSED), and a stale file may be replaced under us (ENOENT).
+        const code = (e as { code?: string }).code;
+        if ((code !== "ECONNREFUSED" && code !== "ENOENT") || Date.now() > until) throw e;
+        await Bun.sleep(5);
+      }
+    }
     client.socket = socket;
     const closed = new Promise((_, reject) => (client.rejectGreeting = reject));
     try {
-      await withTimeout(Promise.race([client.greeting, closed]), timeoutMs, `no QMP greeting on ${path}`);
+      await withTimeout(Promise.race([client.greeting, closed]), Math.max(1, until - Date.now()), `no QMP greeting on ${path}`);
       await client.execute("qmp_capabilities");
     } catch (e) {
       client.close();
