@@ -1,7 +1,9 @@
 // blockd benchmarks: fio against our device (FUSE file + loop with direct I/O here; ublk where
 // present) vs a loop device on a raw image file, measured in the same run. Prints IOPS, MB/s
-// and CPU time per I/O (fio plus blockd, from /proc).
-//   bun bench/blockdev/run.ts [--size MiB] [--seconds S]
+// and CPU time per I/O (fio plus blockd, from /proc). Each row alternates the two devices over
+// --rounds rounds (baseline first in odd rounds, ours first in even ones) and prints the median
+// of the per-round ratios with their range: this machine's disk drifts by up to 2× within a minute.
+//   bun bench/blockdev/run.ts [--size MiB] [--seconds S per run] [--rounds N]
 import { mkdirSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { BlockdClient } from "../../src/blockdev/client.ts";
@@ -12,7 +14,8 @@ const arg = (n: string, d: number) => {
   return i > 0 ? Number(process.argv[i + 1]) : d;
 };
 const SIZE = arg("size", 512) << 20;
-const SECONDS = arg("seconds", 5);
+const SECONDS = arg("seconds", 3);
+const ROUNDS = arg("rounds", 3);
 const dir = `/var/tmp/aenv-bench-blockdev-${process.pid}`;
 mkdirSync(join(dir, "state"), { recursive: true });
 const CLK = 100; // USER_HZ
@@ -53,14 +56,14 @@ writeFileSync(rawPath, "");
 const { truncateSync } = await import("node:fs");
 truncateSync(rawPath, SIZE);
 const base = loopAttach(rawPath);
-console.log(`# blockdev bench: ${SIZE >> 20} MiB, ${SECONDS}s per run; ours = ${ours.loop} on FUSE file ${ours.path}; baseline = ${base.path} on ${rawPath} (dio ${base.directIo})`);
+console.log(`# blockdev bench: ${SIZE >> 20} MiB, ${SECONDS}s per run, median of ${ROUNDS} rounds; ours = ${ours.loop} on FUSE file ${ours.path}; baseline = ${base.path} on ${rawPath} (dio ${base.directIo})`);
 try {
   // The first pass fills both (so reads hit mapped data rather than holes): every write
   // allocates, and ours appends to the upper's log. Later writes rewrite blocks the upper owns.
-  const line = (name: string, o: Fio, b: Fio, ratio: number, target?: number) =>
+  const line = (name: string, o: Fio, b: Fio, ratio: number, target?: number, spread = "") =>
     console.log(
       `${name.padEnd(28)} ours ${o.iops.toFixed(0).padStart(7)} IOPS ${o.mbps.toFixed(0).padStart(6)} MB/s ${((o.cpuSec / o.ios) * 1e6).toFixed(1).padStart(6)} µs CPU/IO | ` +
-        `loop-on-raw ${b.iops.toFixed(0).padStart(7)} IOPS ${b.mbps.toFixed(0).padStart(6)} MB/s ${((b.cpuSec / b.ios) * 1e6).toFixed(1).padStart(6)} µs CPU/IO | ratio ${ratio.toFixed(2)}×` +
+        `loop-on-raw ${b.iops.toFixed(0).padStart(7)} IOPS ${b.mbps.toFixed(0).padStart(6)} MB/s ${((b.cpuSec / b.ios) * 1e6).toFixed(1).padStart(6)} µs CPU/IO | ratio ${ratio.toFixed(2)}×${spread}` +
         (target ? ` (target ≥ ${target}×${ratio >= target ? "" : "  MISSED"})` : ""),
     );
   {
@@ -75,10 +78,22 @@ try {
     ["4 KiB random write QD32", "randwrite", "4k", 32],
   ];
   for (const [name, rw, bs, qd, target] of rows) {
-    const b = fio(base.path, rw, bs, qd);
-    const o = fio(ours.loop, rw, bs, qd, pid);
-    const ratio = bs === "4k" ? o.iops / b.iops : o.mbps / b.mbps;
-    line(name, o, b, ratio, target);
+    const runs: { o: Fio; b: Fio; ratio: number }[] = [];
+    for (let r = 0; r < ROUNDS; r++) {
+      let b: Fio, o: Fio;
+      if (r % 2 === 0) {
+        b = fio(base.path, rw, bs, qd);
+        o = fio(ours.loop, rw, bs, qd, pid);
+      } else {
+        o = fio(ours.loop, rw, bs, qd, pid);
+        b = fio(base.path, rw, bs, qd);
+      }
+      runs.push({ o, b, ratio: bs === "4k" ? o.iops / b.iops : o.mbps / b.mbps });
+    }
+    runs.sort((x, y) => x.ratio - y.ratio);
+    const mid = runs[Math.floor(runs.length / 2)]!;
+    const spread = runs.length > 1 ? ` [${runs[0]!.ratio.toFixed(2)}–${runs[runs.length - 1]!.ratio.toFixed(2)}]` : "";
+    line(name, mid.o, mid.b, mid.ratio, target, spread);
   }
 } finally {
   loopDetach(base.path);
