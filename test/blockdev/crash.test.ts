@@ -11,8 +11,9 @@ import { blockdPid, haveFuse, startBlockd } from "./harness.ts";
 
 const BLOCKS = 1024; // 4 MiB device
 
-test.skipIf(!haveFuse)("kill -9 blockd during fsync'd writes: the device survives, open files included", async () => {
-  const { dir, state, client } = await startBlockd("blockd-crash");
+/** readersAfter: the restarted blockd's AENV_FUSE_READER_SLOTS (it adopts the clone either way). */
+async function crashAndRestart(label: string, readersAfter?: string) {
+  const { dir, state, client } = await startBlockd(label);
   const dev = await client.call("create", { upperDir: join(dir, "up"), size: BLOCKS * 4096 });
   const writer = Bun.spawn([process.execPath, join(import.meta.dir, "fsync_writer.ts"), dev.path, String(BLOCKS)], { stdout: "pipe", stderr: "pipe" });
   const reader = writer.stdout.getReader();
@@ -35,7 +36,8 @@ test.skipIf(!haveFuse)("kill -9 blockd during fsync'd writes: the device survive
   client.close();
   await Bun.sleep(200); // the writer is now blocked on the dead server
 
-  const again = await BlockdClient.ensure(state);
+  if (readersAfter !== undefined) process.env.AENV_FUSE_READER_SLOTS = readersAfter;
+  const again = await BlockdClient.ensure(state).finally(() => delete process.env.AENV_FUSE_READER_SLOTS);
   expect(blockdPid(state)).not.toBe(oldPid);
   expect((await again.call("list")).map((d: { id: string }) => d.id)).toContain(dev.id);
   // The same writer, same fd, goes on without an error.
@@ -68,4 +70,8 @@ test.skipIf(!haveFuse)("kill -9 blockd during fsync'd writes: the device survive
   expect(Buffer.compare(disk, want)).toBe(0);
   await again.call("delete", { id: dev.id });
   again.close();
-}, 90_000);
+}
+
+test.skipIf(!haveFuse)("kill -9 blockd during fsync'd writes: the device survives, open files included", () => crashAndRestart("blockd-crash"), 90_000);
+
+test.skipIf(!haveFuse)("the same, restarting without a reader thread: the dead reader's requests are resent, not lost", () => crashAndRestart("blockd-crash-noreader", "0"), 90_000);

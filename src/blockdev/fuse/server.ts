@@ -343,7 +343,8 @@ class ServeLoop {
     ioFd: number,
   ) {
     const fds = [disk.fd, wake.fd, ioFd, -1];
-    if (disk.cloneFd >= 0) {
+    // A clone adopted from a server that had a reader stays open (and parked) even with readers off.
+    if (disk.cloneFd >= 0 && READER_SLOTS > 0) {
       for (let i = 0; i < READER_SLOTS; i++) this.readerSlots.push(new Slot(this.arena.bytes, SLOT_BYTES * (MAX_SLOTS + i), i));
       for (const s of this.readerSlots) s.fd = disk.cloneFd;
       const r = this.readerSlots[0]!.req;
