@@ -47,7 +47,12 @@ export class DirWatcher {
     void this.loop();
   }
 
-  private addTree(rel: string) {
+  /**
+   * Watch rel and, when recursive, every directory under it. announce: rel is a directory that
+   * just appeared, so what is already in it was created before its watch existed (e.g.
+   * `mkdir sub && echo > sub/f`): report those entries as created, or nobody ever would.
+   */
+  private addTree(rel: string, announce = false) {
     const wd = inotify.add(this.fd, rel ? `${this.root}/${rel}` : this.root, MASK);
     this.dirs.set(wd, rel);
     if (!this.recursive) return;
@@ -58,9 +63,11 @@ export class DirWatcher {
       return; // unreadable subdirectory: watch what we can
     }
     for (const d of entries) {
+      const child = rel ? `${rel}/${d.name}` : d.name;
+      if (announce && !this.closed) this.onEvent({ name: child, type: EventType.CREATE });
       if (!d.isDirectory()) continue;
       try {
-        this.addTree(rel ? `${rel}/${d.name}` : d.name);
+        this.addTree(child, announce);
       } catch {
         // vanished or unreadable meanwhile
       }
@@ -113,13 +120,6 @@ export class DirWatcher {
     const dir = this.dirs.get(wd);
     if (dir === undefined || !name) return; // self events are reported by the parent directory
     const rel = dir ? `${dir}/${name}` : name;
-    if (this.recursive && mask & IN_ISDIR && mask & (IN_CREATE | IN_MOVED_TO)) {
-      try {
-        this.addTree(rel);
-      } catch {
-        // already gone again
-      }
-    }
     // fsnotify's op order within one event: create, rename, chmod, write, remove.
     const ops: [number, number][] = [
       [IN_CREATE | IN_MOVED_TO, EventType.CREATE],
@@ -130,6 +130,14 @@ export class DirWatcher {
     ];
     for (const [bits, type] of ops) {
       if (mask & bits && !this.closed) this.onEvent({ name: rel, type });
+    }
+    // After the directory's own event, so its contents are reported after it, as they were made.
+    if (this.recursive && mask & IN_ISDIR && mask & (IN_CREATE | IN_MOVED_TO)) {
+      try {
+        this.addTree(rel, true);
+      } catch {
+        // already gone again
+      }
     }
   }
 

@@ -210,6 +210,25 @@ describe("files", () => {
     }
   });
 
+  test("watchDir: a tree moved in whole is reported entry by entry (its files predate any watch)", async () => {
+    await sbx.files.makeDir("watched2");
+    const events: { name: string; type: string }[] = [];
+    const handle = await sbx.files.watchDir("watched2", (e) => void events.push({ name: e.name, type: e.type }), { recursive: true });
+    try {
+      const tmp = `/tmp/aenv-watch-${process.pid}`;
+      await sbx.commands.run(`rm -rf ${tmp} && mkdir -p ${tmp}/deep && echo x > ${tmp}/deep/h.txt && mv ${tmp} ~/watched2/moved`);
+      await until(() => events.some((e) => e.name === "moved/deep/h.txt" && e.type === FilesystemEventType.CREATE));
+      const names = events.map((e) => e.name);
+      expect(names.indexOf("moved")).toBeLessThan(names.indexOf("moved/deep"));
+      expect(names.indexOf("moved/deep")).toBeLessThan(names.indexOf("moved/deep/h.txt"));
+      // The moved-in tree is watched too.
+      await sbx.files.write("watched2/moved/deep/later.txt", "l");
+      await until(() => events.some((e) => e.name === "moved/deep/later.txt" && e.type === FilesystemEventType.WRITE));
+    } finally {
+      await handle.stop();
+    }
+  });
+
   test("watchDir on a missing dir or a file fails", async () => {
     await expect(sbx.files.watchDir("no-such-dir", () => {})).rejects.toBeInstanceOf(FileNotFoundError);
     await sbx.files.write("plain.txt", "p");
