@@ -26,7 +26,8 @@ for applet in $("$BUSYBOX" --list); do
   [ "$applet" = busybox ] || ln -s busybox "$tree/bin/$applet"
 done
 printf 'root:x:0:0:root:/root:/bin/sh\nuser:x:1000:1000:user:/home/user:/bin/sh\n' >"$tree/etc/passwd"
-printf 'root:x:0:\nuser:x:1000:\n' >"$tree/etc/group"
+# user is in wheel too: envd must give processes their supplementary groups (tests check id -G).
+printf 'root:x:0:\nwheel:x:10:root,user\nuser:x:1000:\n' >"$tree/etc/group"
 mkdir -p "$tree/home/user" && chown 1000:1000 "$tree/home/user"
 # The e2b SDK runs every command as `/bin/bash -l -c …` (and a PTY as `/bin/bash -i -l`); busybox
 # has no bash applet, so this image's bash is ash under that name, as a slim user image might ship.

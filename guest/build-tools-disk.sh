@@ -36,23 +36,34 @@ for applet in $("$BUSYBOX" --list); do
   [ "$applet" = busybox ] || ln -s busybox "$tree/bin/$applet"
 done
 install -m 0755 "$GUEST_DIR/init/boot" "$GUEST_DIR/init/run" "$GUEST_DIR/init/disk-init" "$tree/init/"
-if [ -n "$ENVD" ]; then
-  install -m 0755 "$ENVD" "$tree/envd"
-  is_elf=0
-  [ "$(head -c4 "$ENVD" | od -An -c | tr -d ' \n')" = '177ELF' ] && is_elf=1
+# Install a program at $tree/$2; a dynamic ELF gets its libraries in $tree/lib and is patched to
+# load from /agentenv/lib. A static binary or a script goes in as it is.
+add_program() {
+  local src="$1" dest="$tree/$2" is_elf=0 interp libs lib
+  install -m 0755 "$src" "$dest"
+  [ "$(head -c4 "$src" | od -An -c | tr -d ' \n')" = '177ELF' ] && is_elf=1
   if [ $is_elf = 1 ] && ! command -v patchelf >/dev/null; then
-    echo "patchelf is needed to point $ENVD at /agentenv/lib (apt-get install patchelf)" >&2; exit 1
+    echo "patchelf is needed to point $src at /agentenv/lib (apt-get install patchelf)" >&2; exit 1
   fi
-  # Only a dynamic ELF has an interpreter; a static binary or a script goes in as it is.
-  if [ $is_elf = 1 ] && interp=$(patchelf --print-interpreter "$tree/envd" 2>/dev/null); then
+  # Only a dynamic ELF has an interpreter.
+  if [ $is_elf = 1 ] && interp=$(patchelf --print-interpreter "$dest" 2>/dev/null); then
     mkdir -p "$tree/lib"
     # ldd lists the resolved libraries ("name => /path") and the loader (a bare absolute path).
-    libs=$(ldd "$ENVD" | awk '$2 == "=>" && $3 ~ /^\// {print $3} $1 ~ /^\// {print $1}')
-    [ -n "$libs" ] || { echo "ldd found no libraries for $ENVD" >&2; exit 1; }
+    libs=$(ldd "$src" | awk '$2 == "=>" && $3 ~ /^\// {print $3} $1 ~ /^\// {print $1}')
+    [ -n "$libs" ] || { echo "ldd found no libraries for $src" >&2; exit 1; }
     for lib in $libs; do cp -L "$lib" "$tree/lib/$(basename "$lib")"; done
-    [ -e "$tree/lib/$(basename "$interp")" ] || { echo "loader $interp of $ENVD not found by ldd" >&2; exit 1; }
-    patchelf --set-interpreter "/agentenv/lib/$(basename "$interp")" --set-rpath /agentenv/lib "$tree/envd"
+    [ -e "$tree/lib/$(basename "$interp")" ] || { echo "loader $interp of $src not found by ldd" >&2; exit 1; }
+    patchelf --set-interpreter "/agentenv/lib/$(basename "$interp")" --set-rpath /agentenv/lib "$dest"
   fi
+}
+
+if [ -n "$ENVD" ]; then
+  add_program "$ENVD" envd
+  # util-linux setpriv replaces busybox's applet of that name: envd starts processes through it to
+  # give them their supplementary groups (busybox's cannot set ids at all).
+  SETPRIV=$(command -v setpriv) || { echo "setpriv (util-linux) is needed for the tools disk" >&2; exit 1; }
+  rm -f "$tree/bin/setpriv"
+  add_program "$SETPRIV" bin/setpriv
 fi
 
 # Size: content plus a margin for ext4 metadata, in whole MiB.

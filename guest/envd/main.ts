@@ -9,6 +9,7 @@ const USAGE = `usage: envd [options]
   --passwd FILE       passwd database (default /etc/passwd)
   --group FILE        group database (default /etc/group)
   --guest             own the machine: /init may set the clock, /run/e2b markers are written
+  --setpriv FILE      util-linux setpriv for supplementary groups (default: bin/setpriv next to envd, then /usr/bin)
   -version, --version print the version and exit`;
 
 function parse(argv: string[]): EnvdOptions {
@@ -33,6 +34,7 @@ function parse(argv: string[]): EnvdOptions {
       case "--passwd": o.passwd = value(); break;
       case "--group": o.group = value(); break;
       case "--guest": o.guest = true; break;
+      case "--setpriv": o.setpriv = value(); break;
       case "-version": case "--version":
         console.log(ENVD_VERSION);
         process.exit(0);

@@ -148,7 +148,18 @@ export class ProcessService {
       ...this.state.defaultEnv(),
       ...config.envs,
     };
-    const ids = this.state.canSwitchUser ? { uid: user.uid, gid: user.gid } : {};
+    let argv = [config.cmd, ...config.args];
+    let ids: { uid?: number; gid?: number } = this.state.canSwitchUser ? { uid: user.uid, gid: user.gid } : {};
+    const groups = this.state.canSwitchUser ? this.state.users.groupsOf(user) : [];
+    const setpriv = groups.length > 1 ? this.state.setpriv() : undefined;
+    if (setpriv) {
+      // setpriv execs the command with the user's ids and all their groups, as a login would.
+      // A command that is not there must still fail the start, not exit 127 later.
+      if (!Bun.which(config.cmd, { PATH: env.PATH, cwd }))
+        throw new ConnectError("invalid_argument", `failed to start process: executable not found: ${config.cmd}`);
+      argv = [setpriv, `--reuid=${user.uid}`, `--regid=${user.gid}`, `--groups=${groups.join(",")}`, "--", ...argv];
+      ids = {};
+    }
     const pty = req.pty as { size?: { cols?: number; rows?: number } } | undefined;
     const stdinOn = req.stdin !== false; // absent means open (the legacy default)
 
@@ -157,7 +168,7 @@ export class ProcessService {
     const ptyClosed = new Promise<void>((r) => (ptyEof = r));
     try {
       if (pty) {
-        p.sub = Bun.spawn([config.cmd, ...config.args], {
+        p.sub = Bun.spawn(argv, {
           cwd,
           env,
           ...ids,
@@ -170,7 +181,7 @@ export class ProcessService {
         });
         p.terminal = p.sub.terminal;
       } else {
-        p.sub = Bun.spawn([config.cmd, ...config.args], {
+        p.sub = Bun.spawn(argv, {
           cwd,
           env,
           ...ids,

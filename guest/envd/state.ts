@@ -1,4 +1,6 @@
 // Envd's mutable state: what /init configured, shared by every handler.
+import { existsSync } from "node:fs";
+import { dirname, join } from "node:path";
 import { ConnectError } from "./connect.ts";
 import { Users, type User } from "./users.ts";
 
@@ -12,6 +14,8 @@ export interface EnvdOptions {
   group: string;
   /** Guest mode: /init may set the clock, and /run/e2b markers are written. */
   guest: boolean;
+  /** util-linux setpriv to start processes with supplementary groups (default: looked up). */
+  setpriv?: string;
 }
 
 export class EnvdState {
@@ -32,6 +36,30 @@ export class EnvdState {
   /** The env every process starts from: /init envVars plus envd's own markers. */
   defaultEnv(): Record<string, string> {
     return { E2B_SANDBOX: "true", ...this.envVars };
+  }
+
+  private setprivPath: string | null | undefined;
+
+  /**
+   * util-linux setpriv, which sets supplementary groups before exec (Bun's spawn sets only the
+   * primary gid): ours on the tools disk (bin/ next to envd), else the image's. busybox's applet of
+   * that name cannot set ids, so the version line decides. Looked up once, on first need.
+   */
+  setpriv(): string | undefined {
+    if (this.setprivPath === undefined) {
+      const candidates = this.opts.setpriv ? [this.opts.setpriv] : [join(dirname(process.execPath), "bin", "setpriv"), "/usr/bin/setpriv", "/bin/setpriv"];
+      this.setprivPath = null;
+      for (const c of candidates) {
+        if (!existsSync(c)) continue;
+        const r = Bun.spawnSync([c, "--version"], { stdout: "pipe", stderr: "pipe" });
+        if (r.exitCode === 0 && r.stdout.toString().includes("util-linux")) {
+          this.setprivPath = c;
+          break;
+        }
+      }
+      if (!this.setprivPath) console.error("envd: no util-linux setpriv: processes get their user's primary group only");
+    }
+    return this.setprivPath ?? undefined;
   }
 
   /** Resolves a user name (default user when absent); unknown names are an authentication failure. */

@@ -39,7 +39,7 @@ class Table<T> {
 
 export class Users {
   private passwd: Table<User>;
-  private groups: Table<{ name: string; gid: number }>;
+  private groups: Table<{ name: string; gid: number; members: string[] }>;
 
   constructor(passwdPath = "/etc/passwd", groupPath = "/etc/group") {
     this.passwd = new Table(passwdPath, (c) =>
@@ -47,7 +47,9 @@ export class Users {
         ? { name: c[0]!, uid: Number(c[2]), gid: Number(c[3]), home: c[5] || "/", shell: c[6] || "/bin/sh" }
         : undefined,
     );
-    this.groups = new Table(groupPath, (c) => (c.length >= 3 && /^\d+$/.test(c[2]!) ? { name: c[0]!, gid: Number(c[2]) } : undefined));
+    this.groups = new Table(groupPath, (c) =>
+      c.length >= 3 && /^\d+$/.test(c[2]!) ? { name: c[0]!, gid: Number(c[2]), members: (c[3] ?? "").split(",").filter(Boolean) } : undefined,
+    );
   }
 
   lookup(name: string): User | undefined {
@@ -60,6 +62,13 @@ export class Users {
 
   groupName(gid: number): string {
     return this.groups.all().find((g) => g.gid === gid)?.name ?? String(gid);
+  }
+
+  /** What initgroups(3) gives the user: the primary gid, then every group listing them, in order, once. */
+  groupsOf(user: User): number[] {
+    const out = [user.gid];
+    for (const g of this.groups.all()) if (g.members.includes(user.name) && !out.includes(g.gid)) out.push(g.gid);
+    return out;
   }
 }
 

@@ -1,7 +1,7 @@
 // Raw wire tests for envd: Connect framing in JSON and binary protobuf, error codes, malformed
 // input of every kind, /files edge cases, /init, signing, and that nothing kills the process.
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
-import { mkdirSync, writeFileSync } from "node:fs";
+import { mkdirSync, readFileSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { schema } from "../../guest/envd/schema.ts";
 import { envelope, envelopes, jsonEnvelopes, startEnvd, type Envd } from "./harness.ts";
@@ -154,6 +154,16 @@ describe("streams", () => {
     expect([f, e.error.code]).toEqual([2, "invalid_argument"]);
     expect(await stream("/process.Process/Start", { process: {} })).toMatchObject([[2, { error: { code: "invalid_argument" } }]]);
     expect(await stream("/process.Process/Start", { process: { cmd: "/no/such/binary" } })).toMatchObject([[2, { error: { code: "invalid_argument" } }]]);
+    // The same for a user with supplementary groups (started through setpriv): still refused up front.
+    const groupFile = join(envd.root, "group");
+    const groups = readFileSync(groupFile, "utf8");
+    writeFileSync(groupFile, `${groups}wheel:x:4242:user\n`);
+    try {
+      for (const cmd of ["/no/such/binary", "no-such-command-anywhere"])
+        expect(await stream("/process.Process/Start", { process: { cmd } })).toMatchObject([[2, { error: { code: "invalid_argument" } }]]);
+    } finally {
+      writeFileSync(groupFile, groups);
+    }
     expect(await stream("/process.Process/Connect", { process: { pid: 999999 } })).toMatchObject([[2, { error: { code: "not_found" } }]]);
     expect(await stream("/filesystem.Filesystem/WatchDir", { path: "/no/such" })).toMatchObject([[2, { error: { code: "not_found" } }]]);
     const unauth = await stream("/process.Process/Start", { process: { cmd: "/bin/true" } }, { authorization: `Basic ${btoa("mallory:")}` });

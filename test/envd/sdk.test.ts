@@ -1,6 +1,6 @@
 // The unmodified e2b SDK (2.51.0) against our envd running as a host process on 127.0.0.1.
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
-import { lstatSync, readFileSync, statSync, symlinkSync } from "node:fs";
+import { lstatSync, readFileSync, statSync, symlinkSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { CommandExitError, FileNotFoundError, FilesystemEventType, NotFoundError, TimeoutError, type Sandbox } from "e2b";
 import { sdkSandbox, startEnvd, USER_UID, type Envd } from "./harness.ts";
@@ -50,6 +50,25 @@ describe("commands", () => {
     expect(r.stdout).toBe("bar baz|true|root\n/tmp\n0\n");
     // Request envs must not leak into later processes.
     expect((await sbx.commands.run('echo "[$FOO]"')).stdout).toBe("[]\n");
+  });
+
+  test("a user's supplementary groups from the group file, as a login gives them", async () => {
+    const groupFile = join(envd.root, "group");
+    const before = readFileSync(groupFile, "utf8");
+    try {
+      writeFileSync(groupFile, `${before}wheel:x:4242:root,user\nother:x:4343:root\naudio:x:4444:user\n`);
+      expect((await sbx.commands.run("id -G")).stdout.trim().split(" ").map(Number)).toEqual([USER_UID, 4242, 4444]);
+      // Through a PTY too.
+      let out = "";
+      const dec = new TextDecoder();
+      const pty = await sbx.pty.create({ cols: 80, rows: 24, onData: (d) => void (out += dec.decode(d, { stream: true })) });
+      await sbx.pty.sendInput(pty.pid, new TextEncoder().encode("echo G=$(id -G); exit\n"));
+      await pty.wait();
+      expect(out).toContain(`G=${USER_UID} 4242 4444`);
+    } finally {
+      writeFileSync(groupFile, before);
+    }
+    expect((await sbx.commands.run("id -G")).stdout.trim()).toBe(String(USER_UID));
   });
 
   test("missing cwd is an argument error", async () => {

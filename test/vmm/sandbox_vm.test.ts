@@ -206,6 +206,8 @@ describe.skipIf(!!skip)("sandbox VMs: envd in the guest, VM in a network slot, t
       expect(r.exitCode).toBe(0);
       expect(r.stdout).toBe("out\n0\n/root\n");
       expect(r.stderr).toBe("err\n");
+      // user's supplementary group comes from the image's /etc/group, through the tools disk's setpriv.
+      expect((await sbxA.commands.run("id -G", { user: "user" })).stdout.trim()).toBe("1000 10");
 
       const err = await sbxA.commands.run("echo partial; exit 7").catch((e) => e);
       expect(err).toBeInstanceOf(CommandExitError);
