@@ -78,7 +78,7 @@ function decompress(body: Uint8Array, encoding: string | null): Uint8Array {
   if (!encoding || encoding === "identity") return body;
   if (encoding === "gzip") {
     try {
-      return Bun.gunzipSync(body);
+      return Bun.gunzipSync(body as Uint8Array<ArrayBuffer>);
     } catch {
       throw new ConnectError("invalid_argument", "invalid gzip payload");
     }

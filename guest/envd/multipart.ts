@@ -62,7 +62,8 @@ export async function readMultipart(
   const delim = Buffer.from(`\r\n--${boundary}`);
   // A virtual CRLF in front lets the first boundary match the same delimiter as the others.
   let buf: Uint8Array = CRLF;
-  let state: "preamble" | "after" | "headers" | "body" | "done" = "preamble";
+  type State = "preamble" | "after" | "headers" | "body" | "done";
+  let state = "preamble" as State; // `as`: step() changes it, which narrowing cannot see
   let sink: PartSink | null = null;
   const reader = body.getReader();
   let eof = false;

@@ -210,7 +210,7 @@ export class ProcessService {
 
   /** Pumps output, then publishes `end` once the process is reaped and its output drained. */
   private async lifecycle(p: Proc, ptyClosed?: Promise<void>) {
-    const readers: ReadableStreamDefaultReader<Uint8Array>[] = [];
+    const readers: { cancel(): Promise<void> }[] = [];
     const pump = async (stream: ReadableStream<Uint8Array>, key: "stdout" | "stderr") => {
       const reader = stream.getReader();
       readers.push(reader);

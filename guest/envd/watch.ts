@@ -25,7 +25,7 @@ export interface WatchEvent {
 export class DirWatcher {
   private fd = -1;
   private dirs = new Map<number, string>(); // watch descriptor → directory relative to root
-  private reader?: ReadableStreamDefaultReader<Uint8Array>;
+  private stopReading?: () => Promise<void>;
   private closed = false;
 
   constructor(
@@ -75,11 +75,12 @@ export class DirWatcher {
   }
 
   private async loop() {
-    this.reader = Bun.file(this.fd).stream().getReader();
+    const reader = Bun.file(this.fd).stream().getReader();
+    this.stopReading = () => reader.cancel();
     let carry = new Uint8Array(0);
     try {
       while (!this.closed) {
-        const { done, value } = await this.reader.read();
+        const { done, value } = await reader.read();
         if (done || this.closed) break;
         let buf = value;
         if (carry.length) {
@@ -145,7 +146,7 @@ export class DirWatcher {
     if (this.closed) return;
     this.closed = true;
     const fd = this.fd;
-    const done = this.reader ? this.reader.cancel().catch(() => {}) : Promise.resolve();
+    const done = this.stopReading ? this.stopReading().catch(() => {}) : Promise.resolve();
     void done.then(() => inotify.close(fd)); // close only after Bun stopped polling it
   }
 }

@@ -18,8 +18,8 @@ afterAll(async () => {
 const JSON_CT = { "content-type": "application/json" };
 const STREAM_CT = { "content-type": "application/connect+json" };
 
-function post(path: string, body: BodyInit, headers: Record<string, string> = JSON_CT) {
-  return fetch(`${envd.url}${path}`, { method: "POST", headers, body });
+function post(path: string, body: RequestInit["body"] | Uint8Array, headers: Record<string, string> = JSON_CT) {
+  return fetch(`${envd.url}${path}`, { method: "POST", headers, body: body as RequestInit["body"] });
 }
 
 async function unary(path: string, msg: unknown, headers: Record<string, string> = {}) {
@@ -182,7 +182,7 @@ describe("streams", () => {
 
   test("keepalives flow on idle streams", async () => {
     const frames = await stream("/process.Process/Start", { process: { cmd: "/bin/sleep", args: ["1.3"] } }, { "keepalive-ping-interval": "1" });
-    expect(frames.map(([, m]) => Object.keys(m.event ?? m)[0])).toEqual(["start", "keepalive", "end", undefined]);
+    expect(frames.map(([, m]) => Object.keys(m.event ?? m)[0] as string | undefined)).toEqual(["start", "keepalive", "end", undefined]);
   });
 
   test("Connect-Timeout-Ms ends the stream with deadline_exceeded and kills the process", async () => {
@@ -194,7 +194,7 @@ describe("streams", () => {
     expect((list.body.processes ?? []).some((p: any) => p.pid === pid)).toBe(false);
     // Just-exited processes still answer Connect with start + end.
     const again = await stream("/process.Process/Connect", { process: { pid } });
-    expect(again.map(([, m]) => Object.keys(m.event ?? {})[0])).toEqual(["start", "end", undefined]);
+    expect(again.map(([, m]) => Object.keys(m.event ?? {})[0] as string | undefined)).toEqual(["start", "end", undefined]);
   });
 
   test("StreamInput (client streaming), CloseStdin, List with tag, SendSignal validation", async () => {
@@ -271,7 +271,7 @@ describe("/files", () => {
   });
 
   test("upload errors", async () => {
-    const up = (qs: string, body: BodyInit, headers: Record<string, string> = {}) => fetch(`${envd.url}/files${qs}`, { method: "POST", body, headers });
+    const up = (qs: string, body: RequestInit["body"] | Uint8Array, headers: Record<string, string> = {}) => fetch(`${envd.url}/files${qs}`, { method: "POST", body: body as RequestInit["body"], headers });
     expect((await up("?path=a", "x", { "content-type": "text/plain" })).status).toBe(400);
     expect((await up("", "x", { "content-type": "application/octet-stream" })).status).toBe(400);
     expect((await up("?path=z.txt", "not gzip", { "content-type": "application/octet-stream", "content-encoding": "gzip" })).status).toBe(400);
