@@ -82,18 +82,24 @@ describe.skipIf(!canRun)("blockd (FUSE frontend)", async () => {
     await client.call("delete", { id: ro.id });
   }, 120_000);
 
-  test("a reader thread takes requests beside the device worker; fio verifies every block", async () => {
+  test("a reader thread joins at the first large write and takes requests beside the device worker; fio verifies every block", async () => {
     const dev = await client.call("create", { upperDir: join(dir, "up-reader"), size: SIZE });
-    const fio = Bun.spawnSync(
-      ["fio", "--name=v", `--filename=${dev.path}`, "--rw=randwrite", "--bs=4k", "--iodepth=32", "--ioengine=io_uring", "--direct=1",
-        "--size=16M", "--verify=crc32c", "--do_verify=1", "--verify_fatal=1", "--verify_state_save=0", "--output-format=json"],
-      { stdout: "pipe", stderr: "pipe" },
-    );
-    expect(fio.stderr.toString()).toBe("");
-    expect(fio.exitCode).toBe(0);
-    const job = JSON.parse(fio.stdout.toString()).jobs[0];
-    expect(job.error).toBe(0);
-    expect(job.read.io_bytes).toBe(16 << 20); // the verify pass read it all back
+    const fio = (rw: string, bs: string) => {
+      const r = Bun.spawnSync(
+        ["fio", "--name=v", `--filename=${dev.path}`, `--rw=${rw}`, `--bs=${bs}`, "--iodepth=16", "--ioengine=io_uring", "--direct=1",
+          "--size=16M", "--verify=crc32c", "--do_verify=1", "--verify_fatal=1", "--verify_state_save=0", "--output-format=json"],
+        { stdout: "pipe", stderr: "pipe" },
+      );
+      expect(r.stderr.toString()).toBe("");
+      expect(r.exitCode).toBe(0);
+      const job = JSON.parse(r.stdout.toString()).jobs[0];
+      expect(job.error).toBe(0);
+      expect(job.read.io_bytes).toBe(16 << 20); // the verify pass read it all back
+    };
+    fio("randwrite", "4k");
+    expect((await client.call("stats", { id: dev.id })).takenByReader).toBe(0); // small writes: no reader yet
+    fio("randwrite", "256k");
+    fio("randwrite", "4k"); // once there, it takes small requests too
     const stats = await client.call("stats", { id: dev.id });
     expect(stats.takenByReader).toBeGreaterThan(0);
     expect(stats.takenByReader).toBeLessThan(stats.requests);

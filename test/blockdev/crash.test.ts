@@ -4,7 +4,7 @@
 // visible is exactly a prefix of the writes.
 import { expect, test } from "bun:test";
 import { join } from "node:path";
-import { openSync, readSync, closeSync } from "node:fs";
+import { openSync, readSync, closeSync, writeSync } from "node:fs";
 import { BlockdClient } from "../../src/blockdev/client.ts";
 import { blockFor } from "../storage/crash_blocks.ts";
 import { blockdPid, haveFuse, startBlockd } from "./harness.ts";
@@ -15,6 +15,11 @@ const BLOCKS = 1024; // 4 MiB device
 async function crashAndRestart(label: string, readersAfter?: string) {
   const { dir, state, client } = await startBlockd(label);
   const dev = await client.call("create", { upperDir: join(dir, "up"), size: BLOCKS * 4096 });
+  // One large write (zeros, as the disk already reads) starts the reader thread, so requests are
+  // taken on both of the connection's fds when blockd dies.
+  const pfd = openSync(dev.path, "r+");
+  writeSync(pfd, new Uint8Array(256 << 10), 0, 256 << 10, 0);
+  closeSync(pfd);
   const writer = Bun.spawn([process.execPath, join(import.meta.dir, "fsync_writer.ts"), dev.path, String(BLOCKS)], { stdout: "pipe", stderr: "pipe" });
   const reader = writer.stdout.getReader();
   let text = "";
@@ -30,6 +35,7 @@ async function crashAndRestart(label: string, readersAfter?: string) {
     }
   };
   await waitSynced(400);
+  expect((await client.call("stats", { id: dev.id })).takenByReader).toBeGreaterThan(0);
   const oldPid = blockdPid(state);
   process.kill(oldPid, "SIGKILL");
   const atKill = synced;

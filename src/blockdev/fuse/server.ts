@@ -36,6 +36,8 @@ const MAX_WRITE = 512 << 10;
 const MAX_SLOTS = 32;
 /** Slots lent to the reader thread (fuse/reader.ts); 0 turns the reader off. */
 const READER_SLOTS = Number(process.env.AENV_FUSE_READER_SLOTS ?? 8);
+/** A WRITE request at least this long (header included) starts the reader thread. */
+const READER_FROM = 128 << 10;
 const ATTR_VALID_SEC = 1;
 const SECTOR = 512;
 // Linux errno values sent back as −errno.
@@ -342,19 +344,25 @@ class ServeLoop {
     private wake: WakeSource,
     ioFd: number,
   ) {
-    const fds = [disk.fd, wake.fd, ioFd, -1];
-    // A clone adopted from a server that had a reader stays open (and parked) even with readers off.
-    if (disk.cloneFd >= 0 && READER_SLOTS > 0) {
-      for (let i = 0; i < READER_SLOTS; i++) this.readerSlots.push(new Slot(this.arena.bytes, SLOT_BYTES * (MAX_SLOTS + i), i));
-      for (const s of this.readerSlots) s.fd = disk.cloneFd;
-      const r = this.readerSlots[0]!.req;
-      this.reader = new ReaderLink(disk.cloneFd, this.arena, this.readerSlots.map((s) => s.req.byteOffset), r.byteLength);
-      fds[3] = this.reader.takenFd;
-    }
-    fds.forEach((fd, i) => {
+    [disk.fd, wake.fd, ioFd, -1].forEach((fd, i) => {
       this.pv.setInt32(8 * i, fd, true);
       this.pv.setInt16(8 * i + 4, POLLIN, true);
     });
+  }
+
+  /**
+   * The reader thread starts with the first large WRITE: only then is the payload copy worth a
+   * thread, so read-only and idle devices never pay for one. (A clone adopted from a server that
+   * had a reader stays open and parked even with readers off.)
+   */
+  private startReader(): void {
+    const cloneFd = this.disk.cloneFd;
+    if (this.reader || cloneFd < 0 || READER_SLOTS === 0 || this.wake.stopping()) return;
+    for (let i = 0; i < READER_SLOTS; i++) this.readerSlots.push(new Slot(this.arena.bytes, SLOT_BYTES * (MAX_SLOTS + i), i));
+    for (const s of this.readerSlots) s.fd = cloneFd;
+    const r = this.readerSlots[0]!.req;
+    this.reader = new ReaderLink(cloneFd, this.arena, this.readerSlots.map((s) => s.req.byteOffset), r.byteLength);
+    this.pv.setInt32(24, this.reader.takenFd, true);
   }
 
   private runControl(): void {
@@ -374,6 +382,7 @@ class ServeLoop {
   };
 
   private start(slot: Slot): void {
+    if (!this.reader && slot.reqView.getUint32(4, true) === F.FUSE_WRITE && slot.reqView.getUint32(0, true) >= READER_FROM) this.startReader();
     this.busy++;
     void this.disk.handle(this.io, slot).finally(() => {
       this.busy--;
@@ -394,9 +403,9 @@ class ServeLoop {
 
   private async loop(): Promise<void> {
     const pv = this.pv;
-    const reader = this.reader;
     let gone = false;
     for (;;) {
+      const reader = this.reader;
       const stopping = gone || this.wake.stopping();
       if (stopping && reader && !reader.exited) reader.stop();
       // Done once nothing is in flight: no request, no control work, no reader that may still take one.
