@@ -113,6 +113,11 @@ describe.skipIf(!canRun)("blockd (FUSE frontend)", async () => {
     expect(b.id).toBe(a.id);
     expect(b.refs).toBe(2);
     expect(readAll(a.path, 8192).every((x) => x === 0x5a)).toBe(true);
+    // One copy in the host page cache for every reader: a second open and read reach no READ to us.
+    const reads = (await client.call("stats", { id: a.id })).reads;
+    expect(reads).toBeGreaterThan(0);
+    expect(readAll(b.path, 8192).every((x) => x === 0x5a)).toBe(true);
+    expect((await client.call("stats", { id: a.id })).reads).toBe(reads);
     expect((await client.call("delete", { id: a.id })).freed).toBe(false);
     expect((await client.call("list")).some((d: { id: string }) => d.id === a.id)).toBe(true);
     expect((await client.call("delete", { id: a.id })).freed).toBe(true);

@@ -53,7 +53,12 @@ export interface FuseDiskOptions {
   /** A regular file to mount over; it becomes the device. */
   path: string;
   readOnly: boolean;
-  /** Bypass the kernel page cache (every I/O reaches the image; no double caching). */
+  /**
+   * Bypass the kernel page cache (every I/O reaches the image; the guest caches for itself).
+   * Default: writable devices do; read-only ones (shared memory snapshots and bases) keep one
+   * copy in the page cache for every reader and every open (FOPEN_KEEP_CACHE): direct I/O would
+   * send each VM's reads to us, and each new mmap of a direct-I/O file drops the cached pages.
+   */
   directIo?: boolean;
 }
 
@@ -256,7 +261,7 @@ export class FuseDisk {
         case F.FUSE_OPEN: {
           const flags = dv.getUint32(P, true);
           if (io.readOnly && (flags & 3) !== 0) return this.reply(slot, h.unique, EROFS);
-          const direct = this.opts.directIo !== false;
+          const direct = this.opts.directIo ?? !io.readOnly;
           F.encodeOpenOut(out, F.FUSE_OUT_HEADER, 1, direct ? F.FOPEN_DIRECT_IO | F.FOPEN_PARALLEL_DIRECT_WRITES : F.FOPEN_KEEP_CACHE);
           return this.reply(slot, h.unique, 0, F.FUSE_OPEN_OUT_SIZE);
         }
