@@ -35,7 +35,14 @@ const MAX_WRITE = 512 << 10;
 /** Requests taken from the kernel per wakeup and served concurrently (their I/O batches). */
 const MAX_SLOTS = 32;
 /** Slots lent to the reader thread (fuse/reader.ts); 0 turns the reader off. */
-const READER_SLOTS = Number(process.env.AENV_FUSE_READER_SLOTS ?? 8);
+const READER_SLOTS = readerSlots(process.env.AENV_FUSE_READER_SLOTS);
+
+function readerSlots(v: string | undefined): number {
+  const n = v === undefined || v === "" ? 8 : Number(v);
+  if (Number.isInteger(n) && n >= 0 && n <= 64) return n;
+  console.error(`blockd: AENV_FUSE_READER_SLOTS=${v} is not an integer 0..64; using 8`);
+  return 8;
+}
 /** A WRITE request at least this long (header included) starts the reader thread. */
 const READER_FROM = 128 << 10;
 const ATTR_VALID_SEC = 1;
