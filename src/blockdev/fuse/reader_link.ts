@@ -52,7 +52,10 @@ export class ReaderLink {
     this.ctl[RING.freeTail] = this.n;
     this.worker = new Worker(new URL("./reader.ts", import.meta.url).href);
     this.worker.addEventListener("message", (ev: MessageEvent) => {
-      if (ev.data?.type === "exited") this.exitReason = ev.data.reason;
+      if (ev.data?.type !== "exited") return;
+      this.exitReason = ev.data.reason;
+      // The device keeps working on the device worker alone; say why it lost its reader.
+      if (this.exitReason?.startsWith("failed")) console.error(`fuse reader on fd ${cloneFd}: ${this.exitReason}`);
     });
     // A reader that never ran (its script failed) must not keep the device worker waiting for it.
     this.worker.addEventListener("error", (ev: ErrorEvent) => {

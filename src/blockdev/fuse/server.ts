@@ -30,7 +30,7 @@ import type { DeviceIo, WakeSource } from "../device_io.ts";
 import { deferLocalIoCompletions, reapLocalIo } from "../../storage/local_file.ts";
 import { ReaderLink } from "./reader_link.ts";
 
-/** Loop splits requests at ~520 KiB anyway; 512 KiB keeps per-slot buffers modest. */
+/** Largest request payload: 1 MiB measured no faster for 1 MiB writes, with twice the slot memory. */
 const MAX_WRITE = 512 << 10;
 /** Requests taken from the kernel per wakeup and served concurrently (their I/O batches). */
 const MAX_SLOTS = 32;
@@ -82,7 +82,7 @@ class Slot {
   readonly outView: DataView;
   constructor(
     mem: Uint8Array,
-    readonly at: number,
+    at: number,
     /** Slot number in the reader's share, or -1 for the device worker's own slots. */
     readonly readerSlot = -1,
   ) {
