@@ -70,8 +70,8 @@ export class KeeperClient {
   /** Our own copies of the fds parked under key, in the order given to hold, or undefined. */
   async take(key: string): Promise<number[] | undefined> {
     const { held } = await this.call({ op: "list" });
-    const fds = held[key] as number[] | undefined;
-    return fds?.map((fd) => takeFdFrom(this.pid, fd));
+    const v = held[key] as number[] | number | undefined; // a keeper from before clones held one fd
+    return v === undefined ? undefined : (Array.isArray(v) ? v : [v]).map((fd) => takeFdFrom(this.pid, fd));
   }
   /** Let the keeper go when it holds nothing (graceful shutdown). */
   async exitIfEmpty(): Promise<void> {
