@@ -380,6 +380,12 @@ export function eventfd(initval = 0, flags = EFD_CLOEXEC): number {
   return check("eventfd", libc.eventfd(initval, flags));
 }
 
+const EVENTFD_ONE = new Uint8Array(new BigUint64Array([1n]).buffer);
+/** Add 1 to an eventfd's counter: wakes whoever polls it. */
+export function eventfdSignal(fd: number): void {
+  write(fd, EVENTFD_ONE);
+}
+
 /** prctl(2) with integer arguments. */
 export function prctl(option: number, a2 = 0, a3 = 0, a4 = 0, a5 = 0): number {
   return check("prctl", libc.prctl(option, a2, a3, a4, a5));

@@ -1,12 +1,10 @@
 // DeviceHandle: blockd's main-thread side of one device worker. Control calls are messages
 // plus an eventfd write, because the worker sleeps in poll(2) on its frontend, not in its loop.
 
-import { write as writeFd } from "../../ffi/libc.ts";
+import { eventfdSignal } from "../../ffi/libc.ts";
 import type { ImageConfig } from "../storage/image_config.ts";
 import type { ControlOp, WorkerInit } from "./device_worker.ts";
 import { BlockdError } from "./protocol.ts";
-
-const WAKE = new Uint8Array(new BigUint64Array([1n]).buffer);
 
 export class DeviceHandle {
   private seq = 0;
@@ -67,7 +65,7 @@ export class DeviceHandle {
       this.waiting.set(seq, { resolve, reject });
       Atomics.add(new Int32Array(this.posted), 0, 1);
       this.worker.postMessage({ seq, body });
-      writeFd(this.wakeFd, WAKE);
+      eventfdSignal(this.wakeFd);
     });
   }
 

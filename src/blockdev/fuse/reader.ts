@@ -8,7 +8,7 @@
 // Hand-off: two single-producer rings of slot numbers in a SharedArrayBuffer (taken: reader →
 // device worker, woken by an eventfd it polls; free: device worker → reader, Atomics.wait).
 
-import { poll, read, write, viewAt, POLLIN, type SyscallError } from "../../../ffi/libc.ts";
+import { eventfdSignal, poll, read, viewAt, POLLIN, type SyscallError } from "../../../ffi/libc.ts";
 import { RING, ringNext, type ReaderInit } from "./reader_link.ts";
 
 declare const self: Worker;
@@ -23,11 +23,9 @@ self.onmessage = (ev: MessageEvent) => {
   }
   const ctl = new Int32Array(init.ctl);
   Atomics.store(ctl, RING.exited, 1);
-  write(init.takenFd, ONE); // the device worker may be asleep in poll
+  eventfdSignal(init.takenFd); // the device worker may be asleep in poll
   self.postMessage({ type: "exited", reason });
 };
-
-const ONE = new Uint8Array([1, 0, 0, 0, 0, 0, 0, 0]);
 
 function run(init: ReaderInit): string {
   const ctl = new Int32Array(init.ctl);
@@ -69,6 +67,6 @@ function run(init: ReaderInit): string {
     const tail = Atomics.load(ctl, RING.takenTail);
     Atomics.store(ctl, taken + (tail % n), slot);
     Atomics.store(ctl, RING.takenTail, ringNext(tail, n));
-    write(init.takenFd, ONE);
+    eventfdSignal(init.takenFd);
   }
 }

@@ -1,7 +1,7 @@
 // The device worker's side of a FuseReader (reader.ts): the cloned fd, the hand-off rings, the
 // Worker. Requests the reader takes are served by the device worker and replied on the clone.
 
-import { close, eventfd, ioctl, open, write, O_CLOEXEC, O_NONBLOCK, O_RDWR } from "../../../ffi/libc.ts";
+import { close, eventfd, eventfdSignal, ioctl, open, O_CLOEXEC, O_NONBLOCK, O_RDWR } from "../../../ffi/libc.ts";
 import { FUSE_DEV_IOC_CLONE } from "../../../ffi/fuse.ts";
 
 /** Int32 fields of the hand-off buffer; the two rings follow. */
@@ -61,7 +61,7 @@ export class ReaderLink {
     this.worker.addEventListener("error", (ev: ErrorEvent) => {
       this.exitReason = `failed: ${ev.message}`;
       Atomics.store(this.ctl, RING.exited, 1);
-      write(this.takenFd, new Uint8Array([1, 0, 0, 0, 0, 0, 0, 0]));
+      eventfdSignal(this.takenFd);
     });
     const init: ReaderInit = { fd: cloneFd, takenFd: this.takenFd, stopFd: this.stopFd, arena: arena.ptr, arenaLen: arena.length, reqAt, reqLen, ctl: this.ctl.buffer as SharedArrayBuffer };
     this.worker.postMessage(init);
@@ -108,7 +108,7 @@ export class ReaderLink {
   stop(): void {
     Atomics.store(this.ctl, RING.stop, 1);
     Atomics.notify(this.ctl, RING.freeTail);
-    write(this.stopFd, new Uint8Array([1, 0, 0, 0, 0, 0, 0, 0]));
+    eventfdSignal(this.stopFd);
   }
 
   /** After `exited`: release the worker and the eventfds (the clone fd is the caller's). */
