@@ -18,6 +18,9 @@ const allowed: Record<string, string[]> = {
   // The orchestrator never touches a layer's bytes: of storage it may know only image configs.
   "src/orchestrator": ["src/orchestrator", "src/vmm", "src/network", "src/blockdev/client.ts",
     "src/blockdev/protocol.ts", "src/storage/image_config.ts", "ffi"],
+  "src/api": ["src/api", "src/orchestrator"],
+  // The node's composition root wires every part together.
+  "src/node": ["src", "ffi"],
   "src/cli": ["src/cli", "src/storage", "src/blockdev/client.ts", "src/blockdev/protocol.ts", "ffi"],
   // envd is compiled into the guest's tools disk on its own: nothing of the host's code.
   "guest/envd": ["guest/envd"],

@@ -1,0 +1,116 @@
+// The node's settings: one table, each setting with its environment variable, its key in the
+// optional `$AENV_HOME/node.toml`, its default and its parser. The environment wins over the file;
+// docs/node.md lists the same table (test/node/config.test.ts keeps the two in step).
+import { chmodSync, closeSync, existsSync, mkdirSync, openSync, readFileSync, renameSync, writeSync } from "node:fs";
+import { join } from "node:path";
+
+export class ConfigError extends Error {
+  constructor(message: string) { super(message); this.name = "ConfigError"; }
+}
+
+type Parse<T> = (raw: string, name: string) => T;
+
+const str: Parse<string> = (raw) => raw;
+function int(min: number, max: number): Parse<number> {
+  return (raw, name) => {
+    const v = Number(raw);
+    if (!Number.isSafeInteger(v) || v < min || v > max) throw new ConfigError(`${name}=${raw}: expected a whole number in ${min}..${max}`);
+    return v;
+  };
+}
+function oneOf<T extends string>(...values: T[]): Parse<T> {
+  return (raw, name) => {
+    if (!(values as string[]).includes(raw)) throw new ConfigError(`${name}=${raw}: expected one of ${values.join(", ")}`);
+    return raw as T;
+  };
+}
+
+interface Setting<T> { env: string; toml: string; default: string; parse: Parse<T>; doc: string }
+function setting<T>(env: string, toml: string, def: string, parse: Parse<T>, doc: string): Setting<T> {
+  return { env, toml, default: def, parse, doc };
+}
+
+/** Every setting of the node. `$AENV_HOME` in a default is replaced by the home setting's value. */
+export const SETTINGS = {
+  home: setting("AENV_HOME", "home", "/var/lib/aenv", str, "state: sqlite database, layers, snapshots, secrets"),
+  host: setting("HOST", "host", "0.0.0.0", str, "address the API and proxy listen on"),
+  port: setting("PORT", "port", "3000", int(0, 65535), "port of the API and proxy"),
+  apiKey: setting("AENV_API_KEY", "api_key", "", str, "API key; empty: read or generate $AENV_HOME/secrets/api-key"),
+  domain: setting("AENV_DOMAIN", "domain", "", str, "sandbox domain for `{port}-{id}.{domain}` hosts; empty: the clients' own"),
+  defaultTimeoutS: setting("AENV_DEFAULT_TIMEOUT_S", "default_timeout_s", "300", int(1, 86_400 * 30), "sandbox TTL when a create names none (E2B: 300 s)"),
+  reaperIntervalMs: setting("AENV_REAPER_INTERVAL_MS", "reaper_interval_ms", "1000", int(50, 60_000), "how often expired sandboxes are paused or killed"),
+  maxSandboxes: setting("AENV_MAX_SANDBOXES", "max_sandboxes", "64", int(1, 4096), "sandboxes this node holds at once (running + paused); past it: 429"),
+  maxBodyBytes: setting("AENV_MAX_BODY_BYTES", "max_body_bytes", "1048576", int(1024, 64 << 20), "largest API request body (the proxy streams and has no such bound)"),
+  vmm: setting("AENV_VMM", "vmm", "auto", oneOf("auto", "qemu", "firecracker"), "VMM: auto picks Firecracker when its binary and KVM exist, else QEMU"),
+  slotCidr: setting("AENV_SLOT_CIDR", "slot_cidr", "10.200.0.0/16", str, "host-side addresses of network slots, cut into /31s; on this machine's veths only"),
+  slotPool: setting("AENV_SLOT_POOL", "slot_pool", "4", int(0, 256), "network slots kept ready"),
+  snapshotStore: setting("AENV_SNAPSHOT_STORE", "snapshot_store", "$AENV_HOME/snapshots", str, "where snapshots live: a directory (local or shared FS) or s3://bucket/prefix"),
+};
+
+export type SettingName = keyof typeof SETTINGS;
+export type NodeConfig = { [K in SettingName]: ReturnType<(typeof SETTINGS)[K]["parse"]> };
+
+/** Bound on node.toml: a settings file, not a data file. */
+const TOML_MAX_BYTES = 64 << 10;
+
+/**
+ * Reads the settings: environment first, then `$AENV_HOME/node.toml` (a flat table of the keys
+ * above), then the defaults. Unknown keys in the file and malformed values are ConfigErrors.
+ */
+export function loadConfig(env: Record<string, string | undefined> = process.env): NodeConfig {
+  const home = env[SETTINGS.home.env] || SETTINGS.home.default;
+  const tomlPath = join(home, "node.toml");
+  let file: Record<string, unknown> = {};
+  if (existsSync(tomlPath)) {
+    const text = readFileSync(tomlPath);
+    if (text.length > TOML_MAX_BYTES) throw new ConfigError(`${tomlPath}: larger than ${TOML_MAX_BYTES} bytes`);
+    try {
+      file = Bun.TOML.parse(text.toString("utf8")) as Record<string, unknown>;
+    } catch (e) {
+      throw new ConfigError(`${tomlPath}: ${(e as Error).message}`);
+    }
+    const known = new Set(Object.values(SETTINGS).map((s) => s.toml));
+    for (const k of Object.keys(file)) if (!known.has(k)) throw new ConfigError(`${tomlPath}: unknown setting '${k}' (known: ${[...known].join(", ")})`);
+  }
+  const out: Record<string, unknown> = {};
+  for (const [name, s] of Object.entries(SETTINGS) as [SettingName, Setting<unknown>][]) {
+    const fromEnv = env[s.env];
+    const fromFile = file[s.toml];
+    let raw: string;
+    let where: string;
+    if (fromEnv !== undefined && fromEnv !== "") { raw = fromEnv; where = s.env; }
+    else if (fromFile !== undefined) { raw = String(fromFile); where = `${tomlPath}: ${s.toml}`; }
+    else { raw = s.default.replace("$AENV_HOME", home); where = `default of ${s.env}`; }
+    out[name] = s.parse(raw, where);
+  }
+  return out as NodeConfig;
+}
+
+/** E2B's key format: `e2b_` and 40 hex digits (SDK 2.45 checks it). */
+export const API_KEY_FORMAT = /^e2b_[0-9a-f]{40}$/;
+
+/**
+ * The API key: the configured one, else the one in `<home>/secrets/api-key`, else a new one written
+ * there (mode 0600, by rename so a crash leaves no half key). Returns the key and where it lives.
+ */
+export function resolveApiKey(cfg: Pick<NodeConfig, "apiKey" | "home">): { key: string; path: string | null } {
+  if (cfg.apiKey !== "") {
+    if (!/^[A-Za-z0-9._~-]{32,256}$/.test(cfg.apiKey)) throw new ConfigError("AENV_API_KEY: expected 32..256 characters of A-Z a-z 0-9 . _ ~ -");
+    return { key: cfg.apiKey, path: null };
+  }
+  const dir = join(cfg.home, "secrets");
+  const path = join(dir, "api-key");
+  if (existsSync(path)) {
+    const key = readFileSync(path, "utf8").trim();
+    if (!/^[A-Za-z0-9._~-]{32,256}$/.test(key)) throw new ConfigError(`${path}: not an API key (expected 32..256 characters of A-Z a-z 0-9 . _ ~ -)`);
+    return { key, path };
+  }
+  mkdirSync(dir, { recursive: true, mode: 0o700 });
+  const key = "e2b_" + Buffer.from(crypto.getRandomValues(new Uint8Array(20))).toString("hex");
+  const tmp = `${path}.tmp-${process.pid}`;
+  const fd = openSync(tmp, "wx", 0o600);
+  try { writeSync(fd, key + "\n"); } finally { closeSync(fd); }
+  chmodSync(tmp, 0o600);
+  renameSync(tmp, path);
+  return { key, path };
+}

@@ -1,0 +1,71 @@
+import { describe, expect, test } from "bun:test";
+import { mkdirSync, readFileSync, statSync, writeFileSync } from "node:fs";
+import { join } from "node:path";
+import { API_KEY_FORMAT, ConfigError, SETTINGS, loadConfig, resolveApiKey } from "../../src/node/config.ts";
+import { scratchDir } from "../helpers/tmp.ts";
+
+const dir = scratchDir("config");
+
+describe("node settings", () => {
+  test("defaults with nothing configured; $AENV_HOME expands", () => {
+    const home = join(dir, "h1");
+    const c = loadConfig({ AENV_HOME: home });
+    expect(c.host).toBe("0.0.0.0");
+    expect(c.port).toBe(3000);
+    expect(c.defaultTimeoutS).toBe(300);
+    expect(c.vmm).toBe("auto");
+    expect(c.snapshotStore).toBe(join(home, "snapshots"));
+  });
+
+  test("node.toml sets values; the environment wins over it", () => {
+    const home = join(dir, "h2");
+    mkdirSync(home, { recursive: true });
+    writeFileSync(join(home, "node.toml"), 'port = 4000\nhost = "127.0.0.1"\nvmm = "qemu"\n');
+    const c = loadConfig({ AENV_HOME: home, PORT: "5000" });
+    expect(c.port).toBe(5000);
+    expect(c.host).toBe("127.0.0.1");
+    expect(c.vmm).toBe("qemu");
+  });
+
+  test("malformed values and unknown keys are ConfigErrors naming the setting", () => {
+    const home = join(dir, "h3");
+    mkdirSync(home, { recursive: true });
+    expect(() => loadConfig({ AENV_HOME: home, PORT: "70000" })).toThrow(/PORT=70000/);
+    expect(() => loadConfig({ AENV_HOME: home, AENV_VMM: "xen" })).toThrow(ConfigError);
+    writeFileSync(join(home, "node.toml"), "prot = 1\n");
+    expect(() => loadConfig({ AENV_HOME: home })).toThrow(/unknown setting 'prot'/);
+    writeFileSync(join(home, "node.toml"), "port = [\n");
+    expect(() => loadConfig({ AENV_HOME: home })).toThrow(ConfigError);
+  });
+
+  test("docs/node.md lists every setting with its env, key and default", () => {
+    const doc = readFileSync(join(import.meta.dir, "../../docs/node.md"), "utf8");
+    for (const s of Object.values(SETTINGS)) {
+      const row = doc.split("\n").find((l) => l.startsWith(`| \`${s.env}\` |`));
+      expect(row, s.env).toBeDefined();
+      expect(row).toContain(`\`${s.toml}\``);
+      expect(row).toContain(s.default === "" ? "(empty)" : `\`${s.default}\``);
+    }
+  });
+});
+
+describe("API key", () => {
+  test("generated once in E2B's format, mode 0600, then read back", () => {
+    const home = join(dir, "k1");
+    const a = resolveApiKey({ apiKey: "", home });
+    expect(a.key).toMatch(API_KEY_FORMAT);
+    expect(a.path).toBe(join(home, "secrets/api-key"));
+    expect(statSync(a.path!).mode & 0o777).toBe(0o600);
+    expect(resolveApiKey({ apiKey: "", home }).key).toBe(a.key);
+  });
+
+  test("a configured key wins; a malformed configured or stored key is refused", () => {
+    const home = join(dir, "k2");
+    const key = "k".repeat(40);
+    expect(resolveApiKey({ apiKey: key, home })).toEqual({ key, path: null });
+    expect(() => resolveApiKey({ apiKey: "short", home })).toThrow(ConfigError);
+    mkdirSync(join(home, "secrets"), { recursive: true });
+    writeFileSync(join(home, "secrets/api-key"), "bad key with spaces\n");
+    expect(() => resolveApiKey({ apiKey: "", home })).toThrow(/not an API key/);
+  });
+});
