@@ -1,0 +1,86 @@
+// The node's HTTP API on Elysia: API-key auth on every API route, bounded JSON bodies, errors as
+// E2B's `{code, message}` with the status the SDK maps, and the OpenAPI document with an offline
+// Swagger UI. Routes are added by the caller (`.use(...)`) before `listen`.
+import { Elysia } from "elysia";
+import { swagger } from "@elysiajs/swagger";
+import { timingSafeEqual } from "node:crypto";
+import { ApiError, badRequest, notFound, unauthorized } from "./errors.ts";
+import { readBoundedJson } from "./body.ts";
+import { swaggerUiResponse } from "./swagger_ui.ts";
+
+export interface ApiOptions {
+  apiKey: string;
+  maxBodyBytes: number;
+  /** undefined: the node can create sandboxes; a string: why it cannot yet (503). */
+  notReadyReason: () => string | undefined;
+  version: string;
+}
+
+const PLUGIN_UI = "/swagger/_plugin_ui";
+
+/** Paths answered without an API key (E2B and AgentENV leave these open). */
+const OPEN_PATHS = new Set(["/health", "/metrics", "/swagger", "/swagger/", "/swagger/json"]);
+
+function keyMatches(given: string | null, key: Buffer): boolean {
+  if (given === null) return false;
+  const b = Buffer.from(given);
+  return b.length === key.length && timingSafeEqual(b, key);
+}
+
+function presentedKey(headers: Headers): string | null {
+  const x = headers.get("x-api-key");
+  if (x !== null) return x;
+  const auth = headers.get("authorization");
+  return auth !== null && auth.startsWith("Bearer ") ? auth.slice(7) : null;
+}
+
+export function createApi(opts: ApiOptions) {
+  const key = Buffer.from(opts.apiKey);
+  return new Elysia()
+    .onRequest(({ request }) => {
+      const path = new URL(request.url).pathname;
+      // The plugin's own page loads its assets from a CDN: this node serves /swagger instead.
+      if (path === PLUGIN_UI) return notFound("route not found: the API's UI is /swagger").response();
+      return swaggerUiResponse(path);
+    })
+    .onParse(async ({ request, contentType }) => {
+      if (contentType === "" || contentType.startsWith("application/json")) return readBoundedJson(request, opts.maxBodyBytes);
+      throw new ApiError(415, `content type '${contentType}' is not accepted: send application/json`);
+    })
+    .onBeforeHandle(({ request, path }) => {
+      if (OPEN_PATHS.has(path) || path.startsWith("/swagger/assets/")) return;
+      if (!keyMatches(presentedKey(request.headers), key)) throw unauthorized();
+    })
+    .onError(({ code, error, request, path }) => {
+      if (error instanceof ApiError) return error.response();
+      // A body parser's own error reaches here wrapped in Elysia's ParseError.
+      const cause = (error as { cause?: unknown }).cause;
+      if (cause instanceof ApiError) return cause.response();
+      if (code === "NOT_FOUND") return notFound(`route not found: ${request.method} ${path}`).response();
+      if (code === "VALIDATION" || code === "PARSE") {
+        const summary = (error as { message?: string }).message ?? String(error);
+        let message = summary;
+        try { message = JSON.parse(summary).summary ?? summary; } catch { /* plain text */ }
+        return badRequest(`invalid request: ${message}`).response();
+      }
+      console.error(`api: ${request.method} ${path}:`, error);
+      return new ApiError(500, "internal error").response();
+    })
+    .use(swagger({
+      path: PLUGIN_UI,
+      specPath: "/swagger/json",
+      documentation: {
+        info: { title: "AgentENV node API (E2B-compatible)", version: opts.version },
+        components: { securitySchemes: { ApiKeyAuth: { type: "apiKey", in: "header", name: "X-API-Key" } } },
+        security: [{ ApiKeyAuth: [] }],
+      },
+    }))
+    .get("/health", ({ set }) => {
+      const reason = opts.notReadyReason();
+      if (reason === undefined) return { status: "ok" };
+      set.status = 503;
+      return { code: 503, message: reason };
+    }, { detail: { summary: "200 once the node can create sandboxes, 503 with the reason while it cannot", security: [] } });
+}
+
+export type Api = ReturnType<typeof createApi>;
