@@ -36,7 +36,7 @@ describe("API basics", () => {
   });
 
   test("bad input: malformed JSON, wrong types, oversized (also chunked), wrong content type → 4xx {code, message}", async () => {
-    const post = (body: BodyInit, h: Record<string, string> = { "content-type": "application/json" }) =>
+    const post = (body: string | ReadableStream<Uint8Array>, h: Record<string, string> = { "content-type": "application/json" }) =>
       fetch(base + "/echo", { method: "POST", headers: { ...auth, ...h }, body });
     for (const [r, status] of [
       [await post("{bad"), 400],
