@@ -1,7 +1,23 @@
 // A small, strict argument parser for aenv: unknown options are errors, not ignored.
 
+/** The command line is wrong: exit 2, with `usage` (the verb's, or the verb list) after the message. */
 export class UsageError extends Error {
   override name = "UsageError";
+  constructor(
+    message: string,
+    public usage = "",
+  ) {
+    super(message);
+  }
+}
+
+/** `-h` or `--help` before any `--`. */
+export function asksForHelp(argv: string[]): boolean {
+  for (const a of argv) {
+    if (a === "--") return false;
+    if (a === "-h" || a === "--help") return true;
+  }
+  return false;
 }
 
 export interface ParsedArgs {

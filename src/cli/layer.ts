@@ -1,71 +1,270 @@
 // `aenv layer …`: build, seal, commit, compress and read overlaybd layers from the shell.
-// Tests and users make fixtures with these verbs; every one works on plain files.
+// Tests and users make fixtures with these verbs; every one works on plain files. Inputs must be
+// regular files; outputs go through withOutputs (never an input, never half-written).
 
-import { existsSync, mkdirSync, statSync, unlinkSync, renameSync, writeSync } from "node:fs";
-import { join } from "node:path";
+import { mkdirSync, renameSync, statSync, unlinkSync, writeSync } from "node:fs";
+import { dirname, join } from "node:path";
 import { Image } from "../storage/image.ts";
-import { FormatError } from "../storage/errors.ts";
+import { FieldError, FormatError, TruncatedError } from "../storage/errors.ts";
 import { LocalFile } from "../storage/local_file.ts";
-import { openLayerFile, unwrap } from "../storage/open_layer.ts";
-import { ReadOnlyLayer } from "../storage/lsmt/readonly_layer.ts";
+import { openLayerFile, requireRegularFile, unwrap } from "../storage/open_layer.ts";
+import { ReadOnlyLayer, entriesPast, layerWarnings } from "../storage/lsmt/readonly_layer.ts";
 import { WRITABLE_DATA, WRITABLE_INDEX, WritableLayer } from "../storage/lsmt/writable_layer.ts";
-import { decodeHeader, parseUuidArg, isLsmtHeader, HT_SPACE, userTagText, FLAG_DATA, FLAG_SEALED, type HeaderTrailer } from "../storage/lsmt/header.ts";
+import {
+  FLAG_DATA,
+  FLAG_HEADER,
+  FLAG_SEALED,
+  HT_FIELD,
+  HT_SPACE,
+  checkDiskSize,
+  decodeHeader,
+  hasDamagedLsmtMagic,
+  hasLsmtMagic,
+  parseUuidArg,
+  userTagText,
+  type HeaderTrailer,
+} from "../storage/lsmt/header.ts";
 import { SECTOR, SEGMENT_BYTES, decodeSegments, type Segment } from "../storage/lsmt/segment.ts";
 import { writeZFile, ZFileReader } from "../storage/zfile.ts";
 import { writeOverlaybdTar } from "../storage/tar.ts";
-import { UsageError, parseArgs, parseSize } from "./args.ts";
+import { UsageError, asksForHelp, parseArgs, parseSize, type ParsedArgs } from "./args.ts";
+import { fileIdentity, withOutputs } from "./outputs.ts";
 
-
-const USAGE = `usage:
-  aenv layer create --size BYTES [--sparse] [--uuid U] [--parent-uuid P] DIR
-  aenv layer write DIR --offset N [FILE]
-  aenv layer seal DIR OUT
-  aenv layer commit [--zfile [--algorithm zstd|lz4]] [--tar] [-m MSG] [--uuid U] [--parent-uuid P] IN... OUT
-  aenv layer zfile [--algorithm zstd|lz4] [--block-size N] IN OUT
-  aenv layer unzfile IN OUT
-  aenv layer cat [--upper DIR] LAYER...
-  aenv layer inspect FILE`;
-
-const isDir = (p: string) => existsSync(p) && statSync(p).isDirectory();
-
-async function openUpper(dir: string): Promise<WritableLayer> {
-  return WritableLayer.open(join(dir, WRITABLE_DATA), join(dir, WRITABLE_INDEX));
+interface Option {
+  /** As typed: "--size", "-m". */
+  flag: string;
+  /** Placeholder of the option's value; absent for a switch. */
+  value?: string;
+  required?: boolean;
+  help: string;
 }
+
+interface Verb {
+  operands: string;
+  summary: string;
+  options: Option[];
+  run(a: ParsedArgs): Promise<void>;
+}
+
+const FORCE: Option = { flag: "--force", help: "replace OUT if it exists (never an input)" };
+const UUID: Option = { flag: "--uuid", value: "U", help: "the layer's UUID (8-4-4-4-12 hex)" };
+const PARENT: Option = { flag: "--parent-uuid", value: "P", help: "the parent layer's UUID" };
+const ALGORITHM: Option = { flag: "--algorithm", value: "zstd|lz4", help: "ZFile block compression (default zstd)" };
+
+const VERBS: Record<string, Verb> = {
+  create: {
+    operands: "DIR",
+    summary: "fresh writable layer in DIR: writable_data + writable_index",
+    options: [
+      { flag: "--size", value: "BYTES", required: true, help: "virtual disk size: bytes, or with a K/M/G/T suffix; a multiple of 512" },
+      { flag: "--sparse", help: "sparse data file (the disk stored in place, no index file)" },
+      UUID,
+      PARENT,
+      { flag: "--force", help: "replace the layer already in DIR" },
+    ],
+    run: create,
+  },
+  write: {
+    operands: "DIR [FILE]",
+    summary: "write FILE (or stdin) into the layer at byte N; the tail is zero-padded to 512",
+    options: [{ flag: "--offset", value: "N", required: true, help: "byte offset on the disk, a multiple of 512" }],
+    run: write,
+  },
+  seal: {
+    operands: "DIR OUT",
+    summary: "seal the writable layer in DIR in place and move it to OUT (a read-only layer file)",
+    options: [FORCE],
+    run: seal,
+  },
+  commit: {
+    operands: "IN... OUT",
+    summary: "dense committed layer from one layer or a stack (lowest first; a DIR only on top)",
+    options: [
+      { flag: "--zfile", help: "compress the result as a ZFile (header overwritten, as overlaybd-commit -z)" },
+      { ...ALGORITHM, help: "with --zfile: block compression (default zstd)" },
+      { flag: "--tar", help: "wrap the result in the overlaybd tar" },
+      { flag: "-m", value: "MSG", help: "commit message (user tag, at most 256 bytes)" },
+      { ...UUID, help: "UUID of the committed layer (default: the null UUID, as C++)" },
+      { ...PARENT, help: "parent UUID (default: the bottom layer's parent)" },
+      FORCE,
+    ],
+    run: commit,
+  },
+  zfile: {
+    operands: "IN OUT",
+    summary: "compress IN as a ZFile",
+    options: [ALGORITHM, { flag: "--block-size", value: "N", help: "uncompressed block size: a power of two from 4K to 64K (default 4K)" }, FORCE],
+    run: zfile,
+  },
+  unzfile: { operands: "IN OUT", summary: "decompress the ZFile IN", options: [FORCE], run: unzfile },
+  cat: {
+    operands: "LAYER...",
+    summary: "the stack's virtual disk to stdout, lowest layer first",
+    options: [{ flag: "--upper", value: "DIR", help: "a writable layer on top of the LAYERs" }],
+    run: cat,
+  },
+  inspect: {
+    operands: "FILE",
+    summary: "header, trailer, index summary and warnings of a layer file as JSON",
+    options: [],
+    run: inspect,
+  },
+};
+
+const optionText = (o: Option) => (o.value ? `${o.flag} ${o.value}` : o.flag);
+const optionUsage = (o: Option) => (o.required ? optionText(o) : `[${optionText(o)}]`);
+const synopsis = (name: string, v: Verb) => `aenv layer ${name} ${[...v.options.map(optionUsage), v.operands].join(" ")}`;
+const HELP_OPTION: Option = { flag: "-h, --help", help: "this help" };
+
+/** Every verb, one line each: the help of `aenv layer` and what follows its usage errors. */
+export function layerVerbList(): string {
+  return Object.entries(VERBS)
+    .map(([name, v]) => `  ${synopsis(name, v)}\n      ${v.summary}`)
+    .join("\n");
+}
+
+function verbHelp(name: string, v: Verb): string {
+  const options = [...v.options, HELP_OPTION];
+  const width = Math.max(...options.map((o) => optionText(o).length));
+  return [
+    `usage: ${synopsis(name, v)}`,
+    "",
+    `${v.summary[0]!.toUpperCase()}${v.summary.slice(1)}.`,
+    "",
+    "options:",
+    ...options.map((o) => `  ${optionText(o).padEnd(width)}  ${o.help}${o.required ? " (required)" : ""}`),
+    "",
+  ].join("\n");
+}
+
+/** Parse a verb's arguments with exactly the options its table lists. */
+function parseVerbArgs(v: Verb, args: string[]): ParsedArgs {
+  const bare = (o: Option) => o.flag.replace(/^--?/, "");
+  return parseArgs(args, { flags: v.options.filter((o) => !o.value).map(bare), values: v.options.filter((o) => o.value).map(bare) });
+}
+
+/** Dispatch `aenv layer VERB …`; help goes to stdout, a usage error carries the verb's usage. */
+export async function layerCommand(args: string[]): Promise<void> {
+  const [verb, ...rest] = args;
+  if (verb === undefined) throw new UsageError("aenv layer needs a verb", layerVerbList());
+  if (verb === "help" || verb === "-h" || verb === "--help") {
+    const name = rest[0];
+    if (name === undefined) process.stdout.write(`usage: aenv layer VERB ...\n\n${layerVerbList()}\n`);
+    else if (Object.hasOwn(VERBS, name)) process.stdout.write(verbHelp(name, VERBS[name]!));
+    else throw new UsageError(`unknown verb "layer ${name}"`, layerVerbList());
+    return;
+  }
+  const v = Object.hasOwn(VERBS, verb) ? VERBS[verb] : undefined;
+  if (!v) throw new UsageError(`unknown verb "layer ${verb}"`, layerVerbList());
+  if (asksForHelp(rest)) {
+    process.stdout.write(verbHelp(verb, v));
+    return;
+  }
+  try {
+    await v.run(parseVerbArgs(v, rest));
+  } catch (e) {
+    if (e instanceof UsageError && !e.usage) e.usage = verbHelp(verb, v);
+    throw e;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// inputs
+
+/** The writable layer in `dir`: its files must be regular (a FIFO would block the open). */
+async function openUpper(dir: string): Promise<WritableLayer> {
+  const [data, index] = upperFiles(dir);
+  requireRegularFile(data);
+  requireRegularFile(index);
+  return WritableLayer.open(data, index);
+}
+
+const upperFiles = (dir: string) => [join(dir, WRITABLE_DATA), join(dir, WRITABLE_INDEX)] as const;
+const isDir = (p: string) => statSync(p, { throwIfNoEntry: false })?.isDirectory() ?? false;
+
+/** Every file a stack operand list reads (a directory stands for its writable layer's two files). */
+const stackFiles = (operands: string[]) => operands.flatMap((p) => (isDir(p) ? upperFiles(p) : [p]));
 
 /** A stack from CLI operands, lowest first: files are read-only layers, a directory is the upper (last only). */
 async function openStack(operands: string[], upperDir?: string): Promise<Image> {
   const lowers: ReadOnlyLayer[] = [];
   let upper: WritableLayer | undefined;
-  for (let i = 0; i < operands.length; i++) {
-    const p = operands[i]!;
-    if (isDir(p)) {
-      if (i !== operands.length - 1 || upperDir) throw new UsageError(`${p}: a writable layer directory can only be the top of the stack`);
-      upper = await openUpper(p);
-    } else lowers.push(await openLayerFile(p));
+  try {
+    for (let i = 0; i < operands.length; i++) {
+      const p = operands[i]!;
+      if (isDir(p)) {
+        if (i !== operands.length - 1 || upperDir) throw new UsageError(`${p}: a writable layer directory can only be the top of the stack`);
+        upper = await openUpper(p);
+      } else lowers.push(await openLayerFile(p));
+    }
+    if (upperDir) upper = await openUpper(upperDir);
+  } catch (e) {
+    for (const l of lowers) await l.close();
+    await upper?.close();
+    throw e;
   }
-  if (upperDir) upper = await openUpper(upperDir);
-  return Image.fromLayers(lowers, upper);
+  const image = Image.fromLayers(lowers, upper);
+  try {
+    checkStackSize(image);
+  } catch (e) {
+    await image.close();
+    throw e;
+  }
+  return image;
 }
 
-async function create(args: string[]): Promise<void> {
-  const a = parseArgs(args, { flags: ["sparse"], values: ["size", "uuid", "parent-uuid"] });
+/** The disk takes its size from the upper, else the topmost lower with one (§5.4): it must be a real disk size. */
+function checkStackSize(image: Image): void {
+  const up = image.upper;
+  if (up?.virtualSize) return checkDiskSize(up.virtualSize, up.dataPath);
+  const from = image.lowers.findLast((l) => l.virtualSize > 0) ?? image.lowers.at(-1);
+  if (!from) return checkDiskSize(up?.virtualSize ?? 0, up?.dataPath ?? "");
+  checkDiskSize(from.virtualSize, from.name, from.file.size() - HT_SPACE + HT_FIELD.virtualSize);
+}
+
+// ---------------------------------------------------------------------------------------------
+// verbs that write
+
+/** A UUID option: a malformed one is an error, not silently the null UUID. */
+const uuidArg = (v: string | undefined) => (v === undefined ? undefined : parseUuidArg(v));
+
+function algorithmOf(v: string | undefined): "zstd" | "lz4" {
+  if (v === undefined || v === "zstd" || v === "lz4") return v ?? "zstd";
+  throw new UsageError(`--algorithm must be zstd or lz4, not ${v}`);
+}
+
+async function create(a: ParsedArgs): Promise<void> {
   const [dir] = a.need(1, "DIR");
-  const size = parseSize(a.value("size"), "--size");
-  mkdirSync(dir!, { recursive: true });
-  const l = await WritableLayer.create(join(dir!, WRITABLE_DATA), join(dir!, WRITABLE_INDEX), {
-    virtualSize: size,
+  const opts = {
+    virtualSize: parseSize(a.value("size"), "--size"),
     uuid: uuidArg(a.value("uuid")),
     parentUuid: uuidArg(a.value("parent-uuid")),
     sparse: a.flag("sparse"),
-  });
-  await l.close();
+  };
+  const make = async (data: string, index: string) => (await WritableLayer.create(data, index, opts)).close();
+  const st = statSync(dir!, { throwIfNoEntry: false });
+  if (!st) {
+    // A new directory appears whole: built under a temporary name, then renamed.
+    mkdirSync(dirname(dir!), { recursive: true });
+    await withOutputs({ outs: [dir!], inputs: [], force: false }, async ([tmp]) => {
+      mkdirSync(tmp!);
+      await make(...upperFiles(tmp!));
+    });
+    return;
+  }
+  if (!st.isDirectory()) throw new UsageError(`${dir} exists and is not a directory`);
+  const [data, index] = upperFiles(dir!);
+  // Index first: a crash between the two renames leaves the old data under an empty index, not old entries over new data.
+  await withOutputs({ outs: [index, data], inputs: [], force: a.flag("force") }, async ([i, d]) => make(d!, i!));
 }
 
-async function write(args: string[]): Promise<void> {
-  const a = parseArgs(args, { values: ["offset"] });
+async function write(a: ParsedArgs): Promise<void> {
   const [dir, file] = a.between(1, 2, "DIR [FILE]");
   const offset = parseSize(a.value("offset"), "--offset", true);
   if (offset % SECTOR) throw new UsageError(`--offset ${offset} is not a multiple of 512`);
+  // The layer's own file as input would read what the write appends, forever.
+  if (file !== undefined && fileIdentity(file) !== undefined && upperFiles(dir!).some((p) => fileIdentity(p) === fileIdentity(file)))
+    throw new UsageError(`input ${file} is one of the layer's own files`);
   const layer = await openUpper(dir!);
   try {
     const stream = file ? Bun.file(file).stream() : Bun.stdin.stream();
@@ -73,7 +272,6 @@ async function write(args: string[]): Promise<void> {
     let used = 0;
     let pos = offset;
     const put = async (n: number) => {
-      // The tail of the input is zero-padded to a whole sector.
       const len = Math.ceil(n / SECTOR) * SECTOR;
       buf.fill(0, n, len);
       await layer.write(buf.subarray(0, len), pos);
@@ -98,110 +296,108 @@ async function write(args: string[]): Promise<void> {
   }
 }
 
-async function seal(args: string[]): Promise<void> {
-  const [dir, out] = parseArgs(args, {}).need(2, "DIR OUT");
-  if (existsSync(out!)) throw new UsageError(`${out} exists`);
-  const layer = await openUpper(dir!);
-  await layer.seal();
-  await layer.close();
-  renameSync(layer.dataPath, out!);
-  unlinkSync(layer.indexPath);
+async function seal(a: ParsedArgs): Promise<void> {
+  const [dir, out] = a.need(2, "DIR OUT");
+  const [data, index] = upperFiles(dir!);
+  await withOutputs({ outs: [out!], inputs: [data, index], force: a.flag("force") }, async ([tmp]) => {
+    const layer = await openUpper(dir!);
+    await layer.seal();
+    await layer.close();
+    renameSync(layer.dataPath, tmp!);
+    unlinkSync(layer.indexPath);
+  });
 }
 
-async function commit(args: string[]): Promise<void> {
-  const a = parseArgs(args, { flags: ["zfile", "tar"], values: ["algorithm", "m", "uuid", "parent-uuid"] });
+async function commit(a: ParsedArgs): Promise<void> {
   const ops = a.atLeast(2, "IN... OUT");
   const out = ops.pop()!;
+  if (a.value("algorithm") !== undefined && !a.flag("zfile")) throw new UsageError("--algorithm needs --zfile");
   const algorithm = algorithmOf(a.value("algorithm"));
-  const image = await openStack(ops);
-  const wrapped = a.flag("zfile") || a.flag("tar");
-  const rawPath = wrapped ? `${out}.commit.tmp` : out;
-  try {
-    const raw = await LocalFile.open(rawPath, { write: true, create: true });
+  const opts = { uuid: uuidArg(a.value("uuid")), parentUuid: uuidArg(a.value("parent-uuid")), message: a.value("m") };
+  await withOutputs({ outs: [out], inputs: stackFiles(ops), force: a.flag("force") }, async ([tmp], scratch) => {
+    const image = await openStack(ops);
+    const raw = a.flag("zfile") || a.flag("tar") ? scratch() : tmp!;
     try {
-      await image.commit(raw, { uuid: uuidArg(a.value("uuid")), parentUuid: uuidArg(a.value("parent-uuid")), message: a.value("m") });
+      await writeLocal(raw, (f) => image.commit(f, opts));
     } finally {
-      await raw.close();
+      await image.close();
     }
+    let cur = raw;
+    if (a.flag("zfile")) {
+      // overlaybd-commit -z semantics: verify on, header overwritten with the index information.
+      const next = a.flag("tar") ? scratch() : tmp!;
+      await zfileFile(cur, next, { algorithm, headerOverwrite: true });
+      cur = next;
+    }
+    if (a.flag("tar")) await readWrite(cur, tmp!, (src, dst) => writeOverlaybdTar(src, dst, 0o644));
+  });
+}
+
+/** Create `path`, fill it, sync it, close it (also on failure). */
+async function writeLocal(path: string, fill: (f: LocalFile) => Promise<unknown>): Promise<void> {
+  const f = LocalFile.open(path, { write: true, create: true });
+  try {
+    await fill(f);
+    await f.fdatasync();
   } finally {
-    await image.close();
-  }
-  if (!wrapped) return;
-  let cur = rawPath;
-  if (a.flag("zfile")) {
-    // overlaybd-commit -z semantics: verify on, header overwritten with the index information.
-    const next = a.flag("tar") ? `${out}.zfile.tmp` : out;
-    await zfileFile(cur, next, { algorithm, headerOverwrite: true });
-    unlinkSync(cur);
-    cur = next;
-  }
-  if (a.flag("tar")) {
-    const src = await LocalFile.open(cur, {});
-    const dst = await LocalFile.open(out, { write: true, create: true });
-    try {
-      await writeOverlaybdTar(src, dst, 0o644);
-    } finally {
-      await src.close();
-      await dst.close();
-    }
-    unlinkSync(cur);
+    await f.close();
   }
 }
 
-/** A UUID option: a malformed one is an error, not silently the null UUID. */
-const uuidArg = (v: string | undefined) => (v === undefined ? undefined : parseUuidArg(v));
-
-function algorithmOf(v: string | undefined): "zstd" | "lz4" {
-  if (v === undefined || v === "zstd" || v === "lz4") return v ?? "zstd";
-  throw new UsageError(`--algorithm must be zstd or lz4, not ${v}`);
-}
-
-async function zfileFile(inPath: string, outPath: string, opts: { algorithm: "zstd" | "lz4"; blockSize?: number; headerOverwrite?: boolean }): Promise<void> {
-  const src = await LocalFile.open(inPath, {});
-  const dst = await LocalFile.open(outPath, { write: true, create: true });
+/** Read the regular file `inPath` while writing a new `outPath`. */
+async function readWrite(inPath: string, outPath: string, fn: (src: LocalFile, dst: LocalFile) => Promise<unknown>): Promise<void> {
+  requireRegularFile(inPath);
+  const src = LocalFile.open(inPath);
   try {
-    await dst.truncate(0);
-    await writeZFile(src, dst, opts);
+    await writeLocal(outPath, (dst) => fn(src, dst));
   } finally {
     await src.close();
-    await dst.close();
   }
 }
 
-async function zfile(args: string[]): Promise<void> {
-  const a = parseArgs(args, { values: ["algorithm", "block-size"] });
+function zfileFile(inPath: string, outPath: string, opts: { algorithm: "zstd" | "lz4"; blockSize?: number; headerOverwrite?: boolean }): Promise<void> {
+  return readWrite(inPath, outPath, (src, dst) => writeZFile(src, dst, opts));
+}
+
+async function zfile(a: ParsedArgs): Promise<void> {
   const [inPath, outPath] = a.need(2, "IN OUT");
   const bs = a.value("block-size");
-  await zfileFile(inPath!, outPath!, { algorithm: algorithmOf(a.value("algorithm")), blockSize: bs ? parseSize(bs, "--block-size") : undefined });
+  const blockSize = bs === undefined ? undefined : parseSize(bs, "--block-size");
+  if (blockSize !== undefined && (blockSize < 4096 || blockSize > 65536 || (blockSize & (blockSize - 1)) !== 0))
+    throw new UsageError(`--block-size ${blockSize} is not a power of two from 4096 to 65536`);
+  const opts = { algorithm: algorithmOf(a.value("algorithm")), blockSize };
+  await withOutputs({ outs: [outPath!], inputs: [inPath!], force: a.flag("force") }, ([tmp]) => zfileFile(inPath!, tmp!, opts));
 }
 
-async function unzfile(args: string[]): Promise<void> {
-  const [inPath, outPath] = parseArgs(args, {}).need(2, "IN OUT");
-  const src = await LocalFile.open(inPath!, {});
-  const dst = await LocalFile.open(outPath!, { write: true, create: true });
-  try {
-    const z = await ZFileReader.open(src);
-    await dst.truncate(0);
-    const buf = new Uint8Array(4 << 20);
-    for (let pos = 0; pos < z.size(); ) {
-      const n = await z.pread(buf, pos);
-      await dst.pwrite(buf.subarray(0, n), pos);
-      pos += n;
-    }
-    await dst.fdatasync();
-  } finally {
-    await src.close();
-    await dst.close();
-  }
+async function unzfile(a: ParsedArgs): Promise<void> {
+  const [inPath, outPath] = a.need(2, "IN OUT");
+  await withOutputs({ outs: [outPath!], inputs: [inPath!], force: a.flag("force") }, ([tmp]) =>
+    readWrite(inPath!, tmp!, async (src, dst) => {
+      const z = await ZFileReader.open(src);
+      const buf = new Uint8Array(4 << 20);
+      for (let pos = 0; pos < z.size(); ) {
+        const n = await z.pread(buf, pos);
+        if (n <= 0) throw new TruncatedError(`ZFile ended at ${pos} of ${z.size()} bytes`, inPath!, pos);
+        await dst.pwrite(buf.subarray(0, n), pos);
+        pos += n;
+      }
+    }),
+  );
 }
 
-async function cat(args: string[]): Promise<void> {
-  const a = parseArgs(args, { values: ["upper"] });
+// ---------------------------------------------------------------------------------------------
+// verbs that read
+
+async function cat(a: ParsedArgs): Promise<void> {
   const ops = a.rest;
   if (!ops.length && !a.value("upper")) throw new UsageError("cat needs at least one layer or --upper DIR");
   const image = await openStack(ops, a.value("upper"));
   try {
     const size = image.virtualSize;
+    for (const l of image.lowers) {
+      const past = entriesPast(l.index, size);
+      if (past) process.stderr.write(`aenv: warning: ${l.name}: ${past}\n`);
+    }
     const buf = new Uint8Array(1 << 20);
     for (let pos = 0; pos < size; pos += buf.length) {
       const view = buf.subarray(0, Math.min(buf.length, size - pos));
@@ -251,54 +447,50 @@ function indexSummary(index: Segment[]) {
   };
 }
 
-async function inspect(args: string[]): Promise<void> {
-  const [path] = parseArgs(args, {}).need(1, "FILE");
-  const local = await LocalFile.open(path!, {});
+/**
+ * The file's kind and fields. A last block with the LSMT magic is a trailer and the file is
+ * opened as a read-only layer with the C++ rules, so a broken trailer is an error, never a
+ * writable layer; what C++ opens but a disk cannot show is listed under "warnings".
+ */
+async function inspect(a: ParsedArgs): Promise<void> {
+  const [path] = a.need(1, "FILE");
+  requireRegularFile(path!);
+  const local = LocalFile.open(path!);
   try {
     const { file, wrappers } = await unwrap(local);
     const report: Record<string, unknown> = { file: path, size: local.size(), logicalSize: file.size(), wrappers };
+    const size = file.size();
     const hb = new Uint8Array(HT_SPACE);
-    await file.pread(hb, 0);
-    if (!isLsmtHeader(hb)) throw new FormatError("not an LSMT layer (no LSMT header)", path!, 0);
+    if (size < HT_SPACE || (await file.pread(hb, 0)) < HT_SPACE) throw new TruncatedError(`${size} bytes is too small for an LSMT header`, path!, 0);
     const header = decodeHeader(hb, path, 0);
+    const hex = (f: number) => `0x${f.toString(16)}`;
+    if (!(header.flags & FLAG_HEADER)) throw new FieldError("header flags", hex(header.flags), "lack the header bit 0x01", path!, HT_FIELD.flags);
     report.header = headerJson(header);
     const tb = new Uint8Array(HT_SPACE);
-    const size = file.size();
-    const hasTrailer = size >= 2 * HT_SPACE && (await file.pread(tb, size - HT_SPACE)) === HT_SPACE && isSealedTrailer(tb);
+    const hasTrailer =
+      size >= 2 * HT_SPACE && (await file.pread(tb, size - HT_SPACE)) === HT_SPACE && (hasLsmtMagic(tb) || hasDamagedLsmtMagic(tb));
     if (hasTrailer) {
       const layer = await ReadOnlyLayer.open(file);
       report.kind = header.flags & FLAG_SEALED ? "committed" : "sealed";
       report.trailer = headerJson(layer.trailer);
       report.index = indexSummary(layer.index);
+      const warnings = layerWarnings(layer);
+      if (warnings.length) report.warnings = warnings;
+    } else if (header.flags & FLAG_SEALED) {
+      throw new FormatError(`header flags ${hex(header.flags)} say sealed, but the last ${HT_SPACE} bytes hold no trailer (no LSMT magic)`, path!, size - HT_SPACE);
     } else if (header.flags & FLAG_DATA) {
       report.kind = "rw-data";
     } else {
+      if (header.indexOffset !== HT_SPACE)
+        throw new FieldError("index_offset", header.indexOffset, `of a writable index file must be ${HT_SPACE}`, path!, HT_FIELD.indexOffset);
       report.kind = "rw-index";
       const n = Math.floor((size - HT_SPACE) / SEGMENT_BYTES);
       const raw = new Uint8Array(n * SEGMENT_BYTES);
       await file.pread(raw, HT_SPACE);
       report.index = { ...indexSummary(decodeSegments(raw)), note: "entries in file order, before replay" };
     }
-    console.log(JSON.stringify(report, null, 2));
+    process.stdout.write(JSON.stringify(report, null, 2) + "\n");
   } finally {
     await local.close();
   }
-}
-
-function isSealedTrailer(tb: Uint8Array): boolean {
-  try {
-    const t = decodeHeader(tb);
-    return !(t.flags & 1) && (t.flags & FLAG_SEALED) !== 0;
-  } catch {
-    return false;
-  }
-}
-
-const VERBS: Record<string, (args: string[]) => Promise<void>> = { create, write, seal, commit, zfile, unzfile, cat, inspect };
-
-export async function layerCommand(args: string[]): Promise<void> {
-  const [verb, ...rest] = args;
-  const fn = verb ? VERBS[verb] : undefined;
-  if (!fn) throw new UsageError(verb ? `unknown verb "layer ${verb}"\n${USAGE}` : USAGE);
-  await fn(rest);
 }

@@ -4,7 +4,7 @@
 
 import { decompress as fzstdDecompress } from "fzstd";
 import { rawCrc32c } from "./crc32c.ts";
-import { ChecksumError, FormatError, IoRangeError, StorageError, TruncatedError } from "./errors.ts";
+import { ChecksumError, FieldError, FormatError, IoRangeError, StorageError, TruncatedError, magicMismatch, magicPartsMatching } from "./errors.ts";
 import type { ReadableFile, WritableFile } from "./file.ts";
 import { lz4CompressBound, lz4CompressInto, lz4DecompressInto } from "./lz4.ts";
 
@@ -12,6 +12,8 @@ export const ZFILE_HT_SIZE = 512;
 const HT_STRUCT_SIZE = 96;
 const MAGIC0 = [0x5a, 0x46, 0x69, 0x6c, 0x65, 0x00, 0x01, 0x00];
 const MAGIC1 = [0x74, 0x75, 0x6a, 0x69, 0x2e, 0x79, 0x79, 0x66, 0x40, 0x41, 0x6c, 0x69, 0x62, 0x61, 0x62, 0x61];
+const MAGIC = [MAGIC0, MAGIC1] as const;
+const FLAGS_FIELD = 32;
 const DIGEST_FIELD = 28;
 
 export const ZF_FLAG_HEADER = 0x01;
@@ -56,15 +58,26 @@ export interface ZFileHeader {
 }
 
 function hasMagic(b: Uint8Array): boolean {
-  if (b.length < 24) return false;
-  for (let i = 0; i < 8; i++) if (b[i] !== MAGIC0[i]) return false;
-  for (let i = 0; i < 16; i++) if (b[8 + i] !== MAGIC1[i]) return false;
-  return true;
+  return magicPartsMatching(b, MAGIC) === 2;
 }
 
 /** True when the bytes start with a ZFile header (magic and header bit; the digest is checked by open). */
 export function isZFile(headerBytes: Uint8Array): boolean {
-  return headerBytes.length >= 40 && hasMagic(headerBytes) && (headerBytes[32]! & ZF_FLAG_HEADER) !== 0;
+  return headerBytes.length >= 40 && hasMagic(headerBytes) && (headerBytes[FLAGS_FIELD]! & ZF_FLAG_HEADER) !== 0;
+}
+
+/** One magic part matches, or both without the header bit: a damaged ZFile header, not another format. */
+export function hasDamagedZFileMagic(headerBytes: Uint8Array): boolean {
+  return magicPartsMatching(headerBytes, MAGIC) >= 1 && !isZFile(headerBytes);
+}
+
+/** Why the bytes are not a ZFile header (which magic part, or the header bit); null when they are one. */
+export function zfileHeaderProblem(headerBytes: Uint8Array, name = ""): FormatError | null {
+  const bad = magicMismatch(headerBytes, MAGIC);
+  if (bad) return new FormatError(`bad ZFile magic: ${bad}`, name, 0);
+  const flags = headerBytes[FLAGS_FIELD] ?? 0;
+  if (!(flags & ZF_FLAG_HEADER)) return new FieldError("ZFile header flags", hex(flags), "lack the header bit 0x01", name, FLAGS_FIELD);
+  return null;
 }
 
 function getU64(v: DataView, at: number, what: string): number {
@@ -313,7 +326,8 @@ export class ZFileReader implements ReadableFile {
       readTrailer ? file.pread(tail, fileSize - ZFILE_HT_SIZE) : Promise.resolve(0),
     ]);
     if (gotHead < ZFILE_HT_SIZE) throw new TruncatedError("ZFile header is cut short", name, gotHead);
-    if (!isZFile(head)) throw new FormatError("not a ZFile: bad magic or header flag", name, 0);
+    const notZFile = zfileHeaderProblem(head, name);
+    if (notZFile) throw notZFile;
     const header = decodeZFileHeader(head);
     if (header.flags & ZF_FLAG_DIGEST) {
       const digest = zfileHeaderDigest(head);

@@ -1,7 +1,7 @@
 // The aenv layer verbs, run as a user runs them: a real process, files on disk, exit codes.
-import { describe, expect, test } from "bun:test";
+import { describe, expect, setDefaultTimeout, test } from "bun:test";
 import { join } from "node:path";
-import { readFileSync, writeFileSync } from "node:fs";
+import { existsSync, linkSync, mkdirSync, readdirSync, readFileSync, statSync, symlinkSync, writeFileSync } from "node:fs";
 import { scratchDir, sha256 } from "../helpers/tmp.ts";
 import { Image } from "../../src/storage/image.ts";
 import { loadImageConfig, parseImageConfig } from "../../src/storage/image_config.ts";
@@ -10,9 +10,14 @@ import { ConfigError } from "../../src/storage/errors.ts";
 const AENV = join(import.meta.dir, "../../src/cli/aenv.ts");
 const dir = scratchDir("cli");
 
+// A hung command is killed after this long and fails the test (exitCode null), instead of hanging it.
+const HANG_MS = 30_000;
+// Tests run a dozen commands each on a machine other suites load too: bound them by hangs, not by speed.
+setDefaultTimeout(10 * HANG_MS);
+
 function aenv(args: string[], stdin?: Uint8Array) {
-  const r = Bun.spawnSync([process.execPath, AENV, ...args], { stdin: stdin ?? "ignore", stdout: "pipe", stderr: "pipe" });
-  return { code: r.exitCode, out: r.stdout as Uint8Array, err: r.stderr.toString() };
+  const r = Bun.spawnSync([process.execPath, AENV, ...args], { stdin: stdin ?? "ignore", stdout: "pipe", stderr: "pipe", timeout: HANG_MS });
+  return { code: r.exitCode, out: r.stdout as Uint8Array, text: r.stdout.toString(), err: r.stderr.toString() };
 }
 const ok = (args: string[], stdin?: Uint8Array) => {
   const r = aenv(args, stdin);
@@ -66,7 +71,7 @@ describe("aenv layer", () => {
     writeFileSync(join(dir, "junk"), new Uint8Array(10000).fill(7));
     const b = aenv(["layer", "cat", join(dir, "junk")]);
     expect(b.code).toBe(1);
-    expect(b.err).toMatch(/FormatError: .*junk @0: bad LSMT magic/);
+    expect(b.err).toMatch(/FormatError: .*junk @0: no tar, ZFile or LSMT header at byte 0 \(it starts 07 07/);
     const bytes = new Uint8Array(readFileSync(join(dir, "l0.zfile")));
     bytes[600] ^= 0x10;
     writeFileSync(join(dir, "flipped.zfile"), bytes);
@@ -94,5 +99,260 @@ describe("image config", () => {
     await expect(Image.open(parseImageConfig({ lowers: [{ dir: join(dir, "remote"), digest: "sha256:00" }] }))).rejects.toThrow(/remote/);
     writeFileSync(join(dir, "bad.json"), "{nope");
     await expect(loadImageConfig(join(dir, "bad.json"))).rejects.toThrow(ConfigError);
+  });
+});
+
+const VERBS = ["create", "write", "seal", "commit", "zfile", "unzfile", "cat", "inspect"];
+// Every option each verb accepts: its help must list all of them.
+const OPTIONS: Record<string, string[]> = {
+  create: ["--size", "--sparse", "--uuid", "--parent-uuid", "--force"],
+  write: ["--offset"],
+  seal: ["--force"],
+  commit: ["--zfile", "--tar", "--algorithm", "-m", "--uuid", "--parent-uuid", "--force"],
+  zfile: ["--algorithm", "--block-size", "--force"],
+  unzfile: ["--force"],
+  cat: ["--upper"],
+  inspect: [],
+};
+
+describe("aenv help and usage", () => {
+  const version = JSON.parse(readFileSync(join(import.meta.dir, "../../package.json"), "utf8")).version;
+
+  test("--help, -h and help print every verb to stdout with rc 0", () => {
+    for (const args of [["--help"], ["-h"], ["help"], ["layer", "--help"], ["layer", "-h"], ["layer", "help"], ["help", "layer"]]) {
+      const r = aenv(args);
+      expect({ args, code: r.code, err: r.err }).toEqual({ args, code: 0, err: "" });
+      for (const v of VERBS) expect(r.text).toContain(`aenv layer ${v}`);
+    }
+  });
+
+  test("--version prints package.json's version", () => {
+    const r = aenv(["--version"]);
+    expect(r.code).toBe(0);
+    expect(r.text).toBe(`aenv ${version}\n`);
+  });
+
+  test("each verb's help lists every option it takes", () => {
+    for (const v of VERBS) {
+      const r = aenv(["layer", v, "--help"]);
+      expect({ v, code: r.code, err: r.err }).toEqual({ v, code: 0, err: "" });
+      expect(r.text).toContain(`aenv layer ${v}`);
+      for (const o of OPTIONS[v]!) expect({ v, has: r.text.includes(o) }).toEqual({ v, has: true });
+      expect(aenv(["layer", v, "-h"]).text).toBe(r.text);
+    }
+  });
+
+  test("usage errors go to stderr with rc 2 and the verb list", () => {
+    for (const args of [[], ["frobnicate"], ["layer"], ["layer", "frobnicate"]]) {
+      const r = aenv(args);
+      expect({ args, code: r.code, out: r.text }).toEqual({ args, code: 2, out: "" });
+      expect(r.err).toContain("UsageError");
+      for (const v of VERBS) expect(r.err).toContain(`aenv layer ${v}`);
+    }
+    const bad = aenv(["layer", "zfile", "--bogus", "a", "b"]);
+    expect(bad.code).toBe(2);
+    expect(bad.err).toContain("unknown option --bogus");
+    expect(bad.err).toContain("aenv layer zfile");
+    expect(bad.err).toContain("--block-size");
+    const bs = aenv(["layer", "zfile", "--block-size", "3000", "a", "b"]);
+    expect(bs.code).toBe(2);
+    expect(bs.err).toContain("--block-size 3000 is not a power of two from 4096 to 65536");
+    expect(aenv(["layer", "commit", "--algorithm", "lz4", "a", "b"]).err).toContain("--algorithm needs --zfile");
+  });
+});
+
+describe("aenv layer outputs: never an input, never silently replaced, never partial", () => {
+  const d = join(dir, "outputs");
+  mkdirSync(d, { recursive: true });
+  const sealed = join(d, "s.sealed");
+  const sum = (p: string) => sha256(readFileSync(p));
+  const leftovers = () => readdirSync(d).filter((n) => n.includes(".aenv-") || n.endsWith(".tmp"));
+
+  test("fixture", () => {
+    ok(["layer", "create", "--size", "1M", join(d, "rw")]);
+    const data = new Uint8Array(65536);
+    crypto.getRandomValues(data);
+    ok(["layer", "write", join(d, "rw"), "--offset", "8192"], data);
+    ok(["layer", "seal", join(d, "rw"), sealed]);
+    ok(["layer", "zfile", sealed, join(d, "s.zfile")]);
+  });
+
+  test("an output that is an input (same path, symlink or hard link) is refused; the input is untouched", () => {
+    const before = sum(sealed);
+    symlinkSync(sealed, join(d, "sym"));
+    linkSync(sealed, join(d, "hard"));
+    for (const out of [sealed, join(d, "sym"), join(d, "hard"), join(d, ".", "s.sealed")]) {
+      for (const args of [["commit", sealed, out], ["commit", "--force", sealed, out], ["zfile", "--force", sealed, out], ["unzfile", "--force", sealed, out]]) {
+        const r = aenv(["layer", ...args]);
+        expect({ args, code: r.code }).toEqual({ args, code: 2 });
+        expect(r.err).toContain("is also an input");
+      }
+    }
+    expect(sum(sealed)).toBe(before);
+    const z = join(d, "s.zfile");
+    const zb = sum(z);
+    expect(aenv(["layer", "unzfile", "--force", z, z]).code).toBe(2);
+    expect(sum(z)).toBe(zb);
+    ok(["layer", "create", "--size", "1M", join(d, "up")]);
+    const upData = sum(join(d, "up", "writable_data"));
+    expect(aenv(["layer", "commit", "--force", sealed, join(d, "up"), join(d, "up", "writable_data")]).err).toContain("is also an input");
+    expect(aenv(["layer", "seal", "--force", join(d, "up"), join(d, "up", "writable_index")]).err).toContain("is also an input");
+    const w = aenv(["layer", "write", join(d, "up"), "--offset", "0", join(d, "up", "writable_data")]);
+    expect(w.code).toBe(2);
+    expect(w.err).toContain("is one of the layer's own files");
+    expect(sum(join(d, "up", "writable_data"))).toBe(upData);
+    expect(existsSync(join(d, "up", "writable_index"))).toBe(true);
+    expect(leftovers()).toEqual([]);
+  });
+
+  test("an existing output is refused without --force and replaced whole with it", () => {
+    const out = join(d, "exists.bin");
+    writeFileSync(out, "precious");
+    for (const args of [["commit", sealed, out], ["zfile", sealed, out], ["unzfile", join(d, "s.zfile"), out]]) {
+      const r = aenv(["layer", ...args]);
+      expect({ args, code: r.code }).toEqual({ args, code: 2 });
+      expect(r.err).toContain("exists");
+      expect(readFileSync(out, "utf8")).toBe("precious");
+    }
+    ok(["layer", "unzfile", "--force", join(d, "s.zfile"), out]);
+    expect(sum(out)).toBe(sum(sealed));
+    ok(["layer", "commit", "--force", "--zfile", "--tar", sealed, out]);
+    expect(JSON.parse(ok(["layer", "inspect", out]).text).wrappers).toEqual(["tar", "zfile"]);
+    expect(leftovers()).toEqual([]);
+  });
+
+  test("create over an existing layer directory is refused without --force", () => {
+    const rw = join(d, "rw2");
+    ok(["layer", "create", "--size", "1M", rw]);
+    ok(["layer", "write", rw, "--offset", "0"], new Uint8Array(512).fill(1));
+    const before = sum(join(rw, "writable_index"));
+    const r = aenv(["layer", "create", "--size", "2M", rw]);
+    expect(r.code).toBe(2);
+    expect(r.err).toContain("exists");
+    expect(sum(join(rw, "writable_index"))).toBe(before);
+    ok(["layer", "create", "--force", "--size", "2M", rw]);
+    expect(JSON.parse(ok(["layer", "inspect", join(rw, "writable_index")]).text).header.virtualSize).toBe(2 << 20);
+    // A failed create leaves no directory behind.
+    expect(aenv(["layer", "create", "--size", "1M", "--uuid", "nope", join(d, "never")]).code).toBe(1);
+    expect(existsSync(join(d, "never"))).toBe(false);
+    expect(readdirSync(rw).sort()).toEqual(["writable_data", "writable_index"]);
+  });
+
+  test("a verb that fails halfway leaves no output and no temporary file", () => {
+    const bytes = new Uint8Array(readFileSync(join(d, "s.zfile")));
+    bytes[600] ^= 0x10; // a block's payload: its CRC fails when read
+    const bad = join(d, "bad.zfile");
+    writeFileSync(bad, bytes);
+    // (zfile reads its input as plain bytes: only an I/O error could stop it halfway.)
+    for (const args of [["unzfile", bad], ["commit", bad], ["commit", "--zfile", "--tar", bad]]) {
+      const out = join(d, "half.out");
+      const r = aenv(["layer", ...args, out]);
+      expect({ args, code: r.code }).toEqual({ args, code: 1 });
+      expect(r.err).toContain("ChecksumError");
+      expect(existsSync(out)).toBe(false);
+      expect(leftovers()).toEqual([]);
+    }
+  });
+});
+
+describe("aenv layer refuses bad input up front, by name", () => {
+  const d = join(dir, "badin");
+  mkdirSync(d, { recursive: true });
+  const sealed = join(d, "s.sealed");
+  const dv = (b: Uint8Array) => new DataView(b.buffer, b.byteOffset, b.byteLength);
+  const variant = (name: string, fn: (b: Uint8Array, trailer: number) => void) => {
+    const b = new Uint8Array(readFileSync(sealed));
+    fn(b, b.length - 4096);
+    writeFileSync(join(d, name), b);
+    return join(d, name);
+  };
+
+  test("fixture", () => {
+    ok(["layer", "create", "--size", "1M", join(d, "rw")]);
+    ok(["layer", "write", join(d, "rw"), "--offset", "4096"], new Uint8Array(8192).fill(5));
+    ok(["layer", "seal", join(d, "rw"), sealed]);
+  });
+
+  test("a FIFO, a directory or a device is refused instead of read (no hang)", () => {
+    const fifo = join(d, "fifo");
+    expect(Bun.spawnSync(["mkfifo", fifo]).exitCode).toBe(0);
+    for (const args of [["cat", fifo], ["inspect", fifo], ["zfile", fifo, join(d, "o1")], ["unzfile", fifo, join(d, "o2")], ["commit", fifo, join(d, "o3")]]) {
+      const r = aenv(["layer", ...args]);
+      expect({ args, code: r.code, out: r.text }).toEqual({ args, code: 1, out: "" });
+      expect(r.err).toContain("FileTypeError");
+      expect(r.err).toContain("is a FIFO, not a regular file");
+    }
+    expect(aenv(["layer", "inspect", "/dev/null"]).err).toContain("is a character device, not a regular file");
+    expect(aenv(["layer", "cat", join(d, "rw"), d]).code).toBe(2);
+    expect(readdirSync(d).filter((n) => n.startsWith("o"))).toEqual([]);
+  });
+
+  test("a trailer that is not a sealed data trailer is an error, not a writable layer", () => {
+    for (const [name, fn, what] of [
+      ["t-flags", (b: Uint8Array, t: number) => dv(b).setUint32(t + 28, 0x02, true), "trailer flags 0x2"],
+      ["t-isize", (b: Uint8Array, t: number) => dv(b).setUint32(t + 44, 0x100000, true), "index_size 4503599627370497"],
+      ["t-ioff", (b: Uint8Array, t: number) => dv(b).setUint32(t + 32, 7, true), "index_offset 7"],
+    ] as const) {
+      const p = variant(name, fn);
+      for (const verb of ["inspect", "cat"]) {
+        const r = aenv(["layer", verb, p]);
+        expect({ name, verb, code: r.code, out: r.text }).toEqual({ name, verb, code: 1, out: "" });
+        expect(r.err).toContain(what);
+      }
+    }
+  });
+
+  test("a committed header without a trailer is an error", () => {
+    const p = variant("h-sealed", (b) => dv(b).setUint32(28, 0x07, true));
+    const cut = join(d, "h-sealed-cut");
+    writeFileSync(cut, readFileSync(p).subarray(0, 8192));
+    const r = aenv(["layer", "inspect", cut]);
+    expect(r.code).toBe(1);
+    expect(r.err).toContain("no trailer");
+  });
+
+  test("a damaged magic names the format it belongs to", () => {
+    const z = join(d, "s.zfile");
+    ok(["layer", "zfile", sealed, z]);
+    const zb = new Uint8Array(readFileSync(z));
+    zb[0] ^= 1;
+    writeFileSync(join(d, "zmagic"), zb);
+    for (const verb of ["cat", "inspect"]) {
+      const r = aenv(["layer", verb, join(d, "zmagic")]);
+      expect(r.code).toBe(1);
+      expect(r.err).toContain("bad ZFile magic");
+      expect(r.err).not.toContain("LSMT");
+    }
+    const lb = variant("lmagic", (b) => (b[9] ^= 1));
+    expect(aenv(["layer", "cat", lb]).err).toContain("bad LSMT magic");
+    writeFileSync(join(d, "junk"), new Uint8Array(10000).fill(7));
+    expect(aenv(["layer", "inspect", join(d, "junk")]).err).toContain("no tar, ZFile or LSMT header");
+  });
+
+  test("a disk size of 0 or not whole sectors is refused before any output", () => {
+    const zero = variant("vs0", (b, t) => dv(b).setUint32(t + 48, 0, true));
+    const odd = variant("vsodd", (b, t) => dv(b).setUint32(t + 48, 1_000_000, true));
+    for (const [p, what] of [[zero, "virtual_size 0"], [odd, "virtual_size 1000000 is not a multiple of 512"]] as const) {
+      const r = aenv(["layer", "cat", p]);
+      expect({ p, code: r.code, out: r.text }).toEqual({ p, code: 1, out: "" });
+      expect(r.err).toContain("FieldError");
+      expect(r.err).toContain(what);
+    }
+    // C++ opens both (a lower with size 0 takes the stack's), so inspect shows them, with a warning.
+    const info = JSON.parse(ok(["layer", "inspect", zero]).text);
+    expect(info.trailer.virtualSize).toBe(0);
+    expect(info.warnings.join("\n")).toContain("virtual_size 0");
+    // Under a layer that gives the disk its size, a size-0 lower is fine.
+    ok(["layer", "create", "--size", "1M", join(d, "top")]);
+    expect(ok(["layer", "cat", "--upper", join(d, "top"), zero]).out.length).toBe(1 << 20);
+  });
+
+  test("an entry past the virtual size is reported; the disk ends at the virtual size as in C++", () => {
+    const small = variant("vssmall", (b, t) => dv(b).setUint32(t + 48, 8192, true));
+    const info = JSON.parse(ok(["layer", "inspect", small]).text);
+    expect(info.warnings.join("\n")).toContain("past virtual_size 8192");
+    const r = ok(["layer", "cat", small]);
+    expect(r.out.length).toBe(8192);
+    expect(r.err).toContain("past virtual_size 8192");
   });
 });

@@ -1,12 +1,18 @@
 // LSMT HeaderTrailer: the 4096-byte block at the start (and, for read-only layers, the end)
 // of every layer file (overlaybd-format.md §2).
 
-import { FormatError } from "../errors.ts";
+import { FieldError, FormatError, magicMismatch, magicPartsMatching } from "../errors.ts";
 
 export const HT_SPACE = 4096;
 export const HT_STRUCT_SIZE = 390;
 const MAGIC0 = [0x4c, 0x53, 0x4d, 0x54, 0x00, 0x01, 0x02, 0x00];
 const MAGIC1 = [0x65, 0x7e, 0x63, 0xd2, 0x94, 0x44, 0x08, 0x4c, 0xa2, 0xd2, 0xc8, 0xec, 0x4f, 0xcf, 0xae, 0x8a];
+const MAGIC = [MAGIC0, MAGIC1] as const;
+/** A disk is whole sectors. */
+const DISK_SECTOR = 512;
+
+/** Byte offsets of the fields errors name (§2). */
+export const HT_FIELD = { flags: 28, indexOffset: 32, indexSize: 40, virtualSize: 48 } as const;
 
 export const FLAG_HEADER = 0x01;
 export const FLAG_DATA = 0x02;
@@ -103,10 +109,12 @@ function readUuid(b: Uint8Array, pos: number): string {
 }
 
 export function hasLsmtMagic(b: Uint8Array): boolean {
-  if (b.length < 24) return false;
-  for (let i = 0; i < 8; i++) if (b[i] !== MAGIC0[i]) return false;
-  for (let i = 0; i < 16; i++) if (b[8 + i] !== MAGIC1[i]) return false;
-  return true;
+  return magicPartsMatching(b, MAGIC) === 2;
+}
+
+/** One of the two magic parts matches: an LSMT block with a damaged magic, not some other format. */
+export function hasDamagedLsmtMagic(b: Uint8Array): boolean {
+  return magicPartsMatching(b, MAGIC) === 1;
 }
 
 /** "Is this an LSMT file?": magic and is_header in the first block. */
@@ -116,11 +124,12 @@ export function isLsmtHeader(b: Uint8Array): boolean {
 
 export function decodeHeader(b: Uint8Array, file = "", offset = 0): HeaderTrailer {
   if (b.length < HT_STRUCT_SIZE) throw new FormatError("header block is truncated", file, offset);
-  if (!hasLsmtMagic(b)) throw new FormatError("bad LSMT magic", file, offset);
+  const bad = magicMismatch(b, MAGIC);
+  if (bad) throw new FormatError(`bad LSMT magic: ${bad}`, file, offset);
   const dv = new DataView(b.buffer, b.byteOffset, b.byteLength);
   const u64 = (p: number, what: string) => {
     const v = dv.getBigUint64(p, true);
-    if (v > BigInt(Number.MAX_SAFE_INTEGER)) throw new FormatError(`${what} ${v} is impossible`, file, offset + p);
+    if (v > BigInt(Number.MAX_SAFE_INTEGER)) throw new FieldError(what, v.toString(), "is impossible (over 2^53)", file, offset + p);
     return Number(v);
   };
   return {
@@ -134,4 +143,15 @@ export function decodeHeader(b: Uint8Array, file = "", offset = 0): HeaderTraile
     subVersion: b[133]!,
     userTag: b.slice(134, 134 + USER_TAG_MAX),
   };
+}
+
+/**
+ * The size a stack's disk takes from `virtual_size`: not 0 and whole sectors. C++ opens a layer
+ * with either (a size-0 layer takes its disk size from a layer above), so this is checked on the
+ * stack, not on each layer.
+ */
+export function checkDiskSize(virtualSize: number, file: string, offset = -1): void {
+  if (virtualSize === 0) throw new FieldError("virtual_size", 0, "in every layer of the stack: the disk has no size", file, offset);
+  if (virtualSize % DISK_SECTOR)
+    throw new FieldError("virtual_size", virtualSize, `is not a multiple of ${DISK_SECTOR}: a disk is whole sectors`, file, offset);
 }

@@ -1,10 +1,10 @@
 // A read-only LSMT layer (sealed or committed): opened through its trailer and validated with
 // the C++ rules of overlaybd-format.md §4.5, so a file we accept is one C++ accepts too.
 
-import { FormatError, TruncatedError } from "../errors.ts";
+import { FieldError, FormatError, TruncatedError } from "../errors.ts";
 import type { ReadableFile } from "../file.ts";
-import { type HeaderTrailer, HT_SPACE, decodeHeader, FLAG_HEADER, FLAG_DATA, FLAG_SEALED } from "./header.ts";
-import { type Segment, SEGMENT_BYTES, SECTOR, decodeSegments, segEnd } from "./segment.ts";
+import { type HeaderTrailer, HT_FIELD, HT_SPACE, decodeHeader, FLAG_HEADER, FLAG_DATA, FLAG_SEALED } from "./header.ts";
+import { type Segment, SEGMENT_BYTES, SECTOR, decodeSegments, firstEndingAfter, segEnd } from "./segment.ts";
 
 /** C++ MAX_LSMT_RO_INDEX_SIZE: bigger read-only indexes are refused. */
 export const MAX_RO_INDEX_ENTRIES = 1_000_000;
@@ -38,21 +38,22 @@ export class ReadOnlyLayer {
     const hb = new Uint8Array(HT_SPACE);
     if ((await file.pread(hb, 0)) !== HT_SPACE) throw new TruncatedError("short read of the header", name, 0);
     const header = decodeHeader(hb, name, 0);
+    const flags = (h: HeaderTrailer) => `0x${h.flags.toString(16)}`;
     if (!(header.flags & FLAG_HEADER) || !(header.flags & FLAG_DATA))
-      throw new FormatError(`header flags 0x${header.flags.toString(16)} do not say data header`, name, 0);
+      throw new FieldError("header flags", flags(header), "do not say data header (bits 0x03)", name, HT_FIELD.flags);
     const toff = size - HT_SPACE;
     const tb = new Uint8Array(HT_SPACE);
     if ((await file.pread(tb, toff)) !== HT_SPACE) throw new TruncatedError("short read of the trailer", name, toff);
     const trailer = decodeHeader(tb, name, toff);
     if (trailer.flags & FLAG_HEADER || !(trailer.flags & FLAG_DATA) || !(trailer.flags & FLAG_SEALED))
-      throw new FormatError(`trailer flags 0x${trailer.flags.toString(16)} do not say sealed data trailer`, name, toff);
+      throw new FieldError("trailer flags", flags(trailer), "do not say sealed data trailer (bits 0x06, 0x01 clear)", name, toff + HT_FIELD.flags);
     if (trailer.indexSize > MAX_RO_INDEX_ENTRIES)
-      throw new FormatError(`index_size ${trailer.indexSize} exceeds ${MAX_RO_INDEX_ENTRIES}`, name, toff + 40);
+      throw new FieldError("index_size", trailer.indexSize, `exceeds the ${MAX_RO_INDEX_ENTRIES} entries C++ reads`, name, toff + HT_FIELD.indexSize);
     if (trailer.indexOffset % SECTOR !== 0 || trailer.indexOffset < HT_SPACE)
-      throw new FormatError(`index_offset ${trailer.indexOffset} is not a sector past the header`, name, toff + 32);
+      throw new FieldError("index_offset", trailer.indexOffset, "is not a sector past the header", name, toff + HT_FIELD.indexOffset);
     const ibytes = trailer.indexSize * SEGMENT_BYTES;
     if (ibytes > toff - trailer.indexOffset)
-      throw new FormatError(`index of ${trailer.indexSize} entries at ${trailer.indexOffset} runs past the trailer`, name, toff + 40);
+      throw new FormatError(`index of ${trailer.indexSize} entries at ${trailer.indexOffset} runs past the trailer`, name, toff + HT_FIELD.indexSize);
     const raw = new Uint8Array(ibytes);
     if (ibytes && (await file.pread(raw, trailer.indexOffset)) !== ibytes)
       throw new TruncatedError("short read of the index", name, trailer.indexOffset);
@@ -79,4 +80,27 @@ export function validateReadOnlyIndex(index: Segment[], limitSectors: number, na
       throw new FormatError(`entry ${i} maps sector ${s.moffset} outside the data area [8, ${limitSectors})`, name, where);
     prevEnd = segEnd(s);
   }
+}
+
+/**
+ * What C++ opens in a read-only layer but a disk of its size cannot show as is: a virtual_size of
+ * 0 (the layer takes its disk size from a layer above) or not whole sectors, and entries past it.
+ */
+export function layerWarnings(layer: ReadOnlyLayer): string[] {
+  const v = layer.virtualSize;
+  const out: string[] = [];
+  if (v === 0) out.push("virtual_size 0: the layer has no disk size of its own; a stack takes it from a layer above");
+  else if (v % SECTOR) out.push(`virtual_size ${v} is not a multiple of ${SECTOR}: no disk has that size`);
+  const past = entriesPast(layer.index, v);
+  if (past && v > 0) out.push(past);
+  return out;
+}
+
+/** A sentence on the entries of a sorted index that map sectors at or past `virtualSize` bytes, or "" when none do. */
+export function entriesPast(index: readonly Segment[], virtualSize: number): string {
+  const first = firstEndingAfter(index, Math.floor(virtualSize / SECTOR));
+  const n = index.length - first;
+  if (n === 0) return "";
+  const s = index[first]!;
+  return `${n} ${n === 1 ? "entry maps" : "entries map"} data past virtual_size ${virtualSize} (entry ${first}: bytes ${s.offset * SECTOR}..${segEnd(s) * SECTOR}); a disk of that size never shows it`;
 }
