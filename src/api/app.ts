@@ -14,6 +14,8 @@ export interface ApiOptions {
   /** undefined: the node can create sandboxes; a string: why it cannot yet (503). */
   notReadyReason: () => string | undefined;
   version: string;
+  /** Answers requests that are not for the API (the sandbox proxy) before any routing or auth. */
+  intercept?: (request: Request) => Promise<Response> | undefined;
 }
 
 const PLUGIN_UI = "/swagger/_plugin_ui";
@@ -38,6 +40,8 @@ export function createApi(opts: ApiOptions) {
   const key = Buffer.from(opts.apiKey);
   return new Elysia()
     .onRequest(({ request }) => {
+      const proxied = opts.intercept?.(request);
+      if (proxied) return proxied;
       const path = new URL(request.url).pathname;
       // The plugin's own page loads its assets from a CDN: this node serves /swagger instead.
       if (path === PLUGIN_UI) return notFound("route not found: the API's UI is /swagger").response();

@@ -197,6 +197,11 @@ export class SandboxStore {
     return r ? toRecord(r) : undefined;
   }
 
+  /** Records what the sandbox holds (slot, devices, VMM), whatever its state. */
+  setRuntime(id: string, runtime: unknown): void {
+    this.db.query("UPDATE sandboxes SET runtime = ? WHERE id = ?").run(JSON.stringify(runtime ?? null), id);
+  }
+
   delete(id: string): boolean {
     return this.db.query("DELETE FROM sandboxes WHERE id = ?").run(id).changes === 1;
   }

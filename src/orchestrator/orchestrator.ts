@@ -1,0 +1,635 @@
+// The orchestrator: sandboxes from templates, their lifecycle (DESIGN's state machine) and what
+// each one holds (a network slot, blockd devices, a VMM process, checkpoint directories).
+// Every operation either completes or gives back what it took; state changes are
+// compare-and-set in the SandboxStore; concurrent requests on one sandbox join the operation
+// in flight. It never reads or writes a layer's bytes: blockd does, by RPC.
+import { existsSync, mkdirSync, readdirSync, rmSync } from "node:fs";
+import { join } from "node:path";
+import type { BlockdClient } from "../blockdev/client.ts";
+import type { Slot, SlotPool } from "../network/index.ts";
+import { readSnapshot, type DriveSpec, type Vmm, type VmmDriver } from "../vmm/types.ts";
+import { ENVD_PORT, ENVD_VERSION, initEnvd, waitEnvdReady } from "./envd.ts";
+import { SandboxStore, publicState, type SandboxRecord, type SandboxState } from "./store.ts";
+import { TemplateStore, type TemplateRecord, type VmCheckpoint } from "./templates.ts";
+
+/** An orchestrator failure with the HTTP status the API answers it with. */
+export class OrchestratorError extends Error {
+  constructor(readonly status: number, message: string) {
+    super(message);
+    this.name = "OrchestratorError";
+  }
+}
+const notFound = (id: string) => new OrchestratorError(404, `sandbox ${id} not found`);
+
+export interface GuestArtifacts {
+  kernel: string;
+  initrd?: string;
+  /** The tools disk (init, envd) as one sealed layer: /dev/vda of every VM, shared read-only. */
+  toolsLayer: string;
+  /** Kernel command line of a cold boot (the guest address is the same in every slot). */
+  cmdline: (slot: Slot) => string;
+}
+
+export interface OrchestratorOptions {
+  home: string;
+  /** VM run directories (sockets, logs, a cold boot's RAM): tmpfs is right. */
+  runRoot: string;
+  defaultTimeoutS: number;
+  maxSandboxes: number;
+  /** A cold boot or restore until envd answers (TCG boots take seconds). */
+  envdReadyTimeoutMs?: number;
+  /** Children of one fork started at once. */
+  forkParallelism?: number;
+}
+
+/** What the store keeps of a sandbox's parts, to find them again (and to give them back). */
+export interface SandboxRuntime {
+  slot: Slot | null;
+  toolsDevice: string | null;
+  rootfsDevice: string | null;
+  upperDir: string | null;
+  /** Rootfs lowers, lowest first. */
+  layers: string[];
+  vmPid: number | null;
+  runDir: string | null;
+  /** Set while paused: the checkpoint a resume restores. */
+  paused: VmCheckpoint | null;
+  /** Checkpoints whose files this sandbox still uses (its lowers, or the memory it was restored from). */
+  checkpoints: string[];
+}
+
+export interface CreateOptions {
+  templateId: string;
+  timeoutS?: number;
+  metadata?: Record<string, string>;
+  envVars?: Record<string, string>;
+  autoPause?: boolean;
+  autoResume?: boolean;
+  allowInternetAccess?: boolean | null;
+  network?: unknown;
+}
+
+/** Bounds of the API's inputs that reach the orchestrator. */
+export const LIMITS = { metadataPairs: 64, envVars: 256, keyBytes: 256, valueBytes: 8192, timeoutS: 86_400 * 30, forkCount: 100 };
+
+interface Live {
+  vm: Vmm;
+  slot: Slot;
+}
+
+function randomId(len = 20): string {
+  const alphabet = "abcdefghijklmnopqrstuvwxyz0123456789";
+  const bytes = crypto.getRandomValues(new Uint8Array(len));
+  let s = "";
+  for (const b of bytes) s += alphabet[b % 36];
+  return s;
+}
+
+function token(): string {
+  return Buffer.from(crypto.getRandomValues(new Uint8Array(24))).toString("hex");
+}
+
+export class Orchestrator {
+  private readonly live = new Map<string, Live>();
+  /** One operation in flight per sandbox; others on it join or wait for it. */
+  private readonly inflight = new Map<string, { op: string; done: Promise<unknown> }>();
+  /** One checkpointing boot per template at a time. */
+  private readonly preparing = new Map<string, Promise<VmCheckpoint>>();
+  private readonly envdTimeoutMs: number;
+  private reaper: Timer | undefined;
+  private readonly goneListeners: ((id: string) => void)[] = [];
+  private closed = false;
+
+  constructor(
+    readonly store: SandboxStore,
+    readonly templates: TemplateStore,
+    private readonly blockd: BlockdClient,
+    private readonly slots: SlotPool,
+    private readonly driver: VmmDriver,
+    private readonly guest: GuestArtifacts,
+    private readonly opts: OrchestratorOptions,
+  ) {
+    this.envdTimeoutMs = opts.envdReadyTimeoutMs ?? 120_000;
+    for (const d of ["sandboxes", "checkpoints"]) mkdirSync(join(opts.home, d), { recursive: true });
+    mkdirSync(opts.runRoot, { recursive: true });
+  }
+
+  /** `cb(id)` runs when a sandbox's VM goes away (kill, pause, failure): the proxy cuts its streams. */
+  onGone(cb: (id: string) => void): void {
+    this.goneListeners.push(cb);
+  }
+
+  // ─── queries ───────────────────────────────────────────────────────────────
+
+  get(id: string): SandboxRecord {
+    const r = this.store.get(id);
+    if (!r || r.state === "killing") throw notFound(id);
+    return r;
+  }
+
+  envdUrl(id: string): string | undefined {
+    const l = this.live.get(id);
+    return l ? `http://${l.slot.nsIp}:${ENVD_PORT}` : undefined;
+  }
+
+  /** Where the node reaches guest port `port` of a running sandbox. */
+  target(id: string, port: number): { host: string; port: number } | undefined {
+    const l = this.live.get(id);
+    const r = this.store.get(id);
+    if (!l || !r || r.state !== "running") return undefined;
+    return { host: l.slot.nsIp, port };
+  }
+
+  /** One sample from the guest's envd (E2B's SandboxMetric); none while paused. */
+  async metrics(id: string): Promise<Record<string, unknown>[]> {
+    const url = this.envdUrl(id);
+    const rec = this.store.get(id);
+    if (!url || !rec) return [];
+    try {
+      const r = await fetch(`${url}/metrics`, { headers: { "x-access-token": rec.envdAccessToken }, signal: AbortSignal.timeout(5000) });
+      if (!r.ok) return [];
+      const m = (await r.json()) as Record<string, number>;
+      const ts = (m.ts ?? Math.floor(Date.now() / 1000)) * 1000;
+      return [{
+        timestamp: new Date(ts).toISOString(), timestampUnix: Math.floor(ts / 1000), cpuCount: m.cpu_count ?? rec.cpuCount,
+        cpuUsedPct: m.cpu_used_pct ?? 0, memUsed: m.mem_used ?? 0, memTotal: m.mem_total ?? 0, memCache: m.mem_cache ?? 0,
+        diskUsed: m.disk_used ?? 0, diskTotal: m.disk_total ?? 0,
+      }];
+    } catch {
+      return [];
+    }
+  }
+
+  /** The guest console's last lines (at most 64 KiB of them), as E2B log entries. */
+  async logs(id: string): Promise<{ timestamp: string; line: string }[]> {
+    const l = this.live.get(id);
+    if (!l || !existsSync(l.vm.consoleLog)) return [];
+    const f = Bun.file(l.vm.consoleLog);
+    const text = await f.slice(Math.max(0, f.size - 65536)).text();
+    const ts = new Date().toISOString();
+    return text.split("\n").filter((line) => line.trim() !== "").map((line) => ({ timestamp: ts, line }));
+  }
+
+  runningCount(): number {
+    return this.live.size;
+  }
+
+  // ─── create ────────────────────────────────────────────────────────────────
+
+  async create(o: CreateOptions): Promise<SandboxRecord> {
+    if (this.closed) throw new OrchestratorError(503, "the node is shutting down");
+    const tpl = this.templates.resolve(o.templateId);
+    if (!tpl) throw new OrchestratorError(404, `template '${o.templateId}' not found`);
+    if (this.store.count() >= this.opts.maxSandboxes)
+      throw new OrchestratorError(429, `this node holds its maximum of ${this.opts.maxSandboxes} sandboxes`);
+    const now = Date.now();
+    const startedAt = this.store.nextStartedAt(now);
+    const rec: SandboxRecord = {
+      id: randomId(),
+      state: "creating",
+      templateId: tpl.id,
+      alias: tpl.alias,
+      metadata: o.metadata ?? {},
+      envVars: o.envVars ?? {},
+      startedAt,
+      endAt: startedAt + (o.timeoutS ?? this.opts.defaultTimeoutS) * 1000,
+      cpuCount: tpl.cpuCount,
+      memoryMB: tpl.memoryMB,
+      diskSizeMB: tpl.diskSizeMB,
+      envdVersion: ENVD_VERSION,
+      envdAccessToken: token(),
+      trafficAccessToken: null,
+      autoPause: o.autoPause ?? false,
+      autoResume: o.autoResume ?? false,
+      allowInternetAccess: o.allowInternetAccess ?? null,
+      network: o.network ?? null,
+      runtime: null,
+    };
+    this.store.insert(rec);
+    return this.track(rec.id, "create", async () => {
+      try {
+        const cp = tpl.checkpoint ?? (await this.prepareTemplate(tpl));
+        const runtime = await this.startFrom(rec, cp);
+        const done = this.store.transition(rec.id, ["creating"], "running", { runtime, endAt: Date.now() + (o.timeoutS ?? this.opts.defaultTimeoutS) * 1000 });
+        if (!done) throw new OrchestratorError(409, `sandbox ${rec.id} changed state while it was created`);
+        return done;
+      } catch (e) {
+        await this.teardown(rec.id);
+        this.store.delete(rec.id);
+        throw e;
+      }
+    });
+  }
+
+  /**
+   * The template booted once and checkpointed: creates restore this instead of booting. One boot
+   * per template at a time; the others wait for it.
+   */
+  prepareTemplate(tpl: TemplateRecord): Promise<VmCheckpoint> {
+    const running = this.preparing.get(tpl.id);
+    if (running) return running;
+    const p = (async () => {
+      const id = `tpl${randomId(12)}`;
+      const cpDir = join(this.opts.home, "checkpoints", `template-${tpl.id}`);
+      rmSync(cpDir, { recursive: true, force: true });
+      mkdirSync(cpDir, { recursive: true });
+      let slot: Slot | undefined;
+      let vm: Vmm | undefined;
+      const devices: string[] = [];
+      try {
+        slot = await this.slots.acquire();
+        const upperDir = join(this.opts.home, "sandboxes", id, "upper");
+        const { drives } = await this.devices(devices, tpl.layers, upperDir, tpl.diskSizeMB);
+        vm = await this.driver.boot({
+          id, runDir: join(this.opts.runRoot, id), kernel: this.guest.kernel, initrd: this.guest.initrd,
+          cmdline: this.guest.cmdline(slot), vcpus: tpl.cpuCount, memMiB: tpl.memoryMB, drives,
+          net: { tap: slot.tap, mac: slot.guestMac }, netnsPath: slot.netnsPath,
+        });
+        const v = vm;
+        await waitEnvdReady(`http://${slot.nsIp}:${ENVD_PORT}`, this.envdTimeoutMs, () => v.state !== "stopped");
+        await vm.snapshot(cpDir, { resumable: false });
+        const layer = join(cpDir, "rootfs.layer");
+        await this.blockd.call("restack", { id: devices[1], layerPath: layer });
+        const cp: VmCheckpoint = { dir: cpDir, layers: [...tpl.layers, layer], envdToken: null };
+        this.templates.setCheckpoint(tpl.id, cp);
+        return cp;
+      } catch (e) {
+        rmSync(cpDir, { recursive: true, force: true });
+        throw e;
+      } finally {
+        await vm?.stop().catch(() => {});
+        for (const d of devices.reverse()) await this.blockd.call("delete", { id: d }).catch(() => {});
+        rmSync(join(this.opts.home, "sandboxes", id), { recursive: true, force: true });
+        if (slot) await this.slots.release(slot).catch(() => {});
+        this.preparing.delete(tpl.id);
+      }
+    })();
+    this.preparing.set(tpl.id, p);
+    return p;
+  }
+
+  /** The tools disk (shared) and a rootfs with a fresh upper; ids pushed to `devices` as made. */
+  private async devices(devices: string[], layers: string[], upperDir: string, diskSizeMB: number): Promise<{ drives: DriveSpec[] }> {
+    const tools = await this.blockd.call("createReadOnly", { lowers: [this.guest.toolsLayer] });
+    devices.push(tools.id);
+    mkdirSync(join(upperDir, ".."), { recursive: true });
+    const rootfs = await this.blockd.call("create", { lowers: layers, upperDir, size: diskSizeMB * 1024 * 1024 });
+    devices.push(rootfs.id);
+    return { drives: [{ path: tools.path, readOnly: true }, { path: rootfs.path }] };
+  }
+
+  /** A VM for `rec` restored from `cp` in a fresh slot with a fresh upper, envd initialised. */
+  private async startFrom(rec: SandboxRecord, cp: VmCheckpoint): Promise<SandboxRuntime> {
+    const devices: string[] = [];
+    const upperDir = join(this.opts.home, "sandboxes", rec.id, `upper-${randomId(6)}`);
+    const rt: SandboxRuntime = {
+      slot: null, toolsDevice: null, rootfsDevice: null, upperDir, layers: cp.layers, vmPid: null,
+      runDir: join(this.opts.runRoot, rec.id), paused: null, checkpoints: [cp.dir, ...cp.layers.map((l) => join(l, ".."))],
+    };
+    // Recorded before each step, so a crash or a kill mid-way can find what to give back.
+    const save = () => this.store.setRuntime(rec.id, rt);
+    rt.slot = await this.slots.acquire();
+    save();
+    // On a throw, the caller's teardown() gives back what the saved runtime names.
+    {
+      let drives: DriveSpec[];
+      try {
+        ({ drives } = await this.devices(devices, cp.layers, upperDir, rec.diskSizeMB));
+      } finally {
+        rt.toolsDevice = devices[0] ?? null;
+        rt.rootfsDevice = devices[1] ?? null;
+        save();
+      }
+      const snap = await readSnapshot(cp.dir);
+      const vm = await this.driver.restore(snap, {
+        id: rec.id, runDir: rt.runDir!, drives, net: { tap: rt.slot.tap, mac: rt.slot.guestMac }, netnsPath: rt.slot.netnsPath,
+      });
+      rt.vmPid = vm.pid;
+      this.live.set(rec.id, { vm, slot: rt.slot });
+      save();
+      const url = `http://${rt.slot.nsIp}:${ENVD_PORT}`;
+      await waitEnvdReady(url, this.envdTimeoutMs, () => vm.state !== "stopped");
+      await initEnvd(url, {
+        accessToken: rec.envdAccessToken,
+        currentToken: cp.envdToken,
+        envVars: { ...rec.envVars, E2B_SANDBOX_ID: rec.id, E2B_TEMPLATE_ID: rec.templateId },
+      }, 30_000);
+      return rt;
+    }
+  }
+
+  // ─── lifecycle ─────────────────────────────────────────────────────────────
+
+  /**
+   * Runs `fn` as the one operation in flight on `id`. A second request for the same operation
+   * joins it; a request for another one gets 409 (kill waits for it instead).
+   */
+  private track<T>(id: string, op: string, fn: () => Promise<T>): Promise<T> {
+    const cur = this.inflight.get(id);
+    if (cur) {
+      if (cur.op === op) return cur.done as Promise<T>;
+      throw new OrchestratorError(409, `sandbox ${id} is busy: ${cur.op} in progress`);
+    }
+    const done = fn().finally(() => this.inflight.delete(id));
+    this.inflight.set(id, { op, done });
+    return done;
+  }
+
+  private async settled(id: string): Promise<void> {
+    for (let cur = this.inflight.get(id); cur; cur = this.inflight.get(id)) await cur.done.catch(() => {});
+  }
+
+  async kill(id: string): Promise<void> {
+    if (!this.store.get(id)) throw notFound(id);
+    await this.settled(id);
+    const rec = this.store.transition(id, ["running", "paused"], "killing");
+    if (!rec) {
+      if (!this.store.get(id) || this.store.get(id)!.state === "killing") throw notFound(id);
+      return this.kill(id); // a new operation started between the wait and the transition
+    }
+    await this.track(id, "kill", async () => {
+      await this.teardown(id);
+      this.store.delete(id);
+      this.collectCheckpoints();
+    });
+  }
+
+  async pause(id: string): Promise<void> {
+    const rec = this.get(id);
+    if (rec.state === "paused") throw new OrchestratorError(409, `sandbox ${id} is already paused`);
+    const cur = this.inflight.get(id);
+    if (cur?.op === "pause") return cur.done as Promise<void>;
+    if (!this.store.transition(id, ["running"], "pausing")) {
+      const now = this.store.get(id);
+      if (now?.state === "paused" || now?.state === "pausing") throw new OrchestratorError(409, `sandbox ${id} is already paused`);
+      throw new OrchestratorError(409, `sandbox ${id} is ${now?.state ?? "gone"}`);
+    }
+    await this.track(id, "pause", async () => {
+      const rt = this.runtime(id);
+      const live = this.live.get(id);
+      try {
+        if (!live || !rt.rootfsDevice) throw new OrchestratorError(500, `sandbox ${id} has no VM to pause`);
+        const cp = await this.checkpoint(id, live.vm, rt, { resumable: false });
+        // Give back what a paused sandbox does not need: the VMM, its devices and its slot.
+        for (const cb of this.goneListeners) cb(id);
+        await live.vm.stop();
+        this.live.delete(id);
+        await this.release(rt);
+        rmSync(join(this.opts.home, "sandboxes", id), { recursive: true, force: true });
+        const paused: SandboxRuntime = { ...rt, slot: null, toolsDevice: null, rootfsDevice: null, upperDir: null, vmPid: null, paused: cp, layers: cp.layers, checkpoints: [cp.dir, ...cp.layers.map((l) => join(l, ".."))] };
+        this.store.transition(id, ["pausing"], "paused", { runtime: paused });
+        this.collectCheckpoints();
+      } catch (e) {
+        // Still running if the VM is: back to running; otherwise the sandbox is lost and goes.
+        if (live && live.vm.state !== "stopped") {
+          await live.vm.resume().catch(() => {});
+          this.store.transition(id, ["pausing"], "running");
+        } else {
+          await this.teardown(id);
+          this.store.delete(id);
+        }
+        throw e;
+      }
+    });
+  }
+
+  /**
+   * Connect (E2B): a running sandbox gets its TTL extended (never shortened) → "running"; a paused
+   * one is resumed with the TTL set → "resumed".
+   */
+  async connect(id: string, timeoutS: number): Promise<{ rec: SandboxRecord; resumed: boolean }> {
+    const rec = this.get(id);
+    const endAt = Date.now() + timeoutS * 1000;
+    if (rec.state === "running") return { rec: this.store.setEndAt(id, endAt, true)!, resumed: false };
+    const cur = this.inflight.get(id);
+    if (cur?.op === "resume") { await cur.done; return { rec: this.get(id), resumed: true }; }
+    if (cur) await this.settled(id);
+    const now = this.get(id);
+    if (now.state === "running") return { rec: this.store.setEndAt(id, endAt, true)!, resumed: false };
+    if (now.state !== "paused") throw new OrchestratorError(409, `sandbox ${id} is ${now.state}`);
+    if (!this.store.transition(id, ["paused"], "resuming")) return this.connect(id, timeoutS);
+    const out = await this.track(id, "resume", async () => {
+      const rt = this.runtime(id);
+      const cp = rt.paused;
+      if (!cp) throw new OrchestratorError(500, `paused sandbox ${id} has no checkpoint`);
+      try {
+        const started = await this.startFrom(now, cp);
+        return this.store.transition(id, ["resuming"], "running", { runtime: started, endAt })!;
+      } catch (e) {
+        await this.teardown(id, { keepPaused: true });
+        this.store.transition(id, ["resuming"], "paused", { runtime: rt });
+        throw e;
+      }
+    });
+    return { rec: out, resumed: true };
+  }
+
+  setTimeout(id: string, timeoutS: number): SandboxRecord {
+    this.get(id);
+    const r = this.store.setEndAt(id, Date.now() + timeoutS * 1000, false);
+    if (!r) throw notFound(id);
+    return r;
+  }
+
+  /** Checkpoint a running sandbox in place and start `count` children from it; one result each. */
+  async fork(id: string, count: number, timeoutS: number | undefined): Promise<({ rec: SandboxRecord } | { error: OrchestratorError })[]> {
+    const src = this.get(id);
+    if (src.state !== "running" || this.inflight.has(id)) throw new OrchestratorError(409, `sandbox ${id} is ${src.state}, not running`);
+    if (!this.store.transition(id, ["running"], "forking")) throw new OrchestratorError(409, `sandbox ${id} is busy`);
+    const cp = await this.track(id, "fork", async () => {
+      const rt = this.runtime(id);
+      const live = this.live.get(id);
+      try {
+        if (!live) throw new OrchestratorError(500, `sandbox ${id} has no VM`);
+        return await this.checkpoint(id, live.vm, rt, { resumable: true });
+      } finally {
+        await live?.vm.resume().catch(() => {});
+        this.store.transition(id, ["forking"], "running", { runtime: rt });
+      }
+    });
+    const results: ({ rec: SandboxRecord } | { error: OrchestratorError })[] = new Array(count);
+    let next = 0;
+    const worker = async () => {
+      for (let i = next++; i < count; i = next++) {
+        try {
+          const rec = await this.createFromCheckpoint(src, cp, timeoutS);
+          results[i] = { rec };
+        } catch (e) {
+          results[i] = { error: e instanceof OrchestratorError ? e : new OrchestratorError(500, (e as Error).message) };
+        }
+      }
+    };
+    await Promise.all(Array.from({ length: Math.min(count, this.opts.forkParallelism ?? 4) }, worker));
+    this.collectCheckpoints();
+    return results;
+  }
+
+  private async createFromCheckpoint(src: SandboxRecord, cp: VmCheckpoint, timeoutS: number | undefined): Promise<SandboxRecord> {
+    if (this.store.count() >= this.opts.maxSandboxes)
+      throw new OrchestratorError(429, `this node holds its maximum of ${this.opts.maxSandboxes} sandboxes`);
+    const startedAt = this.store.nextStartedAt();
+    const ttl = (timeoutS ?? Math.max(1, Math.round((src.endAt - src.startedAt) / 1000))) * 1000;
+    const rec: SandboxRecord = {
+      ...src, id: randomId(), state: "creating", startedAt, endAt: startedAt + ttl,
+      envdAccessToken: token(), trafficAccessToken: src.trafficAccessToken === null ? null : token(), runtime: null,
+    };
+    this.store.insert(rec);
+    return this.track(rec.id, "create", async () => {
+      try {
+        const runtime = await this.startFrom(rec, cp);
+        return this.store.transition(rec.id, ["creating"], "running", { runtime, endAt: Date.now() + ttl })!;
+      } catch (e) {
+        await this.teardown(rec.id);
+        this.store.delete(rec.id);
+        throw e;
+      }
+    });
+  }
+
+  /** A named snapshot of a running sandbox: a template of kind "snapshot"; the sandbox keeps running. */
+  async snapshot(id: string, name: string | undefined): Promise<TemplateRecord> {
+    const src = this.get(id);
+    if (src.state !== "running" || this.inflight.has(id)) throw new OrchestratorError(409, `sandbox ${id} is ${src.state}, not running`);
+    if (name !== undefined && this.templates.resolve(name)) throw new OrchestratorError(409, `a template or snapshot named '${name}' exists`);
+    if (!this.store.transition(id, ["running"], "snapshotting")) throw new OrchestratorError(409, `sandbox ${id} is busy`);
+    const cp = await this.track(id, "snapshot", async () => {
+      const rt = this.runtime(id);
+      const live = this.live.get(id);
+      try {
+        if (!live) throw new OrchestratorError(500, `sandbox ${id} has no VM`);
+        return await this.checkpoint(id, live.vm, rt, { resumable: true });
+      } finally {
+        await live?.vm.resume().catch(() => {});
+        this.store.transition(id, ["snapshotting"], "running", { runtime: rt });
+      }
+    });
+    const snapId = randomId();
+    const alias = name ?? null;
+    const t: TemplateRecord = {
+      id: snapId, alias, kind: "snapshot", names: [`${alias ?? snapId}:default`], cpuCount: src.cpuCount,
+      memoryMB: src.memoryMB, diskSizeMB: src.diskSizeMB, layers: cp.layers, checkpoint: cp, sourceSandboxId: id,
+      envdVersion: src.envdVersion, createdAt: Date.now(),
+    };
+    try {
+      this.templates.insert(t);
+    } catch (e) {
+      this.collectCheckpoints();
+      throw new OrchestratorError(409, (e as Error).message);
+    }
+    return t;
+  }
+
+  deleteTemplate(ref: string): boolean {
+    const t = this.templates.resolve(ref);
+    if (!t) return false;
+    this.templates.delete(t.id);
+    this.collectCheckpoints();
+    return true;
+  }
+
+  /**
+   * Pauses the VM, writes its device state and memory into a new checkpoint directory and seals the
+   * rootfs upper into a layer there (the device carries on over a fresh upper). `resumable`: the
+   * VM may run again (memory copied), else the checkpoint takes its memory over.
+   */
+  private async checkpoint(id: string, vm: Vmm, rt: SandboxRuntime, o: { resumable: boolean }): Promise<VmCheckpoint> {
+    const envdToken = this.store.get(id)?.envdAccessToken ?? null;
+    const dir = join(this.opts.home, "checkpoints", `${id}-${randomId(8)}`);
+    try {
+      await vm.snapshot(dir, { resumable: o.resumable });
+      const layer = join(dir, "rootfs.layer");
+      await this.blockd.call("restack", { id: rt.rootfsDevice, layerPath: layer });
+      rt.layers = [...rt.layers, layer];
+      rt.checkpoints = [...rt.checkpoints, dir];
+      this.store.setRuntime(id, rt);
+      return { dir, layers: rt.layers, envdToken };
+    } catch (e) {
+      rmSync(dir, { recursive: true, force: true });
+      throw e;
+    }
+  }
+
+  private runtime(id: string): SandboxRuntime {
+    const r = this.store.get(id);
+    if (!r?.runtime) throw new OrchestratorError(500, `sandbox ${id} has no runtime record`);
+    return r.runtime as SandboxRuntime;
+  }
+
+  private async release(rt: SandboxRuntime): Promise<void> {
+    for (const d of [rt.rootfsDevice, rt.toolsDevice]) if (d) await this.blockd.call("delete", { id: d }).catch(() => {});
+    if (rt.slot) await this.slots.release(rt.slot).catch(() => {});
+    if (rt.runDir) rmSync(rt.runDir, { recursive: true, force: true });
+  }
+
+  /** Gives back everything a sandbox holds, whatever state it is in; idempotent. */
+  private async teardown(id: string, o: { keepPaused?: boolean } = {}): Promise<void> {
+    for (const cb of this.goneListeners) cb(id);
+    const live = this.live.get(id);
+    if (live) {
+      await live.vm.stop().catch(() => {});
+      this.live.delete(id);
+    }
+    const rt = this.store.get(id)?.runtime as SandboxRuntime | null | undefined;
+    if (rt) {
+      if (!live && rt.vmPid) try { process.kill(rt.vmPid, "SIGKILL"); } catch { /* gone */ }
+      await this.release(rt);
+      if (rt.upperDir) rmSync(rt.upperDir, { recursive: true, force: true });
+    }
+    if (!o.keepPaused) rmSync(join(this.opts.home, "sandboxes", id), { recursive: true, force: true });
+  }
+
+  /** Removes checkpoint directories no sandbox and no template refers to any more. */
+  collectCheckpoints(): string[] {
+    const root = join(this.opts.home, "checkpoints");
+    const used = new Set<string>();
+    for (const r of this.store.all()) for (const c of (r.runtime as SandboxRuntime | null)?.checkpoints ?? []) used.add(c);
+    for (const l of this.templates.layersInUse()) used.add(join(l, ".."));
+    for (const t of [...this.templates.list("template"), ...this.templates.list("snapshot")]) if (t.checkpoint) used.add(t.checkpoint.dir);
+    for (const p of this.preparing.keys()) used.add(join(root, `template-${p}`));
+    const removed: string[] = [];
+    for (const name of existsSync(root) ? readdirSync(root) : []) {
+      const dir = join(root, name);
+      if (used.has(dir) || this.inflightCheckpoint(dir)) continue;
+      rmSync(dir, { recursive: true, force: true });
+      removed.push(dir);
+    }
+    return removed;
+  }
+
+  /** A checkpoint being written right now belongs to a sandbox with an operation in flight. */
+  private inflightCheckpoint(dir: string): boolean {
+    const name = dir.slice(dir.lastIndexOf("/") + 1);
+    for (const id of this.inflight.keys()) if (name.startsWith(`${id}-`)) return true;
+    return false;
+  }
+
+  // ─── reaper ────────────────────────────────────────────────────────────────
+
+  /** Every `intervalMs`: an expired running sandbox is paused (autoPause) or killed. */
+  startReaper(intervalMs: number): void {
+    const tick = async () => {
+      for (const r of this.store.expired(Date.now(), 64)) {
+        if (this.inflight.has(r.id)) continue;
+        const op = r.autoPause ? this.pause(r.id) : this.kill(r.id);
+        await op.catch((e) => console.error(`reaper: ${r.autoPause ? "pause" : "kill"} ${r.id}: ${(e as Error).message}`));
+      }
+      if (!this.closed) this.reaper = setTimeout(tick, intervalMs);
+    };
+    this.reaper = setTimeout(tick, intervalMs);
+  }
+
+  /** Stops the reaper; sandboxes keep running (blockd and the VMMs outlive the node). */
+  close(): void {
+    this.closed = true;
+    if (this.reaper) clearTimeout(this.reaper);
+  }
+
+  /** Test and shutdown helper: kill every sandbox. */
+  async killAll(): Promise<void> {
+    for (const r of this.store.all()) await this.kill(r.id).catch(() => {});
+  }
+
+  describe(r: SandboxRecord): { state: "running" | "paused"; internal: SandboxState } {
+    return { state: publicState(r.state), internal: r.state };
+  }
+}

@@ -1,0 +1,122 @@
+// TemplateStore: what a sandbox can start from, in the node's database. A template is a stack of
+// read-only rootfs layers (lowest first) plus, once booted, a VM snapshot whose memory and device
+// state every create restores; a snapshot taken from a sandbox is a template of kind "snapshot".
+import type { Database } from "bun:sqlite";
+
+export type TemplateKind = "template" | "snapshot";
+
+export interface VmCheckpoint {
+  /** Directory of the VMM's snapshot (snapshot.json, device state, memory). */
+  dir: string;
+  /** Rootfs layers at the checkpoint, lowest first: the template's plus the sealed upper. */
+  layers: string[];
+  /** The access token envd held when checkpointed: a restore re-initialises envd with it. */
+  envdToken: string | null;
+}
+
+export interface TemplateRecord {
+  id: string;
+  /** Unique among live templates; E2B's alias / snapshot name. */
+  alias: string | null;
+  kind: TemplateKind;
+  /** Full names with tag, as E2B lists them (`name:default`). */
+  names: string[];
+  cpuCount: number;
+  memoryMB: number;
+  diskSizeMB: number;
+  /** The rootfs stack a cold boot starts from, lowest first. */
+  layers: string[];
+  /** Set once the template has been booted and checkpointed; creates restore it. */
+  checkpoint: VmCheckpoint | null;
+  /** The sandbox a snapshot was taken from. */
+  sourceSandboxId: string | null;
+  envdVersion: string;
+  createdAt: number;
+}
+
+export class TemplateStoreError extends Error {
+  constructor(message: string) { super(message); this.name = "TemplateStoreError"; }
+}
+
+interface Row {
+  id: string; alias: string | null; kind: string; names: string; cpu_count: number; memory_mb: number;
+  disk_size_mb: number; layers: string; checkpoint: string; source_sandbox_id: string | null;
+  envd_version: string; created_at: number;
+}
+
+function toRecord(r: Row): TemplateRecord {
+  return {
+    id: r.id, alias: r.alias, kind: r.kind as TemplateKind, names: JSON.parse(r.names), cpuCount: r.cpu_count,
+    memoryMB: r.memory_mb, diskSizeMB: r.disk_size_mb, layers: JSON.parse(r.layers), checkpoint: JSON.parse(r.checkpoint),
+    sourceSandboxId: r.source_sandbox_id, envdVersion: r.envd_version, createdAt: r.created_at,
+  };
+}
+
+export class TemplateStore {
+  constructor(private readonly db: Database) {
+    db.run(`CREATE TABLE IF NOT EXISTS templates (
+      id TEXT PRIMARY KEY,
+      alias TEXT UNIQUE,
+      kind TEXT NOT NULL,
+      names TEXT NOT NULL,
+      cpu_count INTEGER NOT NULL,
+      memory_mb INTEGER NOT NULL,
+      disk_size_mb INTEGER NOT NULL,
+      layers TEXT NOT NULL,
+      checkpoint TEXT NOT NULL,
+      source_sandbox_id TEXT,
+      envd_version TEXT NOT NULL,
+      created_at INTEGER NOT NULL
+    )`);
+  }
+
+  insert(t: TemplateRecord): void {
+    try {
+      this.db.query(`INSERT INTO templates VALUES ($id, $alias, $kind, $names, $cpu, $mem, $disk, $layers, $checkpoint, $src, $envd, $created)`).run({
+        id: t.id, alias: t.alias, kind: t.kind, names: JSON.stringify(t.names), cpu: t.cpuCount, mem: t.memoryMB,
+        disk: t.diskSizeMB, layers: JSON.stringify(t.layers), checkpoint: JSON.stringify(t.checkpoint),
+        src: t.sourceSandboxId, envd: t.envdVersion, created: t.createdAt,
+      });
+    } catch (e) {
+      const msg = (e as Error).message;
+      if (msg.includes("templates.alias")) throw new TemplateStoreError(`alias '${t.alias}' is taken`);
+      throw new TemplateStoreError(`insert template ${t.id}: ${msg}`);
+    }
+  }
+
+  /** By id, alias, or a tag-qualified name (`name:default`, `id:default`). */
+  resolve(ref: string): TemplateRecord | undefined {
+    const bare = ref.endsWith(":default") ? ref.slice(0, -":default".length) : ref;
+    const r = this.db.query<Row, [string, string]>("SELECT * FROM templates WHERE id = ? OR alias = ? LIMIT 1").get(bare, bare);
+    return r ? toRecord(r) : undefined;
+  }
+
+  setCheckpoint(id: string, checkpoint: VmCheckpoint | null): void {
+    this.db.query("UPDATE templates SET checkpoint = ? WHERE id = ?").run(JSON.stringify(checkpoint), id);
+  }
+
+  delete(id: string): boolean {
+    return this.db.query("DELETE FROM templates WHERE id = ?").run(id).changes === 1;
+  }
+
+  list(kind: TemplateKind, filter: { sourceSandboxId?: string; name?: string } = {}): TemplateRecord[] {
+    return this.db.query<Row, [string]>("SELECT * FROM templates WHERE kind = ? ORDER BY created_at DESC, id").all(kind).map(toRecord)
+      .filter((t) => filter.sourceSandboxId === undefined || t.sourceSandboxId === filter.sourceSandboxId)
+      .filter((t) => {
+        if (filter.name === undefined) return true;
+        const n = filter.name.endsWith(":default") ? filter.name.slice(0, -":default".length) : filter.name;
+        return t.id === n || t.alias === n || t.names.includes(filter.name);
+      });
+  }
+
+  /** Layer files any template still uses: a layer outlives the sandbox that sealed it while listed here. */
+  layersInUse(): Set<string> {
+    const used = new Set<string>();
+    for (const r of this.db.query<{ layers: string; checkpoint: string }, []>("SELECT layers, checkpoint FROM templates").all()) {
+      for (const l of JSON.parse(r.layers) as string[]) used.add(l);
+      const cp = JSON.parse(r.checkpoint) as VmCheckpoint | null;
+      for (const l of cp?.layers ?? []) used.add(l);
+    }
+    return used;
+  }
+}

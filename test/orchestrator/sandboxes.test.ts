@@ -1,0 +1,183 @@
+// The orchestrator and the E2B API end to end, in this process: blockd, network slots and QEMU
+// (TCG here) for real, a busybox template with our envd, and the stock e2b SDK as the client
+// through the node's API and proxy. create → commands/files → pause → connect → fork → snapshot →
+// create from the snapshot → list/filter → setTimeout expiry → kill → 404; bad input; no leaks.
+import { afterAll, beforeAll, describe, expect, test } from "bun:test";
+import { existsSync, readdirSync } from "node:fs";
+import { join } from "node:path";
+import { Sandbox, SandboxNotFoundError } from "e2b";
+import { envdToolsDisk, guestCmdline, sealedLayer } from "../../guest/artifacts.ts";
+import { createApi } from "../../src/api/app.ts";
+import { SandboxProxy } from "../../src/api/proxy.ts";
+import { sandboxRoutes } from "../../src/api/sandboxes.ts";
+import { haveTool, SlotPool } from "../../src/network/index.ts";
+import { Orchestrator } from "../../src/orchestrator/orchestrator.ts";
+import { SandboxStore } from "../../src/orchestrator/store.ts";
+import { TemplateStore } from "../../src/orchestrator/templates.ts";
+import { QemuDriver } from "../../src/vmm/qemu.ts";
+import { startBlockd } from "../blockdev/harness.ts";
+import { guestFixture, qemuPids, rmrf, runRoot, vmSkipReason } from "../vmm/harness.ts";
+
+function skipReason(): string | undefined {
+  const vm = vmSkipReason();
+  if (vm) return vm;
+  if (!existsSync("/dev/net/tun")) return "no /dev/net/tun for the slot's TAP";
+  for (const t of ["ip", "nft", "sysctl", "conntrack"] as const) if (!haveTool(t)) return `${t} is missing (see .ci/run)`;
+  return undefined;
+}
+const skip = skipReason();
+const KEY = "e2b_" + "cd".repeat(20);
+const tag = ((process.pid + 7) % 46656).toString(36).padStart(3, "0");
+
+describe.skipIf(!!skip)("node API + orchestrator with the e2b SDK (QEMU, blockd, slots)", async () => {
+  if (skip) return void test.skip(skip!, () => {});
+  const { dir, client } = await startBlockd("orch");
+  const root = runRoot("orch");
+  const home = join(dir, "home");
+  const store = new SandboxStore(join(dir, "node.db"));
+  const templates = new TemplateStore(store.db);
+  const pool = new SlotPool({ size: 1, prefix: `aor${tag}-`, hostCidr: `10.215.${process.pid % 250}.0/24`, hostTable: `aenv_orch_${tag}` });
+  let orch: Orchestrator;
+  let stopServer = () => {};
+  let base = "";
+  const opts = () => ({ apiKey: KEY, apiUrl: base, sandboxUrl: base, requestTimeoutMs: 120_000 });
+
+  beforeAll(async () => {
+    const fx = await guestFixture();
+    const toolsLayer = await sealedLayer(envdToolsDisk());
+    await pool.start();
+    orch = new Orchestrator(store, templates, client, pool, new QemuDriver(), {
+      kernel: fx.kernel.vmlinux, initrd: fx.kernel.initrd, toolsLayer,
+      cmdline: (s) => guestCmdline({ ip: `${s.guestIp}/${s.guestPrefixLen}`, gw: s.gatewayIp }),
+    }, { home, runRoot: root, defaultTimeoutS: 300, maxSandboxes: 12, forkParallelism: 2 });
+    templates.insert({
+      id: "busyboxtpl", alias: "busybox", kind: "template", names: ["busybox:default"], cpuCount: 1, memoryMB: 256,
+      diskSizeMB: 64, layers: [fx.rootfsLayer], checkpoint: null, sourceSandboxId: null, envdVersion: "0.6.13", createdAt: Date.now(),
+    });
+    const proxy = new SandboxProxy(orch, { domain: "" });
+    const server = createApi({ apiKey: KEY, maxBodyBytes: 1 << 20, notReadyReason: () => undefined, version: "test", intercept: (r) => proxy.handle(r) })
+      .use(sandboxRoutes(orch, { domain: null, defaultTimeoutS: 300 }))
+      .listen({ hostname: "127.0.0.1", port: 0 });
+    base = `http://127.0.0.1:${server.server!.port}`;
+    stopServer = () => void server.stop();
+    orch.startReaper(200);
+  }, 300_000);
+
+  afterAll(async () => {
+    await orch?.killAll();
+    orch?.close();
+    stopServer();
+    await pool.destroy().catch(() => {});
+    rmrf(root);
+  });
+
+  let sbx: Sandbox;
+
+  test("create from a template (first create checkpoints it), then commands and files through the proxy", async () => {
+    const t0 = performance.now();
+    sbx = await Sandbox.create("busybox", { ...opts(), metadata: { suite: "orch", n: "1" }, envs: { GREETING: "hi there" } });
+    console.log(`  first create (boot + checkpoint + restore): ${Math.round(performance.now() - t0)} ms`);
+    expect(sbx.sandboxId).toMatch(/^[a-z0-9]{20}$/);
+    const r = await sbx.commands.run('echo "$GREETING|$E2B_SANDBOX_ID"; id -un');
+    expect(r.stdout).toBe(`hi there|${sbx.sandboxId}\nuser\n`);
+    await sbx.files.write("/tmp/keep.txt", "kept across pause");
+    expect(await sbx.files.read("/tmp/keep.txt")).toBe("kept across pause");
+    const t1 = performance.now();
+    const second = await Sandbox.create("busybox", opts());
+    console.log(`  second create (restore only): ${Math.round(performance.now() - t1)} ms`);
+    expect((await second.commands.run("cat /tmp/keep.txt 2>&1 || echo none")).stdout).toContain("none");
+    expect(await second.kill()).toBe(true);
+  }, 300_000);
+
+  test("getInfo and list: metadata filter, state, pagination with X-Next-Token", async () => {
+    const info = await Sandbox.getInfo(sbx.sandboxId, opts());
+    expect(info.state).toBe("running");
+    expect(info.metadata).toEqual({ suite: "orch", n: "1" });
+    const found = await Sandbox.list({ ...opts(), query: { metadata: { suite: "orch" } } }).nextItems();
+    expect(found.map((s) => s.sandboxId)).toEqual([sbx.sandboxId]);
+    expect(await Sandbox.list({ ...opts(), query: { metadata: { suite: "none" } } }).nextItems()).toEqual([]);
+  }, 60_000);
+
+  test("pause → isRunning false, 409 on a second pause → connect resumes: files and processes survive", async () => {
+    const bg = await sbx.commands.run("sleep 3600", { background: true, timeoutMs: 0 });
+    expect(await sbx.pause()).toBe(true);
+    expect(await sbx.isRunning()).toBe(false);
+    expect((await Sandbox.getInfo(sbx.sandboxId, opts())).state).toBe("paused");
+    expect(await Sandbox.pause(sbx.sandboxId, opts())).toBe(false); // 409 → false
+    const back = await Sandbox.connect(sbx.sandboxId, opts());
+    expect(await back.isRunning()).toBe(true);
+    expect(await back.files.read("/tmp/keep.txt")).toBe("kept across pause");
+    expect((await back.commands.list()).some((p) => p.pid === bg.pid)).toBe(true);
+    sbx = back;
+  }, 180_000);
+
+  test("fork: children diverge, the source is untouched and keeps running", async () => {
+    const res = await fetch(`${base}/sandboxes/${sbx.sandboxId}/fork`, { method: "POST", headers: { "x-api-key": KEY, "content-type": "application/json" }, body: JSON.stringify({ count: 2 }) });
+    expect(res.status).toBe(201);
+    const results = (await res.json()) as { sandbox?: { sandboxID: string } }[];
+    expect(results.length).toBe(2);
+    const kids = await Promise.all(results.map((r) => Sandbox.connect(r.sandbox!.sandboxID, opts())));
+    expect(new Set(kids.map((k) => k.sandboxId)).size).toBe(2);
+    for (const [i, k] of kids.entries()) {
+      expect(await k.files.read("/tmp/keep.txt")).toBe("kept across pause");
+      await k.files.write("/tmp/keep.txt", `child ${i}`);
+    }
+    expect(await kids[0]!.files.read("/tmp/keep.txt")).toBe("child 0");
+    expect(await kids[1]!.files.read("/tmp/keep.txt")).toBe("child 1");
+    expect(await sbx.files.read("/tmp/keep.txt")).toBe("kept across pause");
+    for (const k of kids) expect(await k.kill()).toBe(true);
+  }, 300_000);
+
+  test("snapshot → a sandbox from it; delete twice → true, false", async () => {
+    await sbx.files.write("/tmp/snap.txt", "in the snapshot");
+    const snap = await sbx.createSnapshot();
+    expect(snap.snapshotId).toMatch(/:default$/);
+    const fromSnap = await Sandbox.create(snap.snapshotId, opts());
+    expect(await fromSnap.files.read("/tmp/snap.txt")).toBe("in the snapshot");
+    expect(await fromSnap.kill()).toBe(true);
+    expect(await Sandbox.deleteSnapshot(snap.snapshotId, opts())).toBe(true);
+    expect(await Sandbox.deleteSnapshot(snap.snapshotId, opts())).toBe(false);
+  }, 300_000);
+
+  test("setTimeout: the reaper kills at expiry; then kill → false and connect → not found", async () => {
+    await sbx.setTimeout(2000);
+    const end = Date.now() + 30_000;
+    while (Date.now() < end && (await Sandbox.getInfo(sbx.sandboxId, opts()).then(() => true, () => false))) await Bun.sleep(200);
+    await expect(Sandbox.getInfo(sbx.sandboxId, opts())).rejects.toBeInstanceOf(SandboxNotFoundError);
+    expect(await Sandbox.kill(sbx.sandboxId, opts())).toBe(false);
+    await expect(Sandbox.connect(sbx.sandboxId, opts())).rejects.toBeInstanceOf(SandboxNotFoundError);
+  }, 60_000);
+
+  test("bad input: unknown template 404, wrong types 400, bad key 401, unknown sandbox 404 — all {code, message}", async () => {
+    const post = (path: string, body: string, key = KEY) => fetch(base + path, { method: "POST", headers: { "x-api-key": key, "content-type": "application/json" }, body });
+    for (const [r, status] of [
+      [await post("/v2/sandboxes", JSON.stringify({ templateID: "nope" })), 404],
+      [await post("/v2/sandboxes", JSON.stringify({ templateID: 5 })), 400],
+      [await post("/v2/sandboxes", "{"), 400],
+      [await post("/v2/sandboxes", JSON.stringify({ templateID: "busybox", timeout: -1 })), 400],
+      [await post("/v2/sandboxes", JSON.stringify({ templateID: "busybox" }), "e2b_wrong"), 401],
+      [await post("/sandboxes/abc/pause", "{}"), 404],
+      [await post("/sandboxes/ABC!/pause", "{}"), 400],
+    ] as [Response, number][]) {
+      const body = (await r.json()) as { code: number; message: string };
+      expect(r.status).toBe(status);
+      expect(body.code).toBe(status);
+      expect(typeof body.message).toBe("string");
+    }
+    const proxied = await fetch(base + "/health", { headers: { "e2b-sandbox-id": "nosuchsandbox" } });
+    expect(proxied.status).toBe(502);
+    expect(await proxied.json()).toEqual({ sandboxId: "nosuchsandbox", message: "The sandbox was not found", code: 502 });
+  }, 60_000);
+
+  test("nothing leaks: no sandbox rows, VMs, devices beyond the shared tools disk, or checkpoints", async () => {
+    await orch.killAll();
+    expect(store.count()).toBe(0);
+    expect(qemuPids(root)).toEqual([]);
+    const devs = (await client.call<{ readOnly: boolean }[]>("list"));
+    expect(devs.filter((d) => !d.readOnly)).toEqual([]);
+    orch.collectCheckpoints();
+    const cps = readdirSync(join(home, "checkpoints"));
+    expect(cps.every((c) => c.startsWith("template-"))).toBe(true);
+    expect(pool.stats().leased).toBe(0);
+  }, 60_000);
+});
