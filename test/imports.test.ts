@@ -20,8 +20,8 @@ const allowed: Record<string, string[]> = {
     "src/blockdev/protocol.ts", "src/storage/image_config.ts", "ffi"],
   "src/api": ["src/api", "src/orchestrator"],
   // The node's composition root wires every part together.
-  "src/node": ["src", "ffi"],
-  "src/cli": ["src/cli", "src/storage", "src/blockdev/client.ts", "src/blockdev/protocol.ts", "ffi"],
+  "src/node": ["src", "ffi", "guest", "package.json"],
+  "src/cli": ["src/cli", "src/storage", "src/blockdev/client.ts", "src/blockdev/protocol.ts", "ffi", "package.json"],
   // envd is compiled into the guest's tools disk on its own: nothing of the host's code.
   "guest/envd": ["guest/envd"],
   // Builders of the guest artifacts run on the host.
