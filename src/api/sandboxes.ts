@@ -152,14 +152,18 @@ const NewSandbox = t.Object({
   network: t.Optional(t.Object({}, { additionalProperties: true })),
 }, { additionalProperties: true });
 
-export function sandboxRoutes(orch: Orchestrator, o: SandboxRoutesOptions) {
+/**
+ * The routes over `getOrch`, which returns the orchestrator or throws (503 while the node starts).
+ */
+export function sandboxRoutes(getOrch: () => Orchestrator, o: SandboxRoutesOptions) {
   const { domain } = o;
+  const orch = (): Orchestrator => getOrch();
 
   const create = ({ body, set }: { body: typeof NewSandbox.static; set: { status?: number | string; headers: Record<string, string | number> } }) =>
     call(async () => {
       checkMap("metadata", body.metadata, LIMITS.metadataPairs);
       checkMap("envVars", body.envVars, LIMITS.envVars);
-      const rec = await orch.create({
+      const rec = await orch().create({
         templateId: body.templateID,
         timeoutS: body.timeout,
         metadata: body.metadata,
@@ -176,7 +180,7 @@ export function sandboxRoutes(orch: Orchestrator, o: SandboxRoutesOptions) {
 
   const connect = ({ params, body, set }: { params: { sandboxID: string }; body: { timeout?: number }; set: { status?: number | string } }) =>
     call(async () => {
-      const { rec, resumed } = await orch.connect(params.sandboxID, body.timeout ?? o.defaultTimeoutS);
+      const { rec, resumed } = await orch().connect(params.sandboxID, body.timeout ?? o.defaultTimeoutS);
       set.status = resumed ? 201 : 200;
       return sandboxBody(rec, domain);
     });
@@ -194,7 +198,7 @@ export function sandboxRoutes(orch: Orchestrator, o: SandboxRoutesOptions) {
         startedAfter = Date.parse(query.startedAfter);
         if (Number.isNaN(startedAfter)) throw badRequest("startedAfter must be RFC 3339");
       }
-      return orch.store.list({
+      return orch().store.list({
         states: v1 ? ["running"] : (states as ("running" | "paused")[] | undefined),
         metadata: parseMetadataFilter(query.metadata),
         template: query.template,
@@ -215,7 +219,7 @@ export function sandboxRoutes(orch: Orchestrator, o: SandboxRoutesOptions) {
     .get("/v2/sandboxes", async ({ query, set }) => {
       const page = await list(query, false);
       if (page.nextToken) set.headers["x-next-token"] = page.nextToken;
-      set.headers["x-total-running"] = String(orch.runningCount());
+      set.headers["x-total-running"] = String(orch().runningCount());
       return page.items.map(listedBody);
     }, {
       query: t.Object({
@@ -224,54 +228,54 @@ export function sandboxRoutes(orch: Orchestrator, o: SandboxRoutesOptions) {
       }),
       detail: { tags: ["sandboxes"], summary: "List sandboxes; X-Next-Token while more remain" },
     })
-    .get("/sandboxes/:sandboxID", ({ params }) => call(() => detailBody(orch.get(params.sandboxID), domain)), { params: idParams, ...tags("sandboxes") })
+    .get("/sandboxes/:sandboxID", ({ params }) => call(() => detailBody(orch().get(params.sandboxID), domain)), { params: idParams, ...tags("sandboxes") })
     .delete("/sandboxes/:sandboxID", async ({ params, set }) => {
-      await call(() => orch.kill(params.sandboxID));
+      await call(() => orch().kill(params.sandboxID));
       set.status = 204;
     }, { params: idParams, detail: { tags: ["sandboxes"], summary: "Kill a sandbox (running or paused)" } })
     .post("/sandboxes/:sandboxID/pause", async ({ params, set }) => {
-      await call(() => orch.pause(params.sandboxID));
+      await call(() => orch().pause(params.sandboxID));
       set.status = 204;
     }, { params: idParams, detail: { tags: ["sandboxes"], summary: "Pause: 204, or 409 when already paused" } })
     .post("/sandboxes/:sandboxID/connect", connect, { params: idParams, body: t.Object({ timeout: t.Optional(Timeout), memory: t.Optional(t.Boolean()) }), detail: { tags: ["sandboxes"], summary: "Connect: 200 running (TTL extended), 201 resumed" } })
     .post("/v2/sandboxes/:sandboxID/connect", connect, { params: idParams, body: t.Object({ timeout: t.Optional(Timeout), memory: t.Optional(t.Boolean()) }), ...tags("sandboxes") })
     .post("/sandboxes/:sandboxID/resume", async ({ params, body, set }) => {
-      const { rec } = await call(() => orch.connect(params.sandboxID, body.timeout ?? o.defaultTimeoutS));
+      const { rec } = await call(() => orch().connect(params.sandboxID, body.timeout ?? o.defaultTimeoutS));
       set.status = 201;
       return sandboxBody(rec, domain);
     }, { params: idParams, body: t.Object({ timeout: t.Optional(Timeout), autoPause: t.Optional(t.Boolean()), memory: t.Optional(t.Boolean()) }), detail: { tags: ["sandboxes"], summary: "Resume (deprecated; use connect)" } })
     .post("/sandboxes/:sandboxID/timeout", ({ params, body, set }) => call(() => {
-      orch.setTimeout(params.sandboxID, body.timeout);
+      orch().setTimeout(params.sandboxID, body.timeout);
       set.status = 204;
     }), { params: idParams, body: t.Object({ timeout: Timeout }), detail: { tags: ["sandboxes"], summary: "Set the TTL to now + timeout (may shorten)" } })
     .post("/sandboxes/:sandboxID/refreshes", ({ params, body, set }) => call(() => {
-      const r = orch.get(params.sandboxID);
-      orch.store.setEndAt(r.id, Date.now() + (body.duration ?? o.defaultTimeoutS) * 1000, true);
+      const r = orch().get(params.sandboxID);
+      orch().store.setEndAt(r.id, Date.now() + (body.duration ?? o.defaultTimeoutS) * 1000, true);
       set.status = 204;
     }), { params: idParams, body: t.Object({ duration: t.Optional(t.Integer({ minimum: 0, maximum: 3600 })) }), ...tags("sandboxes") })
     .get("/sandboxes/:sandboxID/metrics", ({ params }) => call(async () => {
-      orch.get(params.sandboxID);
-      return orch.metrics(params.sandboxID);
+      orch().get(params.sandboxID);
+      return orch().metrics(params.sandboxID);
     }), { params: idParams, ...tags("sandboxes") })
     .get("/sandboxes/:sandboxID/logs", ({ params }) => call(async () => {
-      orch.get(params.sandboxID);
-      return { logs: await orch.logs(params.sandboxID), logEntries: [] };
+      orch().get(params.sandboxID);
+      return { logs: await orch().logs(params.sandboxID), logEntries: [] };
     }), { params: idParams, detail: { tags: ["sandboxes"], summary: "The guest console, line by line" } })
     .post("/sandboxes/:sandboxID/fork", async ({ params, body, set }) => {
       const count = body.count ?? 1;
-      const results = await call(() => orch.fork(params.sandboxID, count, body.timeout));
+      const results = await call(() => orch().fork(params.sandboxID, count, body.timeout));
       set.status = 201;
       return results.map((r) => "rec" in r ? { sandbox: sandboxBody(r.rec, domain) } : { error: { code: r.error.status, message: r.error.message } });
     }, { params: idParams, body: t.Object({ count: t.Optional(t.Integer({ minimum: 1, maximum: LIMITS.forkCount })), timeout: t.Optional(Timeout) }), detail: { tags: ["sandboxes"], summary: "Fork: N children from a live checkpoint; the source keeps running" } })
     .post("/sandboxes/:sandboxID/snapshots", async ({ params, body, set }) => {
-      const tpl = await call(() => orch.snapshot(params.sandboxID, body.name));
+      const tpl = await call(() => orch().snapshot(params.sandboxID, body.name));
       set.status = 201;
       return snapshotBody(tpl);
     }, { params: idParams, body: t.Object({ name: t.Optional(t.String({ pattern: "^[A-Za-z0-9_-]{1,128}$" })) }), detail: { tags: ["snapshots"], summary: "Snapshot a running sandbox; usable as templateID" } })
     .get("/snapshots", ({ query, set }) => call(() => {
       const limit = query.limit === undefined ? LIST_LIMIT_MAX : Number(query.limit);
       if (!Number.isInteger(limit) || limit < 1 || limit > LIST_LIMIT_MAX) throw badRequest(`limit must be 1..${LIST_LIMIT_MAX}`);
-      const all = orch.templates.list("snapshot", { sourceSandboxId: query.sandboxID, name: query.name });
+      const all = orch().templates.list("snapshot", { sourceSandboxId: query.sandboxID, name: query.name });
       const start = query.nextToken ? all.findIndex((s) => s.id === Buffer.from(query.nextToken!, "base64url").toString()) + 1 : 0;
       if (start < 0) throw badRequest("nextToken is not a token this node issued");
       const page = all.slice(start, start + limit);
@@ -279,24 +283,24 @@ export function sandboxRoutes(orch: Orchestrator, o: SandboxRoutesOptions) {
       return page.map(snapshotBody);
     }), { query: t.Object({ sandboxID: t.Optional(t.String()), name: t.Optional(t.String()), limit: t.Optional(t.String()), nextToken: t.Optional(t.String()) }), ...tags("snapshots") })
     .get("/snapshots/:snapshotID", ({ params }) => call(() => {
-      const s = orch.templates.resolve(params.snapshotID);
+      const s = orch().templates.resolve(params.snapshotID);
       if (!s || s.kind !== "snapshot") throw notFound(`snapshot ${params.snapshotID} not found`);
       return snapshotBody(s);
     }), { ...tags("snapshots") })
-    .get("/templates", () => orch.templates.list("template").map(templateBody), { ...tags("templates") })
-    .get("/v2/templates", () => orch.templates.list("template").map(templateBody), { ...tags("templates") })
+    .get("/templates", () => orch().templates.list("template").map(templateBody), { ...tags("templates") })
+    .get("/v2/templates", () => orch().templates.list("template").map(templateBody), { ...tags("templates") })
     .get("/templates/:templateID", ({ params }) => call(() => {
-      const tpl = orch.templates.resolve(params.templateID);
+      const tpl = orch().templates.resolve(params.templateID);
       if (!tpl) throw notFound(`template ${params.templateID} not found`);
       return { ...templateBody(tpl), builds: [{ buildID: tpl.id, status: "ready", createdAt: rfc3339(tpl.createdAt), updatedAt: rfc3339(tpl.createdAt), cpuCount: tpl.cpuCount, memoryMB: tpl.memoryMB, diskSizeMB: tpl.diskSizeMB, envdVersion: tpl.envdVersion }] };
     }), { ...tags("templates") })
     .get("/templates/aliases/:alias", ({ params }) => call(() => {
-      const tpl = orch.templates.resolve(params.alias);
+      const tpl = orch().templates.resolve(params.alias);
       if (!tpl || tpl.alias !== params.alias) throw notFound(`template alias ${params.alias} not found`);
       return { templateID: tpl.id, public: true };
     }), { ...tags("templates") })
     .delete("/templates/:templateID", ({ params, set }) => call(() => {
-      if (!orch.deleteTemplate(params.templateID)) throw notFound(`template or snapshot ${params.templateID} not found`);
+      if (!orch().deleteTemplate(params.templateID)) throw notFound(`template or snapshot ${params.templateID} not found`);
       set.status = 204;
     }), { detail: { tags: ["templates"], summary: "Delete a template or a snapshot (by ID or alias)" } });
 }

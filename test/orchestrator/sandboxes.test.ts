@@ -56,7 +56,7 @@ describe.skipIf(!!skip)("node API + orchestrator with the e2b SDK (QEMU, blockd,
     });
     const proxy = new SandboxProxy(orch, { domain: "" });
     const server = createApi({ apiKey: KEY, maxBodyBytes: 1 << 20, notReadyReason: () => undefined, version: "test", intercept: (r) => proxy.handle(r) })
-      .use(sandboxRoutes(orch, { domain: null, defaultTimeoutS: 300 }))
+      .use(sandboxRoutes(() => orch, { domain: null, defaultTimeoutS: 300 }))
       .listen({ hostname: "127.0.0.1", port: 0 });
     base = `http://127.0.0.1:${server.server!.port}`;
     stopServer = () => void server.stop();
