@@ -1,5 +1,6 @@
 // Running the host's network tools (ip, nft, conntrack, sysctl): argument arrays only, never a
-// shell, exit codes checked, stderr carried in a NetworkError.
+// shell, awaited (never spawnSync: the node's event loop keeps serving), each run bounded in time
+// and output, exit codes checked, stderr carried in a NetworkError.
 
 export class NetworkError extends Error {
   constructor(
@@ -18,6 +19,11 @@ export type ToolName = "ip" | "nft" | "conntrack" | "sysctl";
 const PACKAGE_OF: Record<ToolName, string> = { ip: "iproute2", nft: "nftables", conntrack: "conntrack", sysctl: "procps" };
 const SBIN_PATH = "/usr/local/sbin:/usr/sbin:/sbin";
 const resolved = new Map<ToolName, string>();
+
+/** One run of a tool: a slot step takes milliseconds, so 15 s only trips on a hung tool. */
+export const COMMAND_TIMEOUT_MS = 15_000;
+/** Output kept from one run: `ip -j route show table all` on a busy host stays far below this. */
+const MAX_OUTPUT_BYTES = 16 << 20;
 
 export function toolPath(name: ToolName): string {
   const known = resolved.get(name);
@@ -44,6 +50,7 @@ export interface RunOptions {
   stdin?: string;
   /** Exit codes that count as success besides 0 (conntrack -D exits 1 when nothing matched). */
   alsoOk?: number[];
+  timeoutMs?: number;
 }
 
 export interface RunResult {
@@ -52,27 +59,38 @@ export interface RunResult {
   stderr: string;
 }
 
-/** Run argv (argv[0] a ToolName or an absolute path) and return its output; NetworkError on failure. */
-export function run(argv: string[], opts: RunOptions = {}): RunResult {
+/**
+ * Run argv (argv[0] a ToolName or an absolute path) and return its output. NetworkError
+ * `CommandFailed` on a bad exit, `Timeout` when it ran past timeoutMs (it is then killed).
+ */
+export async function run(argv: string[], opts: RunOptions = {}): Promise<RunResult> {
   const [head, ...rest] = argv;
   if (head === undefined) throw new NetworkError("BadCommand", "empty argv");
   if (!head.startsWith("/") && !(head in PACKAGE_OF)) throw new NetworkError("BadCommand", `${head} is not one of ${Object.keys(PACKAGE_OF).join(", ")}`);
   const full = [head.startsWith("/") ? head : toolPath(head as ToolName), ...rest];
+  const timeoutMs = opts.timeoutMs ?? COMMAND_TIMEOUT_MS;
+  const deadline = AbortSignal.timeout(timeoutMs);
   let proc;
   try {
-    proc = Bun.spawnSync(full, {
+    proc = Bun.spawn(full, {
       stdin: opts.stdin === undefined ? "ignore" : Buffer.from(opts.stdin),
       stdout: "pipe",
       stderr: "pipe",
+      signal: deadline,
+      killSignal: "SIGKILL",
+      maxBuffer: MAX_OUTPUT_BYTES,
       // C locale so stderr we match on and surface is not translated.
       env: { ...process.env, LC_ALL: "C" },
     });
   } catch (e) {
     throw new NetworkError("SpawnFailed", `could not start ${full[0]}: ${(e as Error).message}`, { argv: full });
   }
-  const stdout = proc.stdout ? proc.stdout.toString() : "";
-  const stderr = proc.stderr ? proc.stderr.toString().trim() : "";
+  const [stdout, stderrRaw] = await Promise.all([new Response(proc.stdout).text(), new Response(proc.stderr).text(), proc.exited]);
+  const stderr = stderrRaw.trim();
   const exitCode = proc.exitCode ?? -1;
+  if (proc.exitCode === null && deadline.aborted) {
+    throw new NetworkError("Timeout", `${full.join(" ")} did not finish within ${timeoutMs} ms (killed)${stderr ? `: ${stderr}` : ""}`, { argv: full, exitCode: null, stderr });
+  }
   if (exitCode !== 0 && !(opts.alsoOk ?? []).includes(exitCode)) {
     const how = proc.exitCode === null ? `was killed by ${proc.signalCode}` : `exited ${exitCode}`;
     throw new NetworkError("CommandFailed", `${full.join(" ")} ${how}${stderr ? `: ${stderr}` : ""}`, {

@@ -6,6 +6,7 @@ export {
   DEFAULT_HOST_TABLE,
   DEFAULT_PREFIX,
   GATEWAY_IP,
+  GATEWAY_MAC,
   GUEST_IP,
   GUEST_PREFIX_LEN,
   SLOT_TABLE,
@@ -15,6 +16,6 @@ export {
   type NetworkConfigInput,
   type Slot,
 } from "./addressing.ts";
-export { SlotPool, type PoolStats, type ReconcileReport, type SlotPoolOptions } from "./pool.ts";
-export { netnsExecArgv } from "./slot.ts";
+export { DEFAULT_ACQUIRE_TIMEOUT_MS, MAX_WAITERS, SlotPool, type PoolStats, type ReconcileReport, type SlotPoolOptions } from "./pool.ts";
+export { NAMESPACE_SYSCTLS, netnsExecArgv } from "./slot.ts";
 export { HOST_COUNTERS, hostRuleset, slotRuleset } from "./rulesets.ts";

@@ -48,16 +48,27 @@ export function hostRuleset(cfg: NetworkConfig): string {
   );
 }
 
-/** The table inside a slot's namespace: DNAT host→guest ports, masquerade guest egress, and a guard. */
+/**
+ * The whole ruleset of a slot's namespace: `flush ruleset` first, so whatever a previous tenant's
+ * policy added (any table, any family) is gone in the same transaction that installs ours.
+ * - guard: spoofing and mid-stream adoption. Only a plain SYN opens a TCP connection, so a segment
+ *   of a connection from before a release (the host's socket to the previous tenant) is never
+ *   tracked anew and delivered to the next guest: the namespace answers it with a reset (input),
+ *   so the host's stale socket fails at once instead of hanging.
+ * - input (policy drop): the namespace offers nothing to the guest or the host; DNATed traffic is
+ *   forwarded, never delivered here, so a listener on nsIp or the gateway address is unreachable.
+ * - forward (policy drop): established, DNATed host→guest, guest→vpeer.
+ */
 export function slotRuleset(cfg: NetworkConfig, slot: Slot): string {
   const tap = JSON.stringify(cfg.tap);
   const veth = JSON.stringify(NS_VETH);
-  return replaceTable(
-    "inet",
-    SLOT_TABLE,
-    `  chain guard {
+  return `flush ruleset
+table inet ${SLOT_TABLE} {
+  chain guard {
     type filter hook prerouting priority mangle; policy accept;
+    iifname ${veth} ip saddr ${slot.hostIp} meta l4proto tcp ct state invalid accept
     ct state invalid drop
+    iifname { ${veth}, ${tap} } ct state new tcp flags & (fin | syn | rst | ack) != syn drop
     iifname ${veth} ct state established,related accept
     iifname ${veth} ip saddr != ${slot.hostIp} drop
     iifname ${veth} meta nfproto ipv6 drop
@@ -75,12 +86,20 @@ export function slotRuleset(cfg: NetworkConfig, slot: Slot): string {
     oifname ${veth} ip saddr ${GUEST_IP} masquerade
   }
 
+  chain input {
+    type filter hook input priority filter; policy drop;
+    iif "lo" accept
+    ct state established,related accept
+    iifname ${veth} meta l4proto tcp ct state invalid reject with tcp reset
+    iifname ${tap} reject with icmpx type admin-prohibited
+  }
+
   chain forward {
     type filter hook forward priority filter; policy drop;
     ct state established,related accept
     iifname ${veth} oifname ${tap} ip daddr ${GUEST_IP} ct status dnat accept
     iifname ${tap} oifname ${veth} accept
   }
-`,
-  );
+}
+`;
 }

@@ -62,4 +62,10 @@ describe("rulesets", () => {
     expect(text).toContain(`iifname "vpeer" ip saddr != 10.9.0.6 drop`);
     expect(text).toContain(`iifname "tap0" ip saddr != 169.254.0.21 drop`);
   });
+  test("namespace ruleset replaces the whole ruleset; only a SYN opens a connection; input is closed", () => {
+    const text = slotRuleset(cfg, slotFor(cfg, 3));
+    expect(text.startsWith("flush ruleset\ntable inet aenv_slot {")).toBe(true);
+    expect(text).toContain(`ct state new tcp flags & (fin | syn | rst | ack) != syn drop`);
+    expect(text).toMatch(/chain input \{\n\s+type filter hook input priority filter; policy drop;/);
+  });
 });
