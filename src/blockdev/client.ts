@@ -1,43 +1,61 @@
 // BlockdClient: the node's side of blockd's socket. The node starts blockd when it is not
-// running and reconnects when it is; blockd outlives the node.
+// running and reconnects when it is; blockd outlives the node. Every call ends: with its reply,
+// a BlockdTimeoutError, or a BlockdConnectionError when blockd goes away.
 
 import { existsSync, openSync } from "node:fs";
 import { join } from "node:path";
-import type { Socket } from "bun";
-import { BlockdError, FrameReader, PROTOCOL_VERSION, encodeFrame, type Reply } from "./protocol.ts";
+import { BlockdConnectionError, BlockdError, ClientLink, FrameReader, PROTOCOL_VERSION, encodeFrame, type Reply } from "./protocol.ts";
+
+/** A control call answers in milliseconds; 30 s without a reply means blockd is stuck. */
+export const CALL_TIMEOUT_MS = 30_000;
+/** Calls that open, seal or flush images (their cost follows the layers' indexes and the disk). */
+export const SLOW_CALL_TIMEOUT_MS = 120_000;
+const SLOW_CALLS = new Set(["create", "createReadOnly", "restack", "acquire", "release", "delete"]);
+
+export interface BlockdClientOptions {
+  /** Timeout of a call (default CALL_TIMEOUT_MS). */
+  timeoutMs?: number;
+  /** Timeout of the calls in SLOW_CALLS (default SLOW_CALL_TIMEOUT_MS). */
+  slowTimeoutMs?: number;
+}
 
 export class BlockdClient {
   private nextId = 0;
-  private waiting = new Map<number, { resolve: (v: unknown) => void; reject: (e: Error) => void }>();
   private reader = new FrameReader();
 
-  private constructor(private socket: Socket<undefined>) {}
+  private constructor(
+    private link: ClientLink,
+    private opts: BlockdClientOptions,
+  ) {}
 
-  static async connect(socketPath: string): Promise<BlockdClient> {
+  static async connect(socketPath: string, opts: BlockdClientOptions = {}): Promise<BlockdClient> {
     let client!: BlockdClient;
-    const socket = await Bun.connect({
-      unix: socketPath,
-      socket: {
-        data: (_s, chunk) => client.onData(chunk),
-        close: () => client.failAll(new BlockdError("Disconnected", "blockd closed the connection")),
-        error: (_s, e) => client.failAll(e),
-      },
-    });
-    client = new BlockdClient(socket);
+    const link = await ClientLink.connect("blockd", socketPath, (chunk) => client.onData(chunk));
+    client = new BlockdClient(link, opts);
     return client;
   }
 
-  /** Connect to the blockd of stateDir, starting one (detached, outliving us) when none answers. */
-  static async ensure(stateDir: string, opts: { pool?: number; timeoutMs?: number } = {}): Promise<BlockdClient> {
+  /**
+   * Connect to the blockd of stateDir, starting one (detached, outliving us) when none listens.
+   * A blockd that listens but does not answer is an error, not a reason to start a second one.
+   */
+  static async ensure(stateDir: string, opts: BlockdClientOptions & { pool?: number; startTimeoutMs?: number } = {}): Promise<BlockdClient> {
     const sock = join(stateDir, "blockd.sock");
     const tryConnect = async () => {
       if (!existsSync(sock)) return undefined;
+      let c: BlockdClient;
       try {
-        const c = await BlockdClient.connect(sock);
+        c = await BlockdClient.connect(sock, opts);
+      } catch {
+        return undefined; // nobody listens (yet)
+      }
+      try {
         await c.call("hello");
         return c;
-      } catch {
-        return undefined;
+      } catch (e) {
+        c.close();
+        if (e instanceof BlockdConnectionError) return undefined; // it went away while we asked
+        throw e;
       }
     };
     const existing = await tryConnect();
@@ -46,9 +64,10 @@ export class BlockdClient {
     const proc = Bun.spawn([process.execPath, join(import.meta.dir, "main.ts"), "--state", stateDir, "--pool", String(opts.pool ?? 0)], {
       stdio: ["ignore", log, log],
       detached: true,
+      env: { ...process.env }, // as it is now: Bun's default is the environment we started with
     });
     proc.unref();
-    const until = Date.now() + (opts.timeoutMs ?? 15_000);
+    const until = Date.now() + (opts.startTimeoutMs ?? 15_000);
     while (Date.now() < until) {
       const c = await tryConnect();
       if (c) return c;
@@ -60,33 +79,24 @@ export class BlockdClient {
   private onData(chunk: Uint8Array): void {
     for (const f of this.reader.push(chunk)) {
       const r = JSON.parse(new TextDecoder().decode(f)) as Reply;
-      const w = this.waiting.get(r.id);
-      if (!w) continue;
-      this.waiting.delete(r.id);
-      if (r.error) w.reject(new BlockdError(r.error.code, r.error.message));
-      else w.resolve(r.result);
+      if (r.error) this.link.calls.settle(r.id, undefined, new BlockdError(r.error.code, r.error.message));
+      else this.link.calls.settle(r.id, r.result);
     }
   }
 
-  private failAll(e: Error): void {
-    for (const w of this.waiting.values()) w.reject(e);
-    this.waiting.clear();
-  }
-
-  call<T = any>(method: string, params: Record<string, unknown> = {}): Promise<T> {
+  /** One call; rejects with BlockdTimeoutError after its timeout, BlockdConnectionError when blockd goes. */
+  call<T = any>(method: string, params: Record<string, unknown> = {}, o: { timeoutMs?: number } = {}): Promise<T> {
     const id = ++this.nextId;
-    return new Promise<T>((resolve, reject) => {
-      this.waiting.set(id, { resolve: resolve as (v: unknown) => void, reject });
-      this.socket.write(encodeFrame({ v: PROTOCOL_VERSION, id, method, params }));
-    });
+    const timeoutMs = o.timeoutMs ?? (SLOW_CALLS.has(method) ? (this.opts.slowTimeoutMs ?? SLOW_CALL_TIMEOUT_MS) : (this.opts.timeoutMs ?? CALL_TIMEOUT_MS));
+    return this.link.call(id, method, timeoutMs, encodeFrame({ v: PROTOCOL_VERSION, id, method, params })) as Promise<T>;
   }
 
   /** Raw bytes on the socket (tests of malformed input). */
   sendRaw(bytes: Uint8Array): void {
-    this.socket.write(bytes);
+    this.link.sendRaw(bytes);
   }
 
   close(): void {
-    this.socket.end();
+    this.link.fail("closed by this client");
   }
 }

@@ -2,7 +2,8 @@
 // table on disk, runs one worker per device, and answers the node's RPCs on a unix socket.
 
 import { existsSync, mkdirSync, renameSync, rmSync, writeFileSync, readFileSync } from "node:fs";
-import { join, resolve } from "node:path";
+import { mkdir, rm, stat } from "node:fs/promises";
+import { isAbsolute, join, resolve } from "node:path";
 import type { Socket } from "bun";
 import { umount2, MNT_DETACH } from "../../ffi/libc.ts";
 import { loopAttach, loopDetach } from "../../ffi/loop.ts";
@@ -14,7 +15,7 @@ import { IoLimiter } from "../storage/io_limiter.ts";
 import { Image } from "../storage/image.ts";
 import { UblkControl } from "./ublk/control.ts";
 import { UblkDevice } from "./ublk/frontend.ts";
-import { BlockdError, FrameReader, PROTOCOL_VERSION, encodeFrame, type Reply, type Request } from "./protocol.ts";
+import { BlockdError, FrameReader, FrameWriter, PROTOCOL_VERSION, encodeFrame, type Reply, type Request } from "./protocol.ts";
 
 
 export interface BlockdOptions {
@@ -51,6 +52,8 @@ interface Device {
   rec: DeviceRecord;
   handle: DeviceHandle;
   ublk?: UblkDevice;
+  /** Pool devices: when it was last released (a count), so acquire hands out the latest first. */
+  releasedAt?: number;
 }
 
 const ID_RE = /^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$/;
@@ -59,6 +62,11 @@ export class Blockd {
   private devices = new Map<string, Device>();
   private serial = 0;
   private busy = new Set<string>(); // ids with an operation in flight
+  private claims = new Set<string>(); // see claim()
+  private roMaking = new Map<string, Promise<DeviceRecord>>(); // read-only devices being made, by key
+  private releases = 0;
+  private filling: Promise<void> | undefined;
+  private running = new Set<Promise<unknown>>(); // RPCs under way, which shutdown lets finish
   private server: ReturnType<typeof Bun.listen> | undefined;
   private closing = false;
   private keeper!: KeeperClient;
@@ -191,7 +199,12 @@ export class Blockd {
       adoptCloneFd: adopt?.[1],
       remoteIo: this.remoteIo.shared,
     });
-    await this.keeper.hold(rec.id, handle.fuseFds); // the connection now outlives us
+    try {
+      await this.keeper.hold(rec.id, handle.fuseFds); // the connection now outlives us
+    } catch (e) {
+      await handle.stop().catch(() => {});
+      throw e;
+    }
     return handle;
   }
 
@@ -209,7 +222,13 @@ export class Blockd {
       return rec; // already a block device: no loop needed
     }
     rec.frontend = "fuse";
-    const handle = await this.startWorker(rec);
+    let handle: DeviceHandle;
+    try {
+      handle = await this.startWorker(rec);
+    } catch (e) {
+      await rm(rec.path, { force: true }).catch(() => {}); // a new device's file: a failed start leaves nothing
+      throw e;
+    }
     this.devices.set(rec.id, { rec, handle });
     try {
       if (loop) rec.loop = loopAttach(rec.path, { readOnly: rec.readOnly }).path;
@@ -247,44 +266,78 @@ export class Blockd {
 
   // ---- RPC methods --------------------------------------------------------------------------
 
-  private async create(p: Record<string, unknown>) {
-    const { lowers, upperDir, size, sparse, loop, id } = p;
-    const cfgLowers = checkLowers(lowers);
-    if (typeof upperDir !== "string" || !upperDir) throw new BlockdError("BadRequest", `"upperDir" must be a directory path`);
-    if (!Number.isSafeInteger(size) || (size as number) <= 0 || (size as number) % 512)
-      throw new BlockdError("BadRequest", `"size" must be a positive multiple of 512`);
-    const devId = id === undefined ? this.newId("rw") : checkId(id);
-    if (this.devices.has(devId)) throw new BlockdError("Exists", `device ${devId} exists`);
-    const data = join(upperDir, WRITABLE_DATA);
-    const index = join(upperDir, WRITABLE_INDEX);
-    if (existsSync(data)) throw new BlockdError("Exists", `${upperDir} already holds a writable layer`);
-    const config = parseImageConfig({ lowers: cfgLowers, upper: { data, index } });
-    for (let i = 0; i < config.lowers.length; i++) resolveLayerPath(config.lowers[i]!, i); // missing layer → ConfigError now
-    mkdirSync(upperDir, { recursive: true });
-    await (await WritableLayer.create(data, index, { virtualSize: size as number, sparse: sparse === true })).close();
-    const rec = await this.addDevice({ id: devId, kind: "rw", path: this.devPath(devId), config, readOnly: false, refs: 1, size: size as number }, loop === true);
-    return this.view(rec, size as number);
+  /**
+   * Claim names a call is setting up (a device id, an upper's data file) before its first await,
+   * so a racing call is told Exists instead of building the same thing twice. Returns the unclaim.
+   */
+  private claim(key: string, taken: () => boolean, what: string): () => void {
+    if (this.claims.has(key) || taken()) throw new BlockdError("Exists", what);
+    this.claims.add(key);
+    return () => this.claims.delete(key);
+  }
+  private claimId(id: string): () => void {
+    return this.claim(`dev:${id}`, () => this.devices.has(id), `device ${id} exists`);
+  }
+  /** Two devices over one upper would corrupt it. */
+  private claimUpper(data: string): () => void {
+    const used = () => [...this.devices.values()].some((d) => d.rec.config?.upper?.data === data);
+    return this.claim(`upper:${data}`, used, `${data} is the upper of another device`);
   }
 
+  private async create(p: Record<string, unknown>) {
+    const upperDir = checkUpperDir(p.upperDir);
+    const size = checkSize(p.size);
+    const devId = p.id === undefined ? this.newId("rw") : checkId(p.id);
+    const config = checkConfig(p.lowers, upperDir);
+    const unclaimId = this.claimId(devId);
+    const unclaimUpper = this.claimUpper(config.upper!.data);
+    try {
+      if (await exists(config.upper!.data)) throw new BlockdError("Exists", `${upperDir} already holds a writable layer`);
+      const removeUpper = await makeUpper(upperDir, size, p.sparse === true);
+      try {
+        const rec = await this.addDevice({ id: devId, kind: "rw", path: this.devPath(devId), config, readOnly: false, refs: 1, size }, p.loop === true);
+        return this.view(rec, size);
+      } catch (e) {
+        await removeUpper();
+        throw e;
+      }
+    } finally {
+      unclaimUpper();
+      unclaimId();
+    }
+  }
+
+  /** The same lowers give the same device: a second caller joins the one being made (or its failure). */
   private async createReadOnly(p: Record<string, unknown>) {
-    const config = parseImageConfig({ lowers: checkLowers(p.lowers) });
+    const config = checkConfig(p.lowers);
     if (!config.lowers.length) throw new BlockdError("BadRequest", "a read-only device needs at least one layer");
     const key = JSON.stringify(config.lowers.map((l, i) => resolveLayerPath(l, i)));
-    for (const d of this.devices.values())
-      if (d.rec.kind === "ro" && d.rec.key === key) {
-        d.rec.refs++;
-        this.saveTable();
-        return this.view(d.rec, d.handle.size);
-      }
+    for (;;) {
+      for (const d of this.devices.values())
+        if (d.rec.kind === "ro" && d.rec.key === key) {
+          d.rec.refs++;
+          this.saveTable();
+          return this.view(d.rec, d.handle.size);
+        }
+      const making = this.roMaking.get(key);
+      if (!making) break;
+      await making;
+    }
     const devId = this.newId("ro");
-    const rec = await this.addDevice({ id: devId, kind: "ro", path: this.devPath(devId), config, readOnly: true, refs: 1, key }, p.loop === true);
-    return this.view(rec, this.devices.get(devId)!.handle.size);
+    const making = this.addDevice({ id: devId, kind: "ro", path: this.devPath(devId), config, readOnly: true, refs: 1, key }, p.loop === true);
+    this.roMaking.set(key, making);
+    try {
+      const rec = await making;
+      return this.view(rec, this.devices.get(devId)!.handle.size);
+    } finally {
+      this.roMaking.delete(key);
+    }
   }
 
   private async restack(p: Record<string, unknown>) {
     const d = this.device(p.id);
     if (d.rec.readOnly || !d.rec.config) throw new BlockdError("ReadOnly", `device ${d.rec.id} has no writable layer`);
-    if (typeof p.layerPath !== "string" || !p.layerPath) throw new BlockdError("BadRequest", `"layerPath" must be a file path`);
+    if (typeof p.layerPath !== "string" || !isAbsolute(p.layerPath)) throw new BlockdError("BadRequest", `"layerPath" must be an absolute file path`);
     return this.exclusive(d.rec.id, async () => {
       const r = await d.handle.restack(p.layerPath as string);
       d.rec.config = r.config;
@@ -295,10 +348,9 @@ export class Blockd {
 
   private async resize(p: Record<string, unknown>) {
     const d = this.device(p.id);
-    if (!Number.isSafeInteger(p.size) || (p.size as number) <= 0 || (p.size as number) % 512)
-      throw new BlockdError("BadRequest", `"size" must be a positive multiple of 512`);
+    const size = checkSize(p.size);
     return this.exclusive(d.rec.id, async () => {
-      await d.handle.resize(p.size as number);
+      await d.handle.resize(size);
       return this.view(d.rec, d.handle.size);
     });
   }
@@ -332,51 +384,83 @@ export class Blockd {
     rmSync(d.rec.path, { force: true });
   }
 
-  private async fillPool(): Promise<void> {
-    const want = this.opts.pool ?? 0;
-    let have = [...this.devices.values()].filter((d) => d.rec.kind === "pool" && !d.rec.acquired).length;
-    for (; have < want; have++) {
-      const id = this.newId("pool");
-      await this.addDevice({ id, kind: "pool", path: this.devPath(id), config: null, readOnly: true, refs: 0 }, false);
+  /** Top the pool up to its size; one refill at a time (two would both fill the same gap). */
+  private fillPool(): Promise<void> {
+    const idle = () => [...this.devices.values()].filter((d) => d.rec.kind === "pool" && !d.rec.acquired).length;
+    this.filling ??= (async () => {
+      while (!this.closing && idle() < (this.opts.pool ?? 0)) {
+        const id = this.newId("pool");
+        await this.addDevice({ id, kind: "pool", path: this.devPath(id), config: null, readOnly: true, refs: 0 }, false);
+      }
+    })().finally(() => (this.filling = undefined));
+    return this.filling;
+  }
+
+  /**
+   * An idle pool device, reserved for the caller (busy) before any await. The one released last
+   * goes first: a release then an acquire swaps under the same live file. None idle: a cold one.
+   */
+  private async reserveIdle(): Promise<{ dev: Device; cold: boolean }> {
+    let best: Device | undefined;
+    for (const d of this.devices.values())
+      if (d.rec.kind === "pool" && !d.rec.acquired && !this.busy.has(d.rec.id) && (d.releasedAt ?? 0) >= (best?.releasedAt ?? 0)) best = d;
+    if (best) {
+      this.busy.add(best.rec.id);
+      return { dev: best, cold: false };
     }
+    // Still a pool device, so release recycles it.
+    const id = this.newId("pool");
+    this.busy.add(id);
+    try {
+      await this.addDevice({ id, kind: "pool", path: this.devPath(id), config: null, readOnly: true, refs: 0 }, false);
+    } catch (e) {
+      this.busy.delete(id);
+      throw e;
+    }
+    return { dev: this.devices.get(id)!, cold: true };
   }
 
   /** Take a ready device and swap the image in under it (no mount, no worker start). */
   private async acquire(p: Record<string, unknown>): Promise<ReturnType<Blockd["view"]>> {
-    const idle = [...this.devices.values()].find((d) => d.rec.kind === "pool" && !d.rec.acquired && !this.busy.has(d.rec.id));
-    if (!idle) {
-      // Pool empty: a cold device, still handed out as a pool device so release recycles it.
-      const id = this.newId("pool");
-      await this.addDevice({ id, kind: "pool", path: this.devPath(id), config: null, readOnly: true, refs: 0 }, false);
-      return this.acquire(p);
-    }
     const readOnly = p.upperDir === undefined;
-    let config: ImageConfig;
-    if (readOnly) config = parseImageConfig({ lowers: checkLowers(p.lowers) });
-    else {
-      const upperDir = p.upperDir as string;
-      if (typeof upperDir !== "string" || !Number.isSafeInteger(p.size) || (p.size as number) % 512)
-        throw new BlockdError("BadRequest", `"upperDir" and a "size" multiple of 512 are needed for a writable device`);
-      const data = join(upperDir, WRITABLE_DATA);
-      const index = join(upperDir, WRITABLE_INDEX);
-      config = parseImageConfig({ lowers: checkLowers(p.lowers), upper: { data, index } });
-      if (!existsSync(data)) {
-        mkdirSync(upperDir, { recursive: true });
-        await (await WritableLayer.create(data, index, { virtualSize: p.size as number })).close();
-      }
-    }
-    idle.rec.acquired = true;
+    const config = readOnly ? checkConfig(p.lowers) : checkConfig(p.lowers, checkUpperDir(p.upperDir));
+    const size = readOnly ? 0 : checkSize(p.size);
+    if (readOnly && !config.lowers.length) throw new BlockdError("BadRequest", "a read-only device needs at least one layer");
+    const unclaimUpper = config.upper ? this.claimUpper(config.upper.data) : () => {};
     try {
-      await this.exclusive(idle.rec.id, () => idle.handle.swap(config, readOnly));
-    } catch (e) {
-      idle.rec.acquired = false;
-      throw e;
+      const { dev, cold } = await this.reserveIdle();
+      let removeUpper: (() => Promise<void>) | undefined;
+      try {
+        // An upper that exists is reattached as it is (a sandbox acquiring its own disk again).
+        if (config.upper && !(await exists(config.upper.data))) removeUpper = await makeUpper(checkUpperDir(p.upperDir), size, false);
+        await dev.handle.swap(config, readOnly);
+        dev.rec.acquired = true;
+        dev.rec.config = config;
+        dev.rec.readOnly = readOnly;
+        this.saveTable();
+      } catch (e) {
+        await removeUpper?.();
+        if (cold) await this.dropCold(dev);
+        throw e;
+      } finally {
+        this.busy.delete(dev.rec.id);
+      }
+      void this.fillPool().catch((e) => console.error(`blockd: pool refill: ${e.message}`));
+      return this.view(dev.rec, dev.handle.size);
+    } finally {
+      unclaimUpper();
     }
-    idle.rec.config = config;
-    idle.rec.readOnly = readOnly;
-    this.saveTable();
-    void this.fillPool().catch((e) => console.error(`blockd: pool refill: ${e.message}`));
-    return this.view(idle.rec, idle.handle.size);
+  }
+
+  /** A cold device made for an acquire that then failed: it goes, so the failure leaves nothing. */
+  private async dropCold(dev: Device): Promise<void> {
+    try {
+      await this.teardown(dev);
+      this.devices.delete(dev.rec.id);
+      this.saveTable();
+    } catch (e) {
+      console.error(`blockd: removing ${dev.rec.id}: ${(e as Error).message}`);
+    }
   }
 
   private async release(p: Record<string, unknown>) {
@@ -386,6 +470,7 @@ export class Blockd {
     d.rec.acquired = false;
     d.rec.config = null;
     d.rec.readOnly = true;
+    d.releasedAt = ++this.releases;
     this.saveTable();
     return this.view(d.rec, 0);
   }
@@ -426,11 +511,18 @@ export class Blockd {
 
   private listen(): void {
     rmSync(this.socketPath, { force: true });
-    this.server = Bun.listen<{ reader: FrameReader }>({
+    this.server = Bun.listen<Conn>({
       unix: this.socketPath,
       socket: {
         open: (s) => {
-          s.data = { reader: new FrameReader() };
+          s.data = { reader: new FrameReader(), writer: new FrameWriter(s), inFlight: 0 };
+        },
+        drain: (s) => {
+          try {
+            s.data.writer.flush();
+          } catch {
+            s.end();
+          }
         },
         data: (s, chunk) => {
           let frames: Uint8Array[];
@@ -447,7 +539,7 @@ export class Blockd {
     });
   }
 
-  private async serveFrame(s: Socket<{ reader: FrameReader }>, frame: Uint8Array): Promise<void> {
+  private async serveFrame(s: Socket<Conn>, frame: Uint8Array): Promise<void> {
     let req: Request;
     try {
       req = JSON.parse(new TextDecoder().decode(frame));
@@ -457,13 +549,19 @@ export class Blockd {
     }
     if (req.v !== PROTOCOL_VERSION)
       return reply(s, { v: PROTOCOL_VERSION, id: req.id, error: { code: "VersionMismatch", message: `blockd speaks version ${PROTOCOL_VERSION}, not ${req.v}` } });
+    if (s.data.inFlight >= MAX_IN_FLIGHT)
+      return reply(s, { v: PROTOCOL_VERSION, id: req.id, error: { code: "Busy", message: `${MAX_IN_FLIGHT} requests already in flight on this connection` } });
+    s.data.inFlight++;
+    const params = req.params && typeof req.params === "object" ? req.params : {};
+    const run = this.dispatch(req.method, params);
+    this.running.add(run);
     try {
-      const params = req.params && typeof req.params === "object" ? req.params : {};
-      reply(s, { v: PROTOCOL_VERSION, id: req.id, result: await this.dispatch(req.method, params) });
+      reply(s, { v: PROTOCOL_VERSION, id: req.id, result: await run });
     } catch (e) {
-      const err = e as Error & { code?: string };
-      const code = e instanceof BlockdError ? e.code : err.name && err.name !== "Error" ? err.name : "Internal";
-      reply(s, { v: PROTOCOL_VERSION, id: req.id, error: { code, message: err.message } });
+      reply(s, { v: PROTOCOL_VERSION, id: req.id, error: errorOf(e) });
+    } finally {
+      this.running.delete(run);
+      s.data.inFlight--;
     }
   }
 
@@ -472,6 +570,10 @@ export class Blockd {
     if (this.closing) return;
     this.closing = true;
     this.server?.stop(true);
+    // Calls under way (a pool refill included) finish first, so no device appears after the stop below.
+    let timer: Timer | undefined;
+    await Promise.race([Promise.allSettled([...this.running, this.filling]), new Promise((r) => (timer = setTimeout(r, SHUTDOWN_WAIT_MS)))]);
+    clearTimeout(timer);
     for (const d of this.devices.values()) {
       try {
         if (d.rec.loop) loopDetach(d.rec.loop);
@@ -495,8 +597,36 @@ export class Blockd {
   }
 }
 
-function reply(s: Socket<unknown>, r: Reply): void {
-  s.write(encodeFrame(r));
+/** One connection: frames in, frames out (whole, in order), and how many of its requests run. */
+interface Conn {
+  reader: FrameReader;
+  writer: FrameWriter;
+  inFlight: number;
+}
+
+/** Requests one connection may have running at once; more are answered Busy. */
+const MAX_IN_FLIGHT = 64;
+/** How long shutdown lets calls under way finish (a restack's seal, a device start) before it stops devices. */
+const SHUTDOWN_WAIT_MS = 30_000;
+
+function errorOf(e: unknown): { code: string; message: string } {
+  const err = e as Error;
+  return { code: e instanceof BlockdError ? e.code : err.name && err.name !== "Error" ? err.name : "Internal", message: err.message };
+}
+
+/** A reply that cannot be encoded (too large) goes as its error; a peer that does not read is cut off. */
+function reply(s: Socket<Conn>, r: Reply): void {
+  let frame: Uint8Array;
+  try {
+    frame = encodeFrame(r);
+  } catch (e) {
+    frame = encodeFrame({ v: r.v, id: r.id, error: errorOf(e) });
+  }
+  try {
+    s.data.writer.send(frame);
+  } catch {
+    s.end();
+  }
 }
 
 function checkId(id: unknown): string {
@@ -508,6 +638,51 @@ function checkLowers(lowers: unknown): LayerRef[] {
   if (lowers === undefined) return [];
   if (!Array.isArray(lowers)) throw new BlockdError("BadRequest", `"lowers" must be an array of layers`);
   return lowers.map((l) => (typeof l === "string" ? { file: l } : l)) as LayerRef[];
+}
+
+function checkSize(size: unknown): number {
+  if (!Number.isSafeInteger(size) || (size as number) <= 0 || (size as number) % 512)
+    throw new BlockdError("BadRequest", `"size" must be a positive multiple of 512`);
+  return size as number;
+}
+
+/** Absolute: blockd's working directory is not the caller's. */
+function checkUpperDir(dir: unknown): string {
+  if (typeof dir !== "string" || !isAbsolute(dir)) throw new BlockdError("BadRequest", `"upperDir" must be an absolute directory path`);
+  return dir;
+}
+
+/** A stack whose every lower exists (missing → ConfigError), with the upper of upperDir if given. */
+function checkConfig(lowers: unknown, upperDir?: string): ImageConfig {
+  const upper = upperDir === undefined ? undefined : { data: join(upperDir, WRITABLE_DATA), index: join(upperDir, WRITABLE_INDEX) };
+  const config = parseImageConfig({ lowers: checkLowers(lowers), upper });
+  config.lowers.forEach((l, i) => resolveLayerPath(l, i));
+  return config;
+}
+
+async function exists(path: string): Promise<boolean> {
+  return stat(path).then(
+    () => true,
+    () => false,
+  );
+}
+
+/** A fresh writable layer in upperDir; returns what removes it again (and the directories made for it). */
+async function makeUpper(upperDir: string, size: number, sparse: boolean): Promise<() => Promise<void>> {
+  const data = join(upperDir, WRITABLE_DATA);
+  const index = join(upperDir, WRITABLE_INDEX);
+  const madeDir = await mkdir(upperDir, { recursive: true });
+  const remove = async () => {
+    if (madeDir) await rm(madeDir, { recursive: true, force: true });
+    else await Promise.all([rm(data, { force: true }), rm(index, { force: true })]);
+  };
+  try {
+    await (await WritableLayer.create(data, index, { virtualSize: size, sparse })).close();
+  } catch (e) {
+    await remove();
+    throw e;
+  }
+  return remove;
 }
 
 /** The virtual size a config's stack has (ublk sets the device size before a worker opens it). */

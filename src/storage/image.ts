@@ -2,8 +2,8 @@
 // disk (DESIGN.md §3). Reads consult the upper's index, then one merged index of every lower
 // (tag = layer, base = 0); holes and zero segments read as zeros.
 
-import { renameSync, existsSync, unlinkSync } from "node:fs";
-import { IoRangeError, ConfigError, TruncatedError } from "./errors.ts";
+import { link, rename, rm, truncate, unlink } from "node:fs/promises";
+import { IoRangeError, ConfigError, StorageError, TruncatedError } from "./errors.ts";
 import type { ReadableFile, WritableFile } from "./file.ts";
 import { type ImageConfig, MAX_LOWERS, resolveLayerPath } from "./image_config.ts";
 import { openLayerFile } from "./open_layer.ts";
@@ -199,27 +199,67 @@ export class Image {
   }
 
   /**
-   * Snapshot: seal the upper in place, move it to `layerPath` as the newest read-only layer, and
-   * open a fresh upper at the old paths. No data is copied: cost follows the index, not the data.
+   * Snapshot: seal the upper in place, name it `layerPath` as the newest read-only layer, and put
+   * a fresh upper at the old paths. No data is copied: cost follows the index, not the data.
+   * All or nothing: `layerPath` is claimed first (a hard link, so it must be new and on the
+   * upper's filesystem) and the fresh upper is made beside the old one; on any failure the seal
+   * is cut off again and the old upper reopened, so the image serves the stack it had.
    */
   async restack(layerPath: string): Promise<string> {
-    const up = this.upperLayer;
-    if (!up) throw new IoRangeError("the image has no writable layer to restack", "image");
+    if (!this.upperLayer) throw new IoRangeError("the image has no writable layer to restack", "image");
     if (this.lowers.length >= MAX_LOWERS) throw new ConfigError(`the stack already has ${MAX_LOWERS} layers`);
-    if (existsSync(layerPath)) throw new ConfigError(`restack target exists`, layerPath);
     return this.exclusive(async () => {
-      await up.seal();
-      await up.close();
-      renameSync(up.dataPath, layerPath);
-      if (existsSync(up.indexPath)) unlinkSync(up.indexPath);
-      const layer = await openLayerFile(layerPath);
+      const up = this.upperLayer!;
+      try {
+        await link(up.dataPath, layerPath);
+      } catch (e) {
+        throw new ConfigError(`restack target cannot be made: ${(e as NodeJS.ErrnoException).code ?? (e as Error).message}`, layerPath);
+      }
+      const next = { data: `${up.dataPath}.next`, index: `${up.indexPath}.next` };
+      const prevIndex = `${up.indexPath}.prev`;
+      const sealFrom = up.dataSize;
+      let sealing = false;
+      let closing = false;
+      let indexSaved = false;
+      let dataReplaced = false;
+      let layer: ReadOnlyLayer | undefined;
+      let fresh: WritableLayer;
+      try {
+        await (await WritableLayer.create(next.data, next.index, { virtualSize: up.virtualSize, parentUuid: up.uuid, sparse: up.sparse })).close();
+        sealing = true;
+        await up.seal();
+        closing = true;
+        await up.close();
+        layer = await openLayerFile(layerPath);
+        if (!up.sparse) {
+          await link(up.indexPath, prevIndex);
+          indexSaved = true;
+          await rename(next.index, up.indexPath);
+        }
+        await rename(next.data, up.dataPath); // the sealed data lives on at layerPath
+        dataReplaced = true;
+        fresh = await WritableLayer.open(up.dataPath, up.indexPath, { appendOnly: up.appendOnly });
+      } catch (e) {
+        try {
+          await layer?.close();
+          if (dataReplaced) await rename(layerPath, up.dataPath);
+          else await unlink(layerPath);
+          if (indexSaved) await rename(prevIndex, up.indexPath);
+          if (sealing) {
+            if (!closing) await up.close();
+            await truncate(up.dataPath, sealFrom); // cut the seal off
+            this.upperLayer = await WritableLayer.open(up.dataPath, up.indexPath, { appendOnly: up.appendOnly });
+          }
+        } catch (u) {
+          throw new StorageError(`restack failed (${(e as Error).message}) and undoing it failed (${(u as Error).message})`, up.dataPath);
+        }
+        await Promise.all([rm(next.data, { force: true }), rm(next.index, { force: true })]).catch(() => {});
+        throw e instanceof StorageError ? e : new StorageError(`restack failed: ${(e as Error).message}`, layerPath);
+      }
       this.lowers.push(layer);
       this.addToMerged(layer, this.lowers.length - 1);
-      this.upperLayer = await WritableLayer.create(up.dataPath, up.indexPath, {
-        virtualSize: up.virtualSize,
-        parentUuid: layer.uuid,
-        sparse: up.sparse,
-      });
+      this.upperLayer = fresh;
+      await rm(prevIndex, { force: true }).catch(() => {});
       return layerPath;
     });
   }

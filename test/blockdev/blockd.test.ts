@@ -3,38 +3,12 @@
 import { describe, expect, test } from "bun:test";
 import { mkdirSync, readFileSync, writeFileSync, openSync, readSync, closeSync } from "node:fs";
 import { join } from "node:path";
-import { WritableLayer } from "../../src/storage/lsmt/writable_layer.ts";
 import { sha256 } from "../helpers/tmp.ts";
-import { haveFuse, haveLoop, sh, startBlockd } from "./harness.ts";
+import { haveFuse, haveLoop, makeLayer, readAll, sh, startBlockd } from "./harness.ts";
 import { FrameReader, encodeFrame } from "../../src/blockdev/protocol.ts";
 
 const canRun = haveFuse && haveLoop;
 if (!canRun) console.log("blockd tests skipped: they need root, /dev/fuse and /dev/loop-control");
-
-/** A sealed layer holding `fill` bytes at `at`. */
-async function makeLayer(path: string, size: number, at: number, fill: Uint8Array): Promise<string> {
-  const l = await WritableLayer.create(`${path}.tmp.data`, `${path}.tmp.index`, { virtualSize: size });
-  await l.write(fill, at);
-  await l.seal();
-  await l.close();
-  const { renameSync, rmSync } = await import("node:fs");
-  renameSync(`${path}.tmp.data`, path);
-  rmSync(`${path}.tmp.index`);
-  return path;
-}
-
-function readAll(path: string, length: number): Uint8Array {
-  const fd = openSync(path, "r");
-  const b = new Uint8Array(length);
-  let done = 0;
-  while (done < length) {
-    const n = readSync(fd, b, done, length - done, done);
-    if (n <= 0) break;
-    done += n;
-  }
-  closeSync(fd);
-  return b;
-}
 
 describe.skipIf(!canRun)("blockd (FUSE frontend)", async () => {
   // bun runs a skipped describe's body: start nothing there, and show why it skipped.
@@ -129,20 +103,24 @@ describe.skipIf(!canRun)("blockd (FUSE frontend)", async () => {
     const l2 = await makeLayer(join(dir, "pool-b.sealed"), 2 << 20, 0, new Uint8Array(4096).fill(0xb2));
     const pooled = (await client.call("list")).filter((d: { kind: string }) => d.kind === "pool");
     expect(pooled.length).toBeGreaterThanOrEqual(1);
+    const d0 = await client.call("acquire", { lowers: [l1] });
+    expect(pooled.map((d: { id: string }) => d.id)).toContain(d0.id); // a ready device, not a new one
+    expect(d0.size).toBe(1 << 20);
     const d1 = await client.call("acquire", { lowers: [l1] });
-    expect(pooled.map((d: { id: string }) => d.id)).toContain(d1.id); // a ready device, not a new one
-    expect(d1.size).toBe(1 << 20);
+    expect(d1.id).not.toBe(d0.id);
     // Keep one fd open across the swap: the same live file shows the new image.
     const fd = openSync(d1.path, "r");
     const b = new Uint8Array(4096);
     readSync(fd, b, 0, 4096, 0);
     expect(b[0]).toBe(0xa1);
+    await client.call("release", { id: d0.id });
     await client.call("release", { id: d1.id });
+    // The device released last is handed out first: d1's live file, now over l2.
     const d2 = await client.call("acquire", { lowers: [l2] });
-    if (d2.id === d1.id) {
-      readSync(fd, b, 0, 4096, 0);
-      expect(b[0]).toBe(0xb2);
-    } else expect(readAll(d2.path, 4096)[0]).toBe(0xb2);
+    expect(d2.id).toBe(d1.id);
+    readSync(fd, b, 0, 4096, 0);
+    expect(b[0]).toBe(0xb2);
+    expect(readAll(d2.path, 4096)[0]).toBe(0xb2);
     closeSync(fd);
     await client.call("release", { id: d2.id });
     // Writable acquire: a fresh upper over the layer.
@@ -153,6 +131,12 @@ describe.skipIf(!canRun)("blockd (FUSE frontend)", async () => {
 
   test("bad input gets a typed error and blockd keeps serving other devices", async () => {
     const keep = await client.call("create", { upperDir: join(dir, "keep"), size: 1 << 20 });
+    const { writeSync, fsyncSync } = await import("node:fs");
+    const pattern = crypto.getRandomValues(new Uint8Array(4096));
+    const pfd = openSync(keep.path, "r+");
+    writeSync(pfd, pattern, 0, 4096, 0);
+    fsyncSync(pfd);
+    closeSync(pfd);
     const expectError = async (method: string, params: Record<string, unknown>, code: string) => {
       let err: Error | undefined;
       try {
@@ -173,7 +157,6 @@ describe.skipIf(!canRun)("blockd (FUSE frontend)", async () => {
     await expectError("restack", { id: keep.id }, "BadRequest");
     // Resize below what is in use.
     const fd = openSync(keep.path, "r+");
-    const { writeSync, fsyncSync } = await import("node:fs");
     writeSync(fd, new Uint8Array(4096).fill(1), 0, 4096, 512 * 1024);
     fsyncSync(fd);
     closeSync(fd);
@@ -204,7 +187,7 @@ describe.skipIf(!canRun)("blockd (FUSE frontend)", async () => {
     expect(got.join()).toContain("BadRequest");
     raw.close();
     // The other device still serves.
-    expect(readAll(keep.path, 4096).length).toBe(4096);
+    expect(readAll(keep.path, 4096)).toEqual(pattern);
     expect((await client.call("hello")).version).toBe(1);
     await client.call("delete", { id: keep.id });
   }, 30_000);

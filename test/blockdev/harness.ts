@@ -1,9 +1,10 @@
 // A real blockd for a test: its own state dir, started through the client as the node does,
 // shut down (devices flushed, mounts and loops gone) when the test file ends.
 import { afterAll } from "bun:test";
-import { existsSync, readFileSync, rmSync } from "node:fs";
+import { closeSync, existsSync, openSync, readFileSync, readSync, renameSync, rmSync } from "node:fs";
 import { join } from "node:path";
 import { BlockdClient } from "../../src/blockdev/client.ts";
+import { WritableLayer } from "../../src/storage/lsmt/writable_layer.ts";
 import { scratchDir } from "../helpers/tmp.ts";
 
 export const haveFuse = existsSync("/dev/fuse") && process.getuid?.() === 0;
@@ -44,4 +45,29 @@ export function sh(cmd: string[], input?: Uint8Array): string {
 
 export function blockdPid(state: string): number {
   return Number(readFileSync(join(state, "blockd.pid"), "utf8"));
+}
+
+/** A sealed layer file at `path` of virtual size `size`, holding `fill` at byte `at`. */
+export async function makeLayer(path: string, size: number, at: number, fill: Uint8Array): Promise<string> {
+  const l = await WritableLayer.create(`${path}.tmp.data`, `${path}.tmp.index`, { virtualSize: size });
+  await l.write(fill, at);
+  await l.seal();
+  await l.close();
+  renameSync(`${path}.tmp.data`, path);
+  rmSync(`${path}.tmp.index`);
+  return path;
+}
+
+/** `length` bytes of a device file from `at`, read through the page cache. */
+export function readAll(path: string, length: number, at = 0): Uint8Array {
+  const fd = openSync(path, "r");
+  const b = new Uint8Array(length);
+  let done = 0;
+  while (done < length) {
+    const n = readSync(fd, b, done, length - done, at + done);
+    if (n <= 0) break;
+    done += n;
+  }
+  closeSync(fd);
+  return b;
 }

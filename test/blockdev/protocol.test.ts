@@ -1,6 +1,6 @@
 // blockd's wire framing: u32 big-endian length + JSON, split or merged any way by the socket.
 import { expect, test } from "bun:test";
-import { BlockdError, FrameReader, MAX_FRAME, encodeFrame } from "../../src/blockdev/protocol.ts";
+import { BlockdConnectionError, BlockdError, BlockdTimeoutError, CallTable, FrameReader, FrameWriter, MAX_FRAME, MAX_UNSENT, encodeFrame } from "../../src/blockdev/protocol.ts";
 
 test("frames survive any split and merge of the byte stream", () => {
   const msgs = [{ v: 1, id: 1, method: "hello" }, { v: 1, id: 2, method: "list", params: { x: "é".repeat(300) } }, { v: 1, id: 3 }];
@@ -20,4 +20,49 @@ test("an impossible length is refused by name, before any allocation of that siz
   new DataView(head.buffer).setUint32(0, MAX_FRAME + 1, false);
   expect(() => r.push(head)).toThrow(BlockdError);
   expect(() => encodeFrame({ big: "x".repeat(MAX_FRAME) })).toThrow(/exceeds/);
+});
+
+test("a FrameWriter keeps what the socket did not take and sends it, in order, on drain; a peer that never reads is cut off", () => {
+  const got: number[] = [];
+  let room = 5;
+  const socket = {
+    write(b: Uint8Array): number {
+      const n = Math.min(room, b.length);
+      got.push(...b.subarray(0, n));
+      room -= n;
+      return n;
+    },
+  };
+  const w = new FrameWriter(socket);
+  const frames = [encodeFrame({ a: 1 }), encodeFrame({ b: "x".repeat(100) }), encodeFrame({ c: 3 })];
+  for (const f of frames) w.send(f);
+  expect(got.length).toBe(5);
+  while (got.length < frames.reduce((n, f) => n + f.length, 0)) {
+    room = 7;
+    w.flush(); // the socket's drain callback
+  }
+  const r = new FrameReader();
+  expect(r.push(new Uint8Array(got)).map((f) => JSON.parse(new TextDecoder().decode(f)))).toEqual([{ a: 1 }, { b: "x".repeat(100) }, { c: 3 }]);
+  room = 0;
+  const stuck = new FrameWriter(socket);
+  expect(() => {
+    for (let i = 0; i <= MAX_UNSENT / MAX_FRAME; i++) stuck.send(new Uint8Array(MAX_FRAME));
+  }).toThrow(/not reading/);
+});
+
+test("a CallTable call ends by its reply, its timeout (a late reply is dropped), or the connection's end", async () => {
+  const t = new CallTable("peer");
+  const answered = t.add(1, "one", 10_000, () => {});
+  expect(t.settle(1, "r1")).toBe(true);
+  expect(await answered).toBe("r1");
+  const late = t.add(2, "two", 20, () => {});
+  expect(await late.catch((e) => e)).toBeInstanceOf(BlockdTimeoutError);
+  expect(t.settle(2, "too late")).toBe(false);
+  const pending = t.add(3, "three", 10_000, () => {});
+  t.close("gone");
+  const e = (await pending.catch((e) => e)) as Error;
+  expect(e).toBeInstanceOf(BlockdConnectionError);
+  expect(e.message).toContain('"three"');
+  expect(await t.add(4, "four", 10_000, () => {}).catch((e) => e)).toBeInstanceOf(BlockdConnectionError);
+  expect(t.size).toBe(0);
 });
