@@ -1,6 +1,6 @@
 // The node's HTTP API on Elysia: API-key auth on every API route, bounded JSON bodies, errors as
 // E2B's `{code, message}` with the status the SDK maps, and the OpenAPI document with an offline
-// Swagger UI. Routes are added by the caller (`.use(...)`) before `listen`.
+// Swagger UI. Routes are added by the caller (`.use(...)`); src/api/server.ts serves it beside the proxy.
 import { Elysia } from "elysia";
 import { swagger } from "@elysiajs/swagger";
 import { timingSafeEqual } from "node:crypto";
@@ -14,8 +14,6 @@ export interface ApiOptions {
   /** undefined: the node can create sandboxes; a string: why it cannot yet (503). */
   notReadyReason: () => string | undefined;
   version: string;
-  /** Answers requests that are not for the API (the sandbox proxy) before any routing or auth. */
-  intercept?: (request: Request) => Promise<Response> | undefined;
 }
 
 const PLUGIN_UI = "/swagger/_plugin_ui";
@@ -40,8 +38,6 @@ export function createApi(opts: ApiOptions) {
   const key = Buffer.from(opts.apiKey);
   return new Elysia()
     .onRequest(({ request }) => {
-      const proxied = opts.intercept?.(request);
-      if (proxied) return proxied;
       const path = new URL(request.url).pathname;
       // The plugin's own page loads its assets from a CDN: this node serves /swagger instead.
       if (path === PLUGIN_UI) return notFound("route not found: the API's UI is /swagger").response();

@@ -2,6 +2,7 @@
 // `e2b-sandbox-id` / `x-agentenv-sandbox-id`, when its host is `{port}-{id}.{domain}`, or when its
 // path is `/proxy/{id}/{port}/...`. Bodies stream both ways unbuffered (bytes pass as they are:
 // no decompression); a killed sandbox's open streams are cut.
+import type { Server, ServerWebSocket, WebSocketHandler } from "bun";
 import type { Orchestrator } from "../orchestrator/orchestrator.ts";
 import { ENVD_PORT } from "../orchestrator/envd.ts";
 import { AUTO_RESUME_MIN_TIMEOUT_S } from "./sandboxes.ts";
@@ -15,6 +16,17 @@ export interface ProxyOptions {
 const ENVD_INTERNAL = new Set(["/init", "/freeze", "/unfreeze", "/collapse", "/fsfreeze", "/fsthaw", "/upgrade"]);
 const HOP_BY_HOP = ["connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "transfer-encoding", "upgrade", "host", "content-length"];
 const SANDBOX_ID = /^[a-z0-9]{1,64}$/;
+/** Messages from the sandbox held while the client's side of a WebSocket is opening. */
+const WS_PENDING_MAX = 1 << 20;
+const WS_CONNECT_TIMEOUT_MS = 10_000;
+
+export interface WsData {
+  upstream: WebSocket;
+  client: ServerWebSocket<WsData> | undefined;
+  pending: (string | Uint8Array)[];
+  pendingBytes: number;
+  done: () => void;
+}
 
 export interface ProxyTarget {
   id: string;
@@ -77,14 +89,41 @@ export class SandboxProxy {
     orch.onGone((id) => this.streams.cut(id));
   }
 
-  /** The proxied response, or undefined when `req` is not for a sandbox. */
-  handle(req: Request): Promise<Response> | undefined {
+  /**
+   * The proxied response, or undefined when `req` is not for a sandbox. A WebSocket upgrade is
+   * answered by upgrading on `server` (the promise then resolves to undefined, as Bun wants).
+   */
+  handle(req: Request, server?: Server<WsData>): Promise<Response | undefined> | undefined {
     const url = new URL(req.url);
     const route = routeOf(req, url, this.opts);
-    return route && this.forward(req, route);
+    if (!route) return undefined;
+    return this.admit(req, route).then((a) => {
+      if (a instanceof Response) return a;
+      if (server && req.headers.get("upgrade")?.toLowerCase() === "websocket") return this.upgrade(req, route, a, server);
+      return this.forward(req, route, a);
+    });
   }
 
-  private async forward(req: Request, r: ProxyTarget): Promise<Response> {
+  /** Bun's WebSocket handlers for upgraded sandbox connections (pass as `websocket` to Bun.serve). */
+  readonly websocket: WebSocketHandler<WsData> = {
+    open: (ws) => {
+      const d = ws.data;
+      d.client = ws;
+      for (const m of d.pending) ws.send(m);
+      d.pending.length = 0;
+      d.pendingBytes = 0;
+    },
+    message: (ws, msg) => {
+      if (ws.data.upstream.readyState === WebSocket.OPEN) ws.data.upstream.send(msg);
+    },
+    close: (ws, code, reason) => {
+      ws.data.done();
+      try { ws.data.upstream.close(code === 1005 ? 1000 : code, reason); } catch { ws.data.upstream.close(); }
+    },
+  };
+
+  /** Checks that `r` may go through: the sandbox exists and runs (resumed if it auto-resumes), the port is open to the public. */
+  private async admit(req: Request, r: ProxyTarget): Promise<Response | { host: string; port: number }> {
     if (!SANDBOX_ID.test(r.id)) return proxyError(400, r.id, "invalid sandbox ID: expected [a-z0-9]+");
     if (!Number.isInteger(r.port) || r.port < 1 || r.port > 65535) return proxyError(400, r.id, `invalid port ${r.port}`);
     let rec = this.orch.store.get(r.id);
@@ -106,7 +145,11 @@ export class SandboxProxy {
     }
     const target = this.orch.target(r.id, r.port);
     if (!target) return proxyError(502, r.id, "The sandbox was not found");
+    return target;
+  }
 
+  /** Streams the request to the sandbox and its response back, neither buffered. */
+  private async forward(req: Request, r: ProxyTarget, target: { host: string; port: number }): Promise<Response> {
     const headers = new Headers(req.headers);
     for (const h of HOP_BY_HOP) headers.delete(h);
     headers.delete("e2b-traffic-access-token");
@@ -158,5 +201,42 @@ export class SandboxProxy {
       },
     }, { highWaterMark: 0 });
     return new Response(body, { status: upstream.status, headers: out });
+  }
+
+  private async upgrade(req: Request, r: ProxyTarget, target: { host: string; port: number }, server: Server<WsData>): Promise<Response | undefined> {
+    const protocols = req.headers.get("sec-websocket-protocol")?.split(",").map((p) => p.trim()).filter(Boolean);
+    const upstream = new WebSocket(`ws://${target.host}:${target.port}${r.path}`, protocols);
+    upstream.binaryType = "arraybuffer";
+    const abort = new AbortController();
+    const data: WsData = { upstream, pending: [], pendingBytes: 0, client: undefined, done: this.streams.add(r.id, abort) };
+    abort.signal.addEventListener("abort", () => {
+      data.client?.close(1001, "sandbox is gone");
+      upstream.close();
+    }, { once: true });
+    upstream.onmessage = (e) => {
+      const m = typeof e.data === "string" ? e.data : new Uint8Array(e.data as ArrayBuffer);
+      if (data.client) return void data.client.send(m);
+      data.pendingBytes += typeof m === "string" ? m.length : m.byteLength;
+      if (data.pendingBytes > WS_PENDING_MAX) upstream.close(1009, "client not ready");
+      else data.pending.push(m);
+    };
+    upstream.onclose = (e) => {
+      data.done();
+      data.client?.close(e.code === 1005 || e.code === 1006 ? 1000 : e.code, e.reason);
+    };
+    const opened = await new Promise<boolean>((resolve) => {
+      const t = setTimeout(() => resolve(false), WS_CONNECT_TIMEOUT_MS);
+      upstream.onopen = () => { clearTimeout(t); resolve(true); };
+      upstream.onerror = () => { clearTimeout(t); resolve(false); };
+    });
+    if (!opened) {
+      data.done();
+      upstream.close();
+      return proxyError(502, r.id, "The sandbox is running but port is not open", { port: r.port });
+    }
+    if (server.upgrade(req, { data, headers: upstream.protocol ? { "sec-websocket-protocol": upstream.protocol } : undefined })) return undefined;
+    data.done();
+    upstream.close();
+    return proxyError(400, r.id, "WebSocket upgrade failed");
   }
 }

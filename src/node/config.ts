@@ -2,7 +2,7 @@
 // optional `$AENV_HOME/node.toml`, its default and its parser. The environment wins over the file;
 // docs/node.md lists the same table (test/node/config.test.ts keeps the two in step).
 import { chmodSync, closeSync, existsSync, mkdirSync, openSync, readFileSync, renameSync, writeSync } from "node:fs";
-import { join } from "node:path";
+import { join, resolve } from "node:path";
 
 export class ConfigError extends Error {
   constructor(message: string) { super(message); this.name = "ConfigError"; }
@@ -58,7 +58,8 @@ const TOML_MAX_BYTES = 64 << 10;
  * above), then the defaults. Unknown keys in the file and malformed values are ConfigErrors.
  */
 export function loadConfig(env: Record<string, string | undefined> = process.env): NodeConfig {
-  const home = env[SETTINGS.home.env] || SETTINGS.home.default;
+  // Absolute: blockd and the VMMs get paths under it, and they run in other directories.
+  const home = resolve(env[SETTINGS.home.env] || SETTINGS.home.default);
   const tomlPath = join(home, "node.toml");
   let file: Record<string, unknown> = {};
   if (existsSync(tomlPath)) {
@@ -81,6 +82,7 @@ export function loadConfig(env: Record<string, string | undefined> = process.env
     if (fromEnv !== undefined && fromEnv !== "") { raw = fromEnv; where = s.env; }
     else if (fromFile !== undefined) { raw = String(fromFile); where = `${tomlPath}: ${s.toml}`; }
     else { raw = s.default.replace("$AENV_HOME", home); where = `default of ${s.env}`; }
+    if (name === "home") raw = home;
     out[name] = s.parse(raw, where);
   }
   return out as NodeConfig;

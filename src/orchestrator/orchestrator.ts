@@ -8,6 +8,8 @@ import { join } from "node:path";
 import type { BlockdClient } from "../blockdev/client.ts";
 import type { Slot, SlotPool } from "../network/index.ts";
 import { readSnapshot, type DriveSpec, type Vmm, type VmmDriver } from "../vmm/types.ts";
+import { open as openAsync } from "node:fs/promises";
+import { posixFadvise, POSIX_FADV_DONTNEED } from "../../ffi/libc.ts";
 import { ENVD_PORT, ENVD_VERSION, initEnvd, waitEnvdReady } from "./envd.ts";
 import { SandboxStore, publicState, type SandboxRecord, type SandboxState } from "./store.ts";
 import { TemplateStore, type TemplateRecord, type VmCheckpoint } from "./templates.ts";
@@ -83,6 +85,18 @@ function randomId(len = 20): string {
   let s = "";
   for (const b of bytes) s += alphabet[b % 36];
   return s;
+}
+
+/** Writes a file's dirty pages (off the event loop) and drops its cached ones; a missing file is fine. */
+async function dropCache(path: string): Promise<void> {
+  if (!existsSync(path)) return;
+  const fh = await openAsync(path, "r");
+  try {
+    await fh.datasync();
+    posixFadvise(fh.fd, 0, 0, POSIX_FADV_DONTNEED, path);
+  } finally {
+    await fh.close();
+  }
 }
 
 function token(): string {
@@ -376,6 +390,8 @@ export class Orchestrator {
         this.live.delete(id);
         await this.release(rt);
         rmSync(join(this.opts.home, "sandboxes", id), { recursive: true, force: true });
+        // A paused sandbox's memory lives on disk, not in the host's page cache.
+        for (const f of ["mem", "vmstate"]) await dropCache(join(cp.dir, f));
         const paused: SandboxRuntime = { ...rt, slot: null, toolsDevice: null, rootfsDevice: null, upperDir: null, vmPid: null, paused: cp, layers: cp.layers, checkpoints: [cp.dir, ...cp.layers.map((l) => join(l, ".."))] };
         this.store.transition(id, ["pausing"], "paused", { runtime: paused });
         this.collectCheckpoints();

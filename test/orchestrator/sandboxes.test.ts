@@ -9,6 +9,7 @@ import { Sandbox, SandboxNotFoundError } from "e2b";
 import { envdToolsDisk, guestCmdline, sealedLayer } from "../../guest/artifacts.ts";
 import { createApi } from "../../src/api/app.ts";
 import { SandboxProxy } from "../../src/api/proxy.ts";
+import { serveNode } from "../../src/api/server.ts";
 import { sandboxRoutes } from "../../src/api/sandboxes.ts";
 import { haveTool, SlotPool } from "../../src/network/index.ts";
 import { Orchestrator } from "../../src/orchestrator/orchestrator.ts";
@@ -55,10 +56,10 @@ describe.skipIf(!!skip)("node API + orchestrator with the e2b SDK (QEMU, blockd,
       diskSizeMB: 64, layers: [fx.rootfsLayer], checkpoint: null, sourceSandboxId: null, envdVersion: "0.6.13", createdAt: Date.now(),
     });
     const proxy = new SandboxProxy(orch, { domain: "" });
-    const server = createApi({ apiKey: KEY, maxBodyBytes: 1 << 20, notReadyReason: () => undefined, version: "test", intercept: (r) => proxy.handle(r) })
-      .use(sandboxRoutes(() => orch, { domain: null, defaultTimeoutS: 300 }))
-      .listen({ hostname: "127.0.0.1", port: 0 });
-    base = `http://127.0.0.1:${server.server!.port}`;
+    const app = createApi({ apiKey: KEY, maxBodyBytes: 1 << 20, notReadyReason: () => undefined, version: "test" })
+      .use(sandboxRoutes(() => orch, { domain: null, defaultTimeoutS: 300 }));
+    const server = serveNode(app, { hostname: "127.0.0.1", port: 0, proxy: () => proxy });
+    base = `http://127.0.0.1:${server.port}`;
     stopServer = () => void server.stop();
     orch.startReaper(200);
   }, 300_000);

@@ -1,0 +1,42 @@
+// One port for the API and the proxy: a request for a sandbox goes to the proxy (WebSocket
+// upgrades included) before Elysia sees it, so proxied traffic pays no API routing or hooks.
+import type { Server } from "bun";
+import type { SandboxProxy, WsData } from "./proxy.ts";
+
+/** Bun's longest idle timeout; envd streams send keepalives every 50 s, well inside it. */
+export const IDLE_TIMEOUT_S = 255;
+
+export interface ServeOptions {
+  hostname: string;
+  port: number;
+  /** The proxy once the node can run sandboxes; until then sandbox traffic gets the API's answer. */
+  proxy: () => SandboxProxy | undefined;
+}
+
+/** Anything that answers a Request (the Elysia app's `handle`). */
+export interface RequestHandler {
+  handle(req: Request): Promise<Response> | Response;
+}
+
+export function serveNode(app: RequestHandler, o: ServeOptions): Server<WsData> {
+  const ws = (): SandboxProxy["websocket"] => {
+    const p = o.proxy();
+    if (!p) throw new Error("WebSocket before the proxy exists");
+    return p.websocket;
+  };
+  return Bun.serve<WsData>({
+    hostname: o.hostname,
+    port: o.port,
+    idleTimeout: IDLE_TIMEOUT_S,
+    // Uploads through the proxy stream and may be any size; API routes bound their own bodies.
+    maxRequestBodySize: Number.MAX_SAFE_INTEGER,
+    fetch(req, server) {
+      return o.proxy()?.handle(req, server) ?? app.handle(req);
+    },
+    websocket: {
+      open: (s) => void ws().open?.(s),
+      message: (s, m) => void ws().message?.(s, m),
+      close: (s, c, r) => void ws().close?.(s, c, r),
+    },
+  });
+}
