@@ -1,7 +1,11 @@
 // Connect protocol server side: unary (application/json | application/proto) and streaming
 // (application/connect+json | application/connect+proto) on plain Request/Response.
+import { BadGzip, BodyTooLarge, gunzipBounded, readBounded } from "./body.ts";
 import { ProtoError } from "./proto.ts";
 import { schema } from "./schema.ts";
+
+/** Connect's read limit: one request message (unary body or stream envelope, after inflating) is at most 16 MiB. */
+export const MAX_MESSAGE_BYTES = 16 * 1024 * 1024;
 
 export type Code =
   | "canceled" | "unknown" | "invalid_argument" | "deadline_exceeded" | "not_found" | "already_exists"
@@ -25,13 +29,15 @@ export class ConnectError extends Error {
 /** Maps anything thrown by a handler onto a Connect error; node errno codes get their natural meaning. */
 export function toConnectError(e: unknown): ConnectError {
   if (e instanceof ConnectError) return e;
-  if (e instanceof ProtoError) return new ConnectError("invalid_argument", e.message);
+  if (e instanceof ProtoError || e instanceof BadGzip) return new ConnectError("invalid_argument", e.message);
+  if (e instanceof BodyTooLarge) return new ConnectError("resource_exhausted", `message is larger than the limit of ${e.limit} bytes`);
   const errno = (e as { code?: string })?.code;
   const msg = e instanceof Error ? e.message : String(e);
   const byErrno: Record<string, Code> = {
     ENOENT: "not_found", EACCES: "permission_denied", EPERM: "permission_denied", EEXIST: "already_exists",
     ENOTDIR: "invalid_argument", EISDIR: "invalid_argument", EINVAL: "invalid_argument", ELOOP: "invalid_argument",
     ENAMETOOLONG: "invalid_argument", ENOSPC: "resource_exhausted", EDQUOT: "resource_exhausted",
+    ERR_INVALID_ARG_VALUE: "invalid_argument", // node's refusal of a NUL byte in a path or argument
   };
   return new ConnectError((errno && byErrno[errno]) || "internal", msg);
 }
@@ -74,15 +80,9 @@ function keepaliveMs(h: string | null): number {
   return Number.isFinite(s) && s > 0 ? s * 1000 : 90_000; // envd's default when the header is absent
 }
 
-function decompress(body: Uint8Array, encoding: string | null): Uint8Array {
+async function decompress(body: Uint8Array, encoding: string | null): Promise<Uint8Array> {
   if (!encoding || encoding === "identity") return body;
-  if (encoding === "gzip") {
-    try {
-      return Bun.gunzipSync(body as Uint8Array<ArrayBuffer>);
-    } catch {
-      throw new ConnectError("invalid_argument", "invalid gzip payload");
-    }
-  }
+  if (encoding === "gzip") return gunzipBounded(body, MAX_MESSAGE_BYTES);
   throw new ConnectError("unimplemented", `unsupported compression ${JSON.stringify(encoding)}`);
 }
 
@@ -109,33 +109,103 @@ function envelope(flags: number, payload: Uint8Array): Uint8Array {
   return out;
 }
 
-/** Splits streaming request bodies into envelopes as bytes arrive. */
-async function* readEnvelopes(body: ReadableStream<Uint8Array> | null, encoding: string | null): AsyncGenerator<Uint8Array> {
+/** Bytes received and not yet consumed, as the chunks they came in: consuming copies each byte at most once. */
+class ByteQueue {
+  private chunks: Uint8Array[] = [];
+  private first = 0; // index of the oldest chunk still holding bytes
+  private offset = 0; // bytes already consumed from chunks[first]
+  length = 0;
+
+  push(chunk: Uint8Array) {
+    if (!chunk.length) return;
+    this.chunks.push(chunk);
+    this.length += chunk.length;
+  }
+
+  /** Byte i of the queue (i < length), not consumed. */
+  at(i: number): number {
+    let k = this.first;
+    let off = this.offset + i;
+    while (off >= this.chunks[k]!.length) off -= this.chunks[k++]!.length;
+    return this.chunks[k]![off]!;
+  }
+
+  /** Consumes n bytes (n <= length): a view when they lie in one chunk, else one copy. */
+  take(n: number): Uint8Array {
+    const head = this.chunks[this.first]!;
+    let out: Uint8Array;
+    if (head.length - this.offset >= n) {
+      out = head.subarray(this.offset, this.offset + n);
+      this.advance(n);
+      return out;
+    }
+    out = new Uint8Array(n);
+    let filled = 0;
+    while (filled < n) {
+      const c = this.chunks[this.first]!;
+      const part = Math.min(n - filled, c.length - this.offset);
+      out.set(c.subarray(this.offset, this.offset + part), filled);
+      filled += part;
+      this.advance(part);
+    }
+    return out;
+  }
+
+  private advance(n: number) {
+    this.length -= n;
+    this.offset += n;
+    while (this.first < this.chunks.length && this.offset >= this.chunks[this.first]!.length) {
+      this.offset -= this.chunks[this.first]!.length;
+      this.first++;
+    }
+    if (this.first === this.chunks.length) {
+      this.chunks = [];
+      this.first = 0;
+    } else if (this.first > 1024) {
+      this.chunks = this.chunks.slice(this.first);
+      this.first = 0;
+    }
+  }
+}
+
+/**
+ * Splits a streaming request body into envelope payloads as bytes arrive. A length past `limit`
+ * is refused (resource_exhausted) from its 5-byte prefix, before any of its payload is buffered.
+ */
+export async function* readEnvelopes(
+  body: ReadableStream<Uint8Array> | null,
+  encoding: string | null,
+  limit = MAX_MESSAGE_BYTES,
+): AsyncGenerator<Uint8Array> {
   if (!body) return;
-  let buf = new Uint8Array(0);
+  const queue = new ByteQueue();
   const reader = body.getReader();
+  let failed = false;
   try {
     for (;;) {
-      while (buf.length >= 5) {
-        const len = new DataView(buf.buffer, buf.byteOffset).getUint32(1);
-        if (buf.length < 5 + len) break;
-        const flags = buf[0]!;
-        const payload = buf.slice(5, 5 + len);
-        buf = buf.slice(5 + len);
+      while (queue.length >= 5) {
+        const len = ((queue.at(1) << 24) | (queue.at(2) << 16) | (queue.at(3) << 8) | queue.at(4)) >>> 0;
+        if (len > limit) throw new ConnectError("resource_exhausted", `message size ${len} is larger than configured max ${limit}`);
+        if (queue.length < 5 + len) break;
+        const flags = queue.at(0);
+        queue.take(5);
+        const payload = len ? queue.take(len) : new Uint8Array(0);
         if (flags & FLAG_END) return; // clients never need to end a request stream this way
         if (flags & ~FLAG_COMPRESSED) throw new ConnectError("invalid_argument", `invalid envelope flags ${flags}`);
-        yield flags & FLAG_COMPRESSED ? decompress(payload, encoding ?? "none") : payload;
+        yield flags & FLAG_COMPRESSED ? await decompress(payload, encoding ?? "none") : payload;
       }
       const { done, value } = await reader.read();
       if (done) break;
-      const next = new Uint8Array(buf.length + value.length);
-      next.set(buf);
-      next.set(value, buf.length);
-      buf = next;
+      queue.push(value);
     }
-    if (buf.length) throw new ConnectError("invalid_argument", "incomplete envelope");
+    if (queue.length) throw new ConnectError("invalid_argument", "incomplete envelope");
+  } catch (e) {
+    failed = true;
+    throw e;
   } finally {
-    reader.releaseLock();
+    // A refused stream is not read on: what the client still sends is dropped, not buffered.
+    if (failed) reader.cancel().catch(() => {});
+    else reader.releaseLock();
   }
 }
 
@@ -172,7 +242,7 @@ async function serveUnary(req: Request, method: Extract<Method, { kind: "unary" 
   try {
     const username = prelude?.();
     const timeoutMs = parseTimeout(req.headers.get("connect-timeout-ms"));
-    const body = decompress(new Uint8Array(await req.arrayBuffer()), req.headers.get("content-encoding"));
+    const body = await decompress(await readBounded(req, MAX_MESSAGE_BYTES), req.headers.get("content-encoding"));
     const input = decodeMsg(method.input, body, json);
     const ctx: RpcCtx = { headers: req.headers, signal: ac.signal, timeoutMs, keepaliveMs: 0, username };
     const work = Promise.resolve(method.handle(input, ctx));

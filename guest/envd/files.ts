@@ -1,16 +1,23 @@
 // The /files HTTP API: download (identity or gzip, with Range), upload (multipart with many files,
 // or one raw octet-stream body, optionally gzip-encoded), X-Metadata-* xattrs, and v1 URL signing.
-import { createReadStream, existsSync, readFileSync, statSync } from "node:fs";
-import { open, unlink, type FileHandle } from "node:fs/promises";
+import { constants, type Stats } from "node:fs";
+import { open, stat, unlink, type FileHandle } from "node:fs/promises";
 import { posix } from "node:path";
 import { Readable } from "node:stream";
 import { createGzip } from "node:zlib";
+import { BodyTooLarge, readBounded } from "./body.ts";
 import { ConnectError } from "./connect.ts";
-import { chownQuiet, ensureDirs, entryInfo, META_PREFIX, readMetadata } from "./entry.ts";
+import { entryInfo, META_PREFIX, readMetadata } from "./entry.ts";
 import { boundaryOf, MultipartError, readMultipart } from "./multipart.ts";
+import { StagedFile } from "./staging.ts";
 import type { EnvdState } from "./state.ts";
 import { xattr } from "./sys.ts";
 import { resolvePath, type User } from "./users.ts";
+
+/** /files/compose takes a JSON list of paths: 1 MiB is thousands of them. */
+const MAX_COMPOSE_BODY = 1024 * 1024;
+/** Files whose size says 0 (/proc and the like) are read in chunks of this size. */
+const READ_CHUNK = 64 * 1024;
 
 export function httpError(status: number, message: string): Response {
   return Response.json({ code: status, message }, { status });
@@ -92,34 +99,90 @@ function disposition(name: string): string {
     : `inline; filename*=utf-8''${encodeURIComponent(name)}`;
 }
 
+async function statOf(path: string): Promise<Stats> {
+  try {
+    return await stat(path);
+  } catch (e) {
+    const code = (e as { code?: string }).code;
+    if (code === "ENOENT" || code === "ENOTDIR") throw new HttpError(404, `path '${path}' does not exist`);
+    throw e;
+  }
+}
+
+/**
+ * Opens a file that stat said is regular. Non-blocking, so a /proc file with nothing to say
+ * (/proc/kmsg) answers EAGAIN instead of holding a thread; the fd is checked to still be a file.
+ */
+async function openRegular(path: string): Promise<FileHandle> {
+  const fh = await open(path, constants.O_RDONLY | constants.O_NONBLOCK | constants.O_NOCTTY);
+  try {
+    if (!(await fh.stat()).isFile()) throw new HttpError(400, `path '${path}' is not a regular file`);
+    return fh;
+  } catch (e) {
+    await fh.close().catch(() => {});
+    throw e;
+  }
+}
+
+/** The next chunk of a non-blocking read; null at the end, or where going on would block (EAGAIN). */
+async function readChunk(fh: FileHandle): Promise<Uint8Array | null> {
+  const buf = new Uint8Array(READ_CHUNK);
+  try {
+    const { bytesRead } = await fh.read(buf, 0, READ_CHUNK, null);
+    return bytesRead ? buf.subarray(0, bytesRead) : null;
+  } catch (e) {
+    if ((e as { code?: string }).code === "EAGAIN") return null;
+    throw e;
+  }
+}
+
+/** Streams the fd (after `first`, already read) as the client pulls, and closes it at the end or on cancel. */
+function fileStream(fh: FileHandle, first?: Uint8Array): ReadableStream<Uint8Array> {
+  let open = true;
+  const close = () => {
+    if (open) void fh.close().catch(() => {});
+    open = false;
+  };
+  return new ReadableStream<Uint8Array>({
+    start(c) {
+      if (first) c.enqueue(first);
+    },
+    async pull(c) {
+      try {
+        const chunk = await readChunk(fh);
+        if (chunk) return c.enqueue(chunk);
+        close();
+        c.close();
+      } catch (e) {
+        close();
+        c.error(e);
+      }
+    },
+    cancel: close,
+  });
+}
+
 export async function getFile(req: Request, url: URL, state: EnvdState): Promise<Response> {
   try {
     checkSigning(req, url, "read", state);
     const user = fileUser(url, state);
     const path = resolve(url.searchParams.get("path") ?? "", user, state);
-    let st;
-    try {
-      st = statSync(path);
-    } catch (e) {
-      const code = (e as { code?: string }).code;
-      if (code === "ENOENT" || code === "ENOTDIR") throw new HttpError(404, `path '${path}' does not exist`);
-      throw e;
-    }
+    const st = await statOf(path);
     if (st.isDirectory()) throw new HttpError(400, `path '${path}' is a directory`);
-    if (!st.isFile()) throw new HttpError(400, `path '${path}' is not a regular file`); // devices and FIFOs never end
+    // Devices and FIFOs are never opened: they may never end, and opening some acts (a watchdog).
+    if (!st.isFile()) throw new HttpError(400, `path '${path}' is not a regular file`);
     const encoding = negotiate(req.headers.get("accept-encoding"));
     if (!encoding) throw new HttpError(406, "no acceptable content encoding");
-    const file = Bun.file(path);
     const headers = new Headers({
-      "Content-Type": file.type || "application/octet-stream",
+      "Content-Type": Bun.file(path).type || "application/octet-stream",
       "Content-Disposition": disposition(posix.basename(path)),
       Vary: "Accept-Encoding",
     });
     if (encoding === "gzip") {
       headers.set("Content-Encoding", "gzip");
       // Level 1: the link to the host is fast, guest CPU is the scarce resource.
-      const gz = Readable.toWeb(createReadStream(path).pipe(createGzip({ level: 1 })));
-      return new Response(gz as unknown as ReadableStream, { headers });
+      const gz = Readable.fromWeb(fileStream(await openRegular(path)) as never).pipe(createGzip({ level: 1 }));
+      return new Response(Readable.toWeb(gz) as unknown as ReadableStream, { headers });
     }
     headers.set("Accept-Ranges", "bytes");
     const range = /^bytes=(\d*)-(\d*)$/.exec(req.headers.get("range") ?? "");
@@ -132,10 +195,20 @@ export async function getFile(req: Request, url: URL, state: EnvdState): Promise
         return new Response(null, { status: 416, headers });
       }
       headers.set("Content-Range", `bytes ${start}-${end}/${size}`);
-      return new Response(file.slice(start, end + 1), { status: 206, headers });
+      return new Response(Bun.file(path).slice(start, end + 1), { status: 206, headers });
     }
-    // Size 0 may be a pseudo-file (/proc) whose content only shows when read.
-    return new Response(st.size === 0 ? readFileSync(path) : file, { headers });
+    if (st.size > 0) return new Response(Bun.file(path), { headers }); // sent by Bun with its length
+    // Size 0: empty, or a pseudo-file whose content only shows when read (and may never end).
+    const fh = await openRegular(path);
+    const first = await readChunk(fh).catch(async (e) => {
+      await fh.close().catch(() => {});
+      throw e;
+    });
+    if (!first) {
+      await fh.close().catch(() => {});
+      return new Response(new Uint8Array(0), { headers });
+    }
+    return new Response(fileStream(fh, first), { headers });
   } catch (e) {
     return fileError(e);
   }
@@ -144,12 +217,15 @@ export async function getFile(req: Request, url: URL, state: EnvdState): Promise
 function fileError(e: unknown): Response {
   if (e instanceof HttpError) return httpError(e.status, e.message);
   if (e instanceof MultipartError) return httpError(400, e.message);
+  if (e instanceof BodyTooLarge) return httpError(413, e.message);
   if (e instanceof ConnectError) return httpError(e.code === "invalid_argument" ? 400 : e.code === "not_found" ? 404 : 500, e.message);
   const code = (e as { code?: string }).code;
   const msg = e instanceof Error ? e.message : String(e);
   if (code === "ENOSPC" || code === "EDQUOT") return httpError(507, `not enough disk space: ${msg}`);
   if (code === "EACCES" || code === "EPERM" || code === "EROFS") return httpError(403, msg);
-  if (code === "EISDIR" || code === "ENOTDIR" || code === "ENAMETOOLONG") return httpError(400, msg);
+  if (code === "EISDIR" || code === "ENOTDIR" || code === "ENAMETOOLONG" || code === "ELOOP" || code === "ERR_INVALID_ARG_VALUE") {
+    return httpError(400, msg);
+  }
   return httpError(500, msg);
 }
 
@@ -186,30 +262,6 @@ function applyMetadata(path: string, meta: Record<string, string>) {
   }
 }
 
-interface Target {
-  path: string;
-  fh: FileHandle;
-  created: boolean;
-}
-
-async function openTarget(path: string, user: User): Promise<Target> {
-  if (existsSync(path) && statSync(path).isDirectory()) throw new HttpError(400, `path '${path}' is a directory`);
-  ensureDirs(posix.dirname(path), user);
-  const created = !existsSync(path);
-  const fh = await open(path, "w", 0o666);
-  return { path, fh, created };
-}
-
-async function finishTarget(t: Target, user: User, meta: Record<string, string>) {
-  await t.fh.close();
-  if (t.created) chownQuiet(t.path, user);
-  applyMetadata(t.path, meta);
-  const out: Record<string, unknown> = { path: t.path, name: posix.basename(t.path), type: "file" };
-  const stored = Object.keys(meta).length ? readMetadata(t.path) : {};
-  if (Object.keys(stored).length) out.metadata = stored;
-  return out;
-}
-
 /** The upload body, decompressed if needed; failures while reading it are the client's (400), not I/O errors. */
 function requestBody(req: Request): ReadableStream<Uint8Array> {
   let body = req.body ?? new Blob([]).stream();
@@ -231,8 +283,12 @@ function requestBody(req: Request): ReadableStream<Uint8Array> {
   });
 }
 
+/**
+ * POST /files. Every file of the request is staged (staging.ts) and the targets are replaced only
+ * once the whole body has arrived and checked out: a refused request leaves every file as it was.
+ */
 export async function postFile(req: Request, url: URL, state: EnvdState): Promise<Response> {
-  const open: Target[] = [];
+  const staged: StagedFile[] = [];
   try {
     checkSigning(req, url, "write", state);
     const user = fileUser(url, state);
@@ -240,53 +296,57 @@ export async function postFile(req: Request, url: URL, state: EnvdState): Promis
     const queryPath = url.searchParams.get("path");
     const ct = req.headers.get("content-type") ?? "";
     const media = ct.split(";")[0]!.trim().toLowerCase();
-    const results: Record<string, unknown>[] = [];
 
     if (media === "application/octet-stream") {
       if (!queryPath) throw new HttpError(400, "path query parameter is required for octet-stream uploads");
-      const t = await openTarget(resolve(queryPath, user, state), user);
-      open.push(t);
-      for await (const chunk of requestBody(req)) await t.fh.write(chunk);
-      open.pop();
-      results.push(await finishTarget(t, user, meta));
+      const body = requestBody(req);
+      const f = await StagedFile.create(resolve(queryPath, user, state), user);
+      staged.push(f);
+      for await (const chunk of body) await f.write(chunk);
     } else if (media === "multipart/form-data") {
       const boundary = boundaryOf(ct);
       if (!boundary) throw new HttpError(400, "multipart boundary is missing");
+      const body = requestBody(req);
       const seen = new Set<string>();
-      await readMultipart(requestBody(req), boundary, async (part) => {
+      await readMultipart(body, boundary, async (part) => {
         if (part.name !== "file") return null;
         const given = queryPath ?? part.filename;
         if (!given) throw new HttpError(400, "file part has no filename and no path was given");
         const path = resolve(given, user, state);
         if (seen.has(path)) throw new HttpError(400, `cannot write to the same path '${path}' twice in one request`);
         seen.add(path);
-        const t = await openTarget(path, user);
-        open.push(t);
-        return {
-          write: (c: Uint8Array) => t.fh.write(c),
-          end: async () => {
-            open.splice(open.indexOf(t), 1);
-            results.push(await finishTarget(t, user, meta));
-          },
-        };
+        const f = await StagedFile.create(path, user);
+        staged.push(f);
+        return { write: (c: Uint8Array) => f.write(c), end: () => {} };
       });
     } else {
       throw new HttpError(400, `unsupported content type '${media || "(none)"}'`);
     }
-    if (!results.length) throw new HttpError(400, "no file part in the request");
+    if (!staged.length) throw new HttpError(400, "no file part in the request");
+
+    const results: Record<string, unknown>[] = [];
+    for (const f of staged) {
+      await f.commit(user, (p) => applyMetadata(p, meta));
+      const out: Record<string, unknown> = { path: f.path, name: posix.basename(f.path), type: "file" };
+      const stored = Object.keys(meta).length ? readMetadata(f.path) : {};
+      if (Object.keys(stored).length) out.metadata = stored;
+      results.push(out);
+    }
     return Response.json(results);
   } catch (e) {
-    for (const t of open) await t.fh.close().catch(() => {});
+    for (const f of staged) await f.discard();
     return fileError(e);
   }
 }
 
-/** POST /files/compose: concatenates sources into destination and removes the sources. */
+/** POST /files/compose: concatenates sources into destination (staged, like an upload), then removes the sources. */
 export async function composeFiles(req: Request, state: EnvdState): Promise<Response> {
+  let out: StagedFile | undefined;
   try {
     let body: { source_paths?: unknown; destination?: unknown; username?: unknown };
+    const raw = await readBounded(req, MAX_COMPOSE_BODY);
     try {
-      body = (await req.json()) as typeof body;
+      body = JSON.parse(new TextDecoder().decode(raw)) as typeof body;
     } catch {
       throw new HttpError(400, "invalid JSON body");
     }
@@ -298,22 +358,25 @@ export async function composeFiles(req: Request, state: EnvdState): Promise<Resp
     const user = state.users.lookup(name);
     if (!user) throw new HttpError(401, `error looking up user '${name}': user: unknown user ${name}`);
     const srcs = sources.map((s: string) => resolve(s, user, state));
-    for (const s of srcs) if (!existsSync(s)) throw new HttpError(404, `path '${s}' does not exist`);
-    const dest = resolve(body.destination, user, state);
-    if (srcs.includes(dest)) throw new HttpError(400, "destination cannot be one of the sources");
-    const t = await openTarget(dest, user);
-    try {
-      for (const s of srcs) for await (const chunk of Bun.file(s).stream()) await t.fh.write(chunk);
-    } catch (e) {
-      await t.fh.close().catch(() => {});
-      throw e;
+    const srcStats: Stats[] = [];
+    for (const s of srcs) {
+      const st = await statOf(s);
+      if (!st.isFile()) throw new HttpError(400, `path '${s}' is not a regular file`);
+      srcStats.push(st);
     }
-    await t.fh.close();
-    if (t.created) chownQuiet(t.path, user);
+    const dest = resolve(body.destination, user, state);
+    const destStat = await stat(dest).catch(() => undefined);
+    if (srcs.includes(dest) || (destStat && srcStats.some((s) => s.dev === destStat.dev && s.ino === destStat.ino))) {
+      throw new HttpError(400, "destination cannot be one of the sources");
+    }
+    out = await StagedFile.create(dest, user);
+    for (const s of srcs) for await (const chunk of fileStream(await openRegular(s))) await out.write(chunk);
+    await out.commit(user);
     for (const s of srcs) await unlink(s).catch(() => {});
-    const e = entryInfo(t.path, state.users);
+    const e = entryInfo(dest, state.users);
     return Response.json({ path: e.path, name: e.name, type: "file" });
   } catch (e) {
+    await out?.discard();
     return fileError(e);
   }
 }

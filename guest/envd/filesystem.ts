@@ -1,7 +1,6 @@
 // filesystem.Filesystem: stat/list/mkdir/move/remove on behalf of a user, plus inotify watches
 // as a stream (WatchDir) or as a polled queue (CreateWatcher/GetWatcherEvents/RemoveWatcher).
-import { cpSync, lstatSync, realpathSync, renameSync, rmSync, statSync } from "node:fs";
-import { readdir } from "node:fs/promises";
+import { cp, lstat, readdir, realpath, rename, rm, stat } from "node:fs/promises";
 import { posix } from "node:path";
 import { ConnectError, type Method, type RpcCtx } from "./connect.ts";
 import { ensureDirs, entryInfo } from "./entry.ts";
@@ -43,7 +42,7 @@ export class FilesystemService {
         let isDir = false;
         try {
           out.push(this.entry(`${root}/${childRel}`, `${shown}/${childRel}`));
-          isDir = lstatSync(`${root}/${childRel}`).isDirectory();
+          isDir = (await lstat(`${root}/${childRel}`)).isDirectory();
         } catch {
           continue; // vanished while walking
         }
@@ -55,17 +54,17 @@ export class FilesystemService {
   }
 
   /** Checks a watch target and arms a watcher on it. */
-  private watch(ctx: RpcCtx, req: Msg, onEvent: (ev: Msg) => void): DirWatcher {
+  private async watch(ctx: RpcCtx, req: Msg, onEvent: (ev: Msg) => void): Promise<DirWatcher> {
     const path = this.path(ctx, req.path);
     let st;
     try {
-      st = statSync(path);
+      st = await stat(path);
     } catch (e) {
       if ((e as { code?: string }).code === "ENOENT") throw new ConnectError("not_found", `path '${path}' does not exist`);
       throw e;
     }
     if (!st.isDirectory()) throw new ConnectError("invalid_argument", `path '${path}' is not a directory`);
-    if (!req.allowNetworkMounts && isNetworkMount(path)) {
+    if (!req.allowNetworkMounts && (await isNetworkMount(path))) {
       throw new ConnectError("invalid_argument", `path '${path}' is on a network mount; set allowNetworkMounts to watch it`);
     }
     const includeEntry = req.includeEntry === true;
@@ -100,14 +99,9 @@ export class FilesystemService {
         kind: "unary",
         input: "filesystem.MakeDirRequest",
         output: "filesystem.MakeDirResponse",
-        handle: (req, ctx) => {
+        handle: async (req, ctx) => {
           const path = this.path(ctx, req.path);
-          let existing;
-          try {
-            existing = statSync(path);
-          } catch {
-            // does not exist yet
-          }
+          const existing = await stat(path).catch(() => undefined); // undefined: does not exist yet
           if (existing?.isDirectory()) throw new ConnectError("already_exists", `directory '${path}' already exists`);
           if (existing) throw new ConnectError("invalid_argument", `path '${path}' already exists and is not a directory`);
           ensureDirs(path, this.state.user(ctx.username));
@@ -118,21 +112,21 @@ export class FilesystemService {
         kind: "unary",
         input: "filesystem.MoveRequest",
         output: "filesystem.MoveResponse",
-        handle: (req, ctx) => {
+        handle: async (req, ctx) => {
           const src = this.path(ctx, req.source);
           const dst = this.path(ctx, req.destination);
           try {
-            lstatSync(src);
+            await lstat(src);
           } catch {
             throw new ConnectError("not_found", `source path '${src}' does not exist`);
           }
           ensureDirs(posix.dirname(dst), this.state.user(ctx.username));
           try {
-            renameSync(src, dst);
+            await rename(src, dst);
           } catch (e) {
             if ((e as { code?: string }).code !== "EXDEV") throw e;
-            cpSync(src, dst, { recursive: true, preserveTimestamps: true, verbatimSymlinks: true });
-            rmSync(src, { recursive: true, force: true });
+            await cp(src, dst, { recursive: true, preserveTimestamps: true, verbatimSymlinks: true });
+            await rm(src, { recursive: true, force: true });
           }
           return { entry: this.entry(dst) };
         },
@@ -146,12 +140,12 @@ export class FilesystemService {
           const depth = Math.max(1, Number(req.depth ?? 0));
           let real: string;
           try {
-            real = realpathSync(path);
+            real = await realpath(path);
           } catch (e) {
             if ((e as { code?: string }).code === "ENOENT") throw new ConnectError("not_found", `path '${path}' does not exist`);
             throw e;
           }
-          if (!statSync(real).isDirectory()) throw new ConnectError("invalid_argument", `path '${path}' is not a directory`);
+          if (!(await stat(real)).isDirectory()) throw new ConnectError("invalid_argument", `path '${path}' is not a directory`);
           return { entries: await this.listDir(real, path, depth) };
         },
       },
@@ -159,8 +153,8 @@ export class FilesystemService {
         kind: "unary",
         input: "filesystem.RemoveRequest",
         output: "filesystem.RemoveResponse",
-        handle: (req, ctx) => {
-          rmSync(this.path(ctx, req.path), { recursive: true, force: true });
+        handle: async (req, ctx) => {
+          await rm(this.path(ctx, req.path), { recursive: true, force: true });
           return {};
         },
       },
@@ -170,7 +164,7 @@ export class FilesystemService {
         output: "filesystem.WatchDirResponse",
         keepalive: { keepalive: {} },
         handle: async (req, ctx, send) => {
-          const watcher = this.watch(ctx, req, (ev) => send({ filesystem: ev }));
+          const watcher = await this.watch(ctx, req, (ev) => send({ filesystem: ev }));
           send({ start: {} });
           try {
             await new Promise<void>((resolve) => {
@@ -186,9 +180,9 @@ export class FilesystemService {
         kind: "unary",
         input: "filesystem.CreateWatcherRequest",
         output: "filesystem.CreateWatcherResponse",
-        handle: (req, ctx) => {
+        handle: async (req, ctx) => {
           const events: Msg[] = [];
-          const watcher = this.watch(ctx, req, (ev) => {
+          const watcher = await this.watch(ctx, req, (ev) => {
             events.push(ev);
             if (events.length > MAX_QUEUED_EVENTS) events.shift(); // an abandoned watcher must not grow without bound
           });

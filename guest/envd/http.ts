@@ -1,11 +1,15 @@
 // Envd's plain HTTP endpoints: /health, /init (token, env, default user/workdir, clock), /envs, /metrics.
-import { mkdirSync, readFileSync, statfsSync, writeFileSync } from "node:fs";
+import { mkdir, readFile, statfs, writeFile } from "node:fs/promises";
 import { cpus } from "node:os";
+import { BodyTooLarge, readBounded } from "./body.ts";
 import { httpError, tokenMatches } from "./files.ts";
 import { ENVD_VERSION, type EnvdState } from "./state.ts";
 import { reseedRandom, setClock } from "./sys.ts";
 
 const NO_STORE = { "Cache-Control": "no-store" };
+export const UNAUTHORIZED = "unauthorized access, please provide a valid access token or method signing if supported";
+/** An /init body is a token, a few names and the sandbox's env vars: 1 MiB holds thousands of them. */
+const MAX_INIT_BODY = 1024 * 1024;
 
 export function health(): Response {
   return new Response(null, { status: 204, headers: NO_STORE });
@@ -16,14 +20,14 @@ function isStringMap(v: unknown): v is Record<string, string> {
 }
 
 /** Marker files E2B templates expect under /run/e2b (guest mode only). */
-export function writeMarkers(state: EnvdState) {
+export async function writeMarkers(state: EnvdState) {
   if (!state.opts.guest) return;
   try {
-    mkdirSync("/run/e2b", { recursive: true });
-    writeFileSync("/run/e2b/.E2B_SANDBOX", "true");
+    await mkdir("/run/e2b", { recursive: true });
+    await writeFile("/run/e2b/.E2B_SANDBOX", "true");
     for (const k of ["E2B_SANDBOX_ID", "E2B_TEMPLATE_ID"]) {
       const v = state.envVars[k];
-      if (v) writeFileSync(`/run/e2b/.${k}`, v);
+      if (v) await writeFile(`/run/e2b/.${k}`, v);
     }
   } catch {
     // read-only /run: the env vars still carry the same facts
@@ -32,8 +36,18 @@ export function writeMarkers(state: EnvdState) {
 
 export async function init(req: Request, state: EnvdState): Promise<Response> {
   const headers = { ...NO_STORE, "X-Envd-Version": ENVD_VERSION };
+  // A token in the header is checked before a byte of the body is read; without one the body
+  // (bounded) may still prove the current token by repeating it.
+  const given = req.headers.get("x-access-token");
+  if (state.accessToken && given !== null && !tokenMatches(given, state.accessToken)) return httpError(401, UNAUTHORIZED);
+  let text: string;
+  try {
+    text = new TextDecoder().decode(await readBounded(req, MAX_INIT_BODY));
+  } catch (e) {
+    if (e instanceof BodyTooLarge) return httpError(413, e.message);
+    throw e;
+  }
   let body: Record<string, unknown> = {};
-  const text = await req.text();
   if (text.trim()) {
     try {
       body = JSON.parse(text);
@@ -44,12 +58,14 @@ export async function init(req: Request, state: EnvdState): Promise<Response> {
   }
   const newToken = typeof body.accessToken === "string" ? body.accessToken : undefined;
   // Changing or clearing an existing token needs proof of the current one (header or the same value again).
-  if (state.accessToken && !tokenMatches(req.headers.get("x-access-token"), state.accessToken) && newToken !== state.accessToken) {
-    return httpError(401, "unauthorized access, please provide a valid access token or method signing if supported");
-  }
+  if (state.accessToken && given === null && newToken !== state.accessToken) return httpError(401, UNAUTHORIZED);
   if (body.envVars !== undefined && !isStringMap(body.envVars)) return httpError(400, "envVars must map strings to strings");
+  if (body.envVars !== undefined && Object.entries(body.envVars).some(([k, v]) => k.includes("\0") || v.includes("\0"))) {
+    return httpError(400, "envVars must not contain NUL bytes");
+  }
   for (const k of ["defaultUser", "defaultWorkdir", "timestamp"]) {
     if (body[k] !== undefined && body[k] !== null && typeof body[k] !== "string") return httpError(400, `${k} must be a string`);
+    if (typeof body[k] === "string" && body[k].includes("\0")) return httpError(400, `${k} must not contain NUL bytes`);
   }
   // Our extension (E2B's envd ignores unknown fields): fresh entropy for a restored guest.
   let entropy: Uint8Array | undefined;
@@ -87,7 +103,7 @@ export async function init(req: Request, state: EnvdState): Promise<Response> {
       console.error(`envd: reseeding the CRNG failed: ${(e as Error).message}`);
     }
   }
-  writeMarkers(state);
+  await writeMarkers(state);
   return new Response(null, { status: 204, headers });
 }
 
@@ -95,21 +111,21 @@ export function envs(state: EnvdState): Response {
   return Response.json(state.defaultEnv());
 }
 
-let lastCpu = readCpu();
+let lastCpu: { total: number; idle: number } | undefined;
 
-function readCpu(): { total: number; idle: number } {
+async function readCpu(): Promise<{ total: number; idle: number }> {
   try {
-    const f = readFileSync("/proc/stat", "utf8").split("\n")[0]!.trim().split(/\s+/).slice(1, 9).map(Number);
+    const f = (await readFile("/proc/stat", "utf8")).split("\n")[0]!.trim().split(/\s+/).slice(1, 9).map(Number);
     return { total: f.reduce((a, b) => a + b, 0), idle: f[3]! + f[4]! };
   } catch {
     return { total: 0, idle: 0 };
   }
 }
 
-function meminfo(): Record<string, number> {
+async function meminfo(): Promise<Record<string, number>> {
   const out: Record<string, number> = {};
   try {
-    for (const line of readFileSync("/proc/meminfo", "utf8").split("\n")) {
+    for (const line of (await readFile("/proc/meminfo", "utf8")).split("\n")) {
       const m = /^(\w+):\s+(\d+)/.exec(line);
       if (m) out[m[1]!] = Number(m[2]) * 1024;
     }
@@ -119,18 +135,20 @@ function meminfo(): Record<string, number> {
   return out;
 }
 
-export function metrics(): Response {
-  const now = readCpu();
-  const dt = now.total - lastCpu.total;
-  const pct = dt > 0 ? Math.round((1 - (now.idle - lastCpu.idle) / dt) * 10000) / 100 : 0;
+/** The CPU share is measured since the previous call (the first call: since boot). */
+export async function metrics(): Promise<Response> {
+  const now = await readCpu();
+  const since = lastCpu ?? { total: 0, idle: 0 };
+  const dt = now.total - since.total;
+  const pct = dt > 0 ? Math.round((1 - (now.idle - since.idle) / dt) * 10000) / 100 : 0;
   lastCpu = now;
-  const mem = meminfo();
+  const mem = await meminfo();
   const memTotal = mem.MemTotal ?? 0;
   const memUsed = memTotal - (mem.MemAvailable ?? mem.MemFree ?? 0);
   let diskTotal = 0;
   let diskUsed = 0;
   try {
-    const fs = statfsSync("/");
+    const fs = await statfs("/");
     diskTotal = fs.blocks * fs.bsize;
     diskUsed = (fs.blocks - fs.bfree) * fs.bsize;
   } catch {

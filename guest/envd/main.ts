@@ -4,7 +4,7 @@ import { ENVD_VERSION, type EnvdOptions } from "./state.ts";
 
 const USAGE = `usage: envd [options]
   --port N            listen port (default 49983; 0 picks a free one)
-  --host ADDR         listen address (default 0.0.0.0)
+  --host ADDR         listen address (default 127.0.0.1; with --guest 0.0.0.0)
   --default-user U    user for requests that name none, until /init sets one (default root)
   --passwd FILE       passwd database (default /etc/passwd)
   --group FILE        group database (default /etc/group)
@@ -13,7 +13,8 @@ const USAGE = `usage: envd [options]
   -version, --version print the version and exit`;
 
 function parse(argv: string[]): EnvdOptions {
-  const o: EnvdOptions = { port: 49983, host: "0.0.0.0", defaultUser: "root", passwd: "/etc/passwd", group: "/etc/group", guest: false };
+  let host: string | undefined;
+  const o: EnvdOptions = { port: 49983, host: "", defaultUser: "root", passwd: "/etc/passwd", group: "/etc/group", guest: false };
   for (let i = 0; i < argv.length; i++) {
     const a = argv[i]!;
     const [flag, inline] = a.includes("=") ? [a.slice(0, a.indexOf("=")), a.slice(a.indexOf("=") + 1)] : [a, undefined];
@@ -29,7 +30,7 @@ function parse(argv: string[]): EnvdOptions {
         o.port = p;
         break;
       }
-      case "--host": case "-host": o.host = value(); break;
+      case "--host": case "-host": host = value(); break;
       case "--default-user": o.defaultUser = value(); break;
       case "--passwd": o.passwd = value(); break;
       case "--group": o.group = value(); break;
@@ -47,6 +48,9 @@ function parse(argv: string[]): EnvdOptions {
         throw new Error(`unknown argument ${a}`);
     }
   }
+  // Until /init sets a token, envd runs anything as root for whoever reaches it: a host process
+  // answers only this machine unless told otherwise; in the guest the host must reach it.
+  o.host = host ?? (o.guest ? "0.0.0.0" : "127.0.0.1");
   return o;
 }
 

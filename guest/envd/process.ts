@@ -1,6 +1,6 @@
 // process.Process: start commands (pipes or a real pty via Bun.Terminal), fan their output out to
 // every attached stream, and take input, signals and resizes by pid or tag.
-import { statSync, writeFileSync } from "node:fs";
+import { stat, writeFile } from "node:fs/promises";
 import type { FileSink, Subprocess, Terminal } from "bun";
 import { ConnectError, type Method, type RpcCtx } from "./connect.ts";
 import type { EnvdState } from "./state.ts";
@@ -26,6 +26,17 @@ interface Proc {
   listeners: Set<Listener>;
   end?: Msg;
   killTimer?: Timer;
+}
+
+/** A checked start request, ready to spawn. */
+interface Launch {
+  req: Msg;
+  ctx: RpcCtx;
+  config: ProcConfig;
+  cwd: string;
+  env: Record<string, string>;
+  argv: string[];
+  ids: { uid?: number; gid?: number };
 }
 
 const DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
@@ -121,7 +132,8 @@ export class ProcessService {
     }
   }
 
-  private spawn(req: Msg, ctx: RpcCtx): Proc {
+  /** Everything a start needs that may wait on the filesystem: user, cwd, argv. Spawns nothing. */
+  private async prepare(req: Msg, ctx: RpcCtx): Promise<Launch> {
     const user = this.state.user(ctx.username);
     const cfgIn = (req.process ?? {}) as Msg;
     const config: ProcConfig = {
@@ -132,12 +144,7 @@ export class ProcessService {
     };
     if (!config.cmd) throw new ConnectError("invalid_argument", "process.cmd is required");
     const cwd = resolvePath(config.cwd ?? "", user, this.state.defaultWorkdir);
-    let isDir = false;
-    try {
-      isDir = statSync(cwd).isDirectory();
-    } catch {
-      // reported below
-    }
+    const isDir = await stat(cwd).then((st) => st.isDirectory(), () => false);
     if (!isDir) throw new ConnectError("invalid_argument", `cwd '${cwd}' does not exist`);
 
     const env = {
@@ -151,7 +158,7 @@ export class ProcessService {
     let argv = [config.cmd, ...config.args];
     let ids: { uid?: number; gid?: number } = this.state.canSwitchUser ? { uid: user.uid, gid: user.gid } : {};
     const groups = this.state.canSwitchUser ? this.state.users.groupsOf(user) : [];
-    const setpriv = groups.length > 1 ? this.state.setpriv() : undefined;
+    const setpriv = groups.length > 1 ? await this.state.setpriv() : undefined;
     if (setpriv) {
       // setpriv execs the command with the user's ids and all their groups, as a login would.
       // A command that is not there must still fail the start, not exit 127 later.
@@ -160,6 +167,14 @@ export class ProcessService {
       argv = [setpriv, `--reuid=${user.uid}`, `--regid=${user.gid}`, `--groups=${groups.join(",")}`, "--", ...argv];
       ids = {};
     }
+    return { req, ctx, config, cwd, env, argv, ids };
+  }
+
+  /**
+   * Starts a prepared process. Synchronous on purpose: the caller attaches its listener in the same
+   * tick, before any output can be pumped.
+   */
+  private spawn({ req, ctx, config, cwd, env, argv, ids }: Launch): Proc {
     const pty = req.pty as { size?: { cols?: number; rows?: number } } | undefined;
     const stdinOn = req.stdin !== false; // absent means open (the legacy default)
 
@@ -197,11 +212,8 @@ export class ProcessService {
     p.pid = p.sub.pid;
     this.live.set(p.pid, p);
     if (this.state.opts.guest) {
-      try {
-        writeFileSync(`/proc/${p.pid}/oom_score_adj`, "100"); // user processes go before envd under memory pressure
-      } catch {
-        // best effort
-      }
+      // User processes go before envd under memory pressure (best effort).
+      writeFile(`/proc/${p.pid}/oom_score_adj`, "100").catch(() => {});
     }
     if (ctx.timeoutMs) p.killTimer = setTimeout(() => p.sub.kill("SIGKILL"), ctx.timeoutMs); // the deadline is the process lifetime
     void this.lifecycle(p, pty ? ptyClosed : undefined);
@@ -287,7 +299,7 @@ export class ProcessService {
         output: "process.StartResponse",
         keepalive: { event: { keepalive: {} } },
         handle: async (req, ctx, send) => {
-          const p = this.spawn(req, ctx);
+          const p = this.spawn(await this.prepare(req, ctx));
           try {
             await this.attach(p, ctx, send);
           } catch (e) {

@@ -3,11 +3,9 @@
 import { ConnectError, cors, serveRpc, type Method } from "./connect.ts";
 import { composeFiles, getFile, httpError, postFile, tokenMatches } from "./files.ts";
 import { FilesystemService } from "./filesystem.ts";
-import { envs, health, init, metrics, writeMarkers } from "./http.ts";
+import { envs, health, init, metrics, UNAUTHORIZED, writeMarkers } from "./http.ts";
 import { ProcessService } from "./process.ts";
 import { EnvdState, type EnvdOptions } from "./state.ts";
-
-const UNAUTHORIZED = "unauthorized access, please provide a valid access token or method signing if supported";
 
 /** Basic-auth user for RPCs ("Basic base64(user:)"); malformed headers are an authentication error. */
 function basicUser(req: Request): string | undefined {
@@ -27,7 +25,7 @@ export function createEnvd(opts: EnvdOptions) {
     "process.Process": processes.methods(),
     "filesystem.Filesystem": new FilesystemService(state).methods(),
   };
-  writeMarkers(state);
+  void writeMarkers(state);
 
   async function route(req: Request): Promise<Response> {
     const url = new URL(req.url);
@@ -45,6 +43,7 @@ export function createEnvd(opts: EnvdOptions) {
       });
     }
     if (path === "/health") return method === "GET" || method === "HEAD" ? health() : notAllowed("GET");
+    await state.users.refresh(); // passwd and group as they are now: images add users at run time
     if (path === "/init") return method === "POST" ? init(req, state) : notAllowed("POST");
     if (path === "/files") {
       if (method === "GET" || method === "HEAD") return getFile(req, url, state);

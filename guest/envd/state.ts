@@ -1,10 +1,11 @@
 // Envd's mutable state: what /init configured, shared by every handler.
-import { existsSync } from "node:fs";
 import { dirname, join } from "node:path";
 import { ConnectError } from "./connect.ts";
 import { Users, type User } from "./users.ts";
 
 export const ENVD_VERSION = "0.6.13";
+/** `setpriv --version` answers in milliseconds; one that has not in 5 s is not the one we want. */
+const SETPRIV_PROBE_MS = 5000;
 
 export interface EnvdOptions {
   port: number;
@@ -38,28 +39,31 @@ export class EnvdState {
     return { E2B_SANDBOX: "true", ...this.envVars };
   }
 
-  private setprivPath: string | null | undefined;
+  private setprivLookup?: Promise<string | undefined>;
 
   /**
    * util-linux setpriv, which sets supplementary groups before exec (Bun's spawn sets only the
    * primary gid): ours on the tools disk (bin/ next to envd), else the image's. busybox's applet of
    * that name cannot set ids, so the version line decides. Looked up once, on first need.
    */
-  setpriv(): string | undefined {
-    if (this.setprivPath === undefined) {
+  setpriv(): Promise<string | undefined> {
+    this.setprivLookup ??= (async () => {
       const candidates = this.opts.setpriv ? [this.opts.setpriv] : [join(dirname(process.execPath), "bin", "setpriv"), "/usr/bin/setpriv", "/bin/setpriv"];
-      this.setprivPath = null;
       for (const c of candidates) {
-        if (!existsSync(c)) continue;
-        const r = Bun.spawnSync([c, "--version"], { stdout: "pipe", stderr: "pipe" });
-        if (r.exitCode === 0 && r.stdout.toString().includes("util-linux")) {
-          this.setprivPath = c;
-          break;
+        try {
+          const p = Bun.spawn([c, "--version"], { stdout: "pipe", stderr: "ignore", stdin: "ignore" });
+          const stuck = setTimeout(() => p.kill("SIGKILL"), SETPRIV_PROBE_MS);
+          const [out, code] = await Promise.all([new Response(p.stdout).text(), p.exited]);
+          clearTimeout(stuck);
+          if (code === 0 && out.includes("util-linux")) return c;
+        } catch {
+          // not there or not executable
         }
       }
-      if (!this.setprivPath) console.error("envd: no util-linux setpriv: processes get their user's primary group only");
-    }
-    return this.setprivPath ?? undefined;
+      console.error("envd: no util-linux setpriv: processes get their user's primary group only");
+      return undefined;
+    })();
+    return this.setprivLookup;
   }
 
   /** Resolves a user name (default user when absent); unknown names are an authentication failure. */

@@ -1,6 +1,6 @@
 // Users from /etc/passwd and /etc/group (re-read when they change, since images add users at run
 // time), plus E2B's path resolution rules relative to a user's home.
-import { readFileSync, statSync } from "node:fs";
+import { readFile, stat } from "node:fs/promises";
 import { posix } from "node:path";
 import { ConnectError } from "./connect.ts";
 
@@ -12,27 +12,39 @@ export interface User {
   shell: string;
 }
 
+/** One colon-separated database; `refresh` re-reads it (off the event loop) when its mtime moved. */
 class Table<T> {
   private mtime = -1;
   private rows: T[] = [];
   constructor(private path: string, private parse: (cols: string[]) => T | undefined) {}
 
-  all(): T[] {
+  async refresh() {
     let m: number;
     try {
-      m = statSync(this.path).mtimeMs;
+      m = (await stat(this.path)).mtimeMs;
     } catch {
-      return (this.rows = []);
-    }
-    if (m !== this.mtime) {
-      this.mtime = m;
+      this.mtime = -1;
       this.rows = [];
-      for (const line of readFileSync(this.path, "utf8").split("\n")) {
-        if (!line || line.startsWith("#")) continue;
-        const row = this.parse(line.split(":"));
-        if (row) this.rows.push(row);
-      }
+      return;
     }
+    if (m === this.mtime) return;
+    let text: string;
+    try {
+      text = await readFile(this.path, "utf8");
+    } catch {
+      return; // replaced under us: the next refresh sees the new file
+    }
+    const rows: T[] = [];
+    for (const line of text.split("\n")) {
+      if (!line || line.startsWith("#")) continue;
+      const row = this.parse(line.split(":"));
+      if (row) rows.push(row);
+    }
+    this.mtime = m;
+    this.rows = rows;
+  }
+
+  all(): T[] {
     return this.rows;
   }
 }
@@ -50,6 +62,11 @@ export class Users {
     this.groups = new Table(groupPath, (c) =>
       c.length >= 3 && /^\d+$/.test(c[2]!) ? { name: c[0]!, gid: Number(c[2]), members: (c[3] ?? "").split(",").filter(Boolean) } : undefined,
     );
+  }
+
+  /** Re-reads both files where they changed; lookups answer from what the last refresh read. */
+  async refresh() {
+    await Promise.all([this.passwd.refresh(), this.groups.refresh()]);
   }
 
   lookup(name: string): User | undefined {
@@ -74,6 +91,7 @@ export class Users {
 
 /** E2B path rules: "" → default workdir, "~" → home, relative → under home (not the workdir). */
 export function resolvePath(p: string, user: User, defaultWorkdir?: string): string {
+  if (p.includes("\0")) throw new ConnectError("invalid_argument", "path must not contain NUL bytes");
   if (p === "" && defaultWorkdir) return posix.resolve(defaultWorkdir);
   if (p === "~" || p.startsWith("~/")) return posix.resolve(user.home, p.slice(2));
   if (p.startsWith("~")) throw new ConnectError("invalid_argument", `path '${p}' refers to another user's home, which is not supported`);

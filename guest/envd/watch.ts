@@ -1,8 +1,10 @@
 // Directory watching on raw inotify (fsnotify semantics: one event per op, names relative to the
 // watched root, new subdirectories picked up by recursive watches). The inotify fd is read through
 // Bun.file(fd).stream(), which polls it on Bun's event loop instead of blocking a thread.
-import { readdirSync, readFileSync } from "node:fs";
+import { readdirSync } from "node:fs";
+import { readFile } from "node:fs/promises";
 import { EventType } from "./schema.ts";
+import { stagedKind } from "./staging.ts";
 import { inotify } from "./sys.ts";
 
 const IN_MODIFY = 0x2;
@@ -22,9 +24,14 @@ export interface WatchEvent {
   type: number;
 }
 
+/** Renames of staged uploads whose other half has not arrived yet; a burst of uploads is far fewer. */
+const MAX_PENDING_MOVES = 1024;
+
 export class DirWatcher {
   private fd = -1;
   private dirs = new Map<number, string>(); // watch descriptor → directory relative to root
+  /** Move cookie → the kind of a staged upload (staging.ts) moved away under it. */
+  private stagedMoves = new Map<number, "new" | "replace">();
   private stopReading?: () => Promise<void>;
   private closed = false;
 
@@ -102,18 +109,19 @@ export class DirWatcher {
     while (off + 16 <= buf.length) {
       const wd = dv.getInt32(off, true);
       const mask = dv.getUint32(off + 4, true);
+      const cookie = dv.getUint32(off + 8, true);
       const len = dv.getUint32(off + 12, true);
       if (off + 16 + len > buf.length) break;
       const raw = buf.subarray(off + 16, off + 16 + len);
       const nul = raw.indexOf(0);
       const name = Buffer.from(nul < 0 ? raw : raw.subarray(0, nul)).toString("utf8");
       off += 16 + len;
-      this.handle(wd, mask, name);
+      this.handle(wd, mask, cookie, name);
     }
     return off;
   }
 
-  private handle(wd: number, mask: number, name: string) {
+  private handle(wd: number, mask: number, cookie: number, name: string) {
     if (mask & IN_IGNORED) {
       this.dirs.delete(wd);
       return;
@@ -121,6 +129,23 @@ export class DirWatcher {
     const dir = this.dirs.get(wd);
     if (dir === undefined || !name) return; // self events are reported by the parent directory
     const rel = dir ? `${dir}/${name}` : name;
+    // A staged upload is envd's own temp file: its events are internal, and its rename onto the
+    // target reads as the in-place write it stands for (created and written, or written).
+    const staged = stagedKind(name);
+    if (staged) {
+      if (mask & IN_MOVED_FROM) {
+        this.stagedMoves.set(cookie, staged);
+        if (this.stagedMoves.size > MAX_PENDING_MOVES) this.stagedMoves.delete(this.stagedMoves.keys().next().value!);
+      }
+      return;
+    }
+    const upload = mask & IN_MOVED_TO ? this.stagedMoves.get(cookie) : undefined;
+    if (upload) {
+      this.stagedMoves.delete(cookie);
+      if (upload === "new" && !this.closed) this.onEvent({ name: rel, type: EventType.CREATE });
+      if (!this.closed) this.onEvent({ name: rel, type: EventType.WRITE });
+      return;
+    }
     // fsnotify's op order within one event: create, rename, chmod, write, remove.
     const ops: [number, number][] = [
       [IN_CREATE | IN_MOVED_TO, EventType.CREATE],
@@ -154,12 +179,12 @@ export class DirWatcher {
 const NETWORK_FS = /^(nfs4?|cifs|smb3?|smbfs|fuse(\..*)?|fuseblk|9p|ceph|glusterfs|sshfs)$/;
 
 /** Whether `path` lives on a network or FUSE mount (per /proc/self/mountinfo, longest prefix wins). */
-export function isNetworkMount(path: string): boolean {
+export async function isNetworkMount(path: string): Promise<boolean> {
   let best = "";
   let bestType = "";
   let text = "";
   try {
-    text = readFileSync("/proc/self/mountinfo", "utf8");
+    text = await readFile("/proc/self/mountinfo", "utf8");
   } catch {
     return false;
   }
