@@ -163,6 +163,8 @@ class Engine {
   private eventFd = -1;
   private free: number[] = [];
   private inflight = 0;
+  /** SQEs put on the ring so far: what shows a request went through io_uring, not the sync path. */
+  sqesPrepared = 0;
 
   kind(): IoEngineKind {
     return this.getRing() ? "io_uring" : "sync";
@@ -266,7 +268,10 @@ class Engine {
         const barrier = op.kind === OP_FSYNC || op.kind === OP_PUNCH;
         if (barrier && n > 0) break;
         this.qHead++;
-        if (this.prep(ring, op, n, barrier ? IOSQE_IO_DRAIN : 0)) this.slots[n++] = op;
+        if (this.prep(ring, op, n, barrier ? IOSQE_IO_DRAIN : 0)) {
+          this.slots[n++] = op;
+          this.sqesPrepared++;
+        }
       }
       if (n === 0) continue;
       // Waiting for every CQE means the kernel is done with callers' JS-heap buffers before we return.
@@ -308,6 +313,7 @@ class Engine {
       if (this.prep(ring, op, slot, barrier ? IOSQE_IO_DRAIN : 0)) {
         this.slots[slot] = op;
         this.inflight++;
+        this.sqesPrepared++;
         n++;
       } else this.free.push(slot);
     }
@@ -493,6 +499,11 @@ export function localIoEngineReason(): string {
  */
 export function deferLocalIoCompletions(on = true): number {
   return engine.deferCompletions(on);
+}
+
+/** SQEs this thread's local files have put on the ring (stays put on the synchronous path). */
+export function localIoSqes(): number {
+  return engine.sqesPrepared;
 }
 
 export function reapLocalIo(): void {
