@@ -13,6 +13,7 @@ import { posixFadvise, POSIX_FADV_DONTNEED } from "../../ffi/libc.ts";
 import { ENVD_PORT, ENVD_VERSION, initEnvd, waitEnvdReady } from "./envd.ts";
 import { SandboxStore, publicState, type SandboxRecord, type SandboxState } from "./store.ts";
 import { TemplateStore, type TemplateRecord, type VmCheckpoint } from "./templates.ts";
+import { PhaseClock, TimingLog } from "./timings.ts";
 
 /** An orchestrator failure with the HTTP status the API answers it with. */
 export class OrchestratorError extends Error {
@@ -112,6 +113,8 @@ export class Orchestrator {
   private readonly envdTimeoutMs: number;
   private reaper: Timer | undefined;
   private readonly goneListeners: ((id: string) => void)[] = [];
+  /** Phase timings of recent operations (create, resume, pause, fork, snapshot). */
+  readonly timings = new TimingLog();
   private closed = false;
 
   constructor(
@@ -222,10 +225,14 @@ export class Orchestrator {
     this.store.insert(rec);
     return this.track(rec.id, "create", async () => {
       try {
+        const clock = new PhaseClock();
         const cp = tpl.checkpoint ?? (await this.prepareTemplate(tpl));
-        const runtime = await this.startFrom(rec, cp);
+        clock.lap("template");
+        const runtime = await this.startFrom(rec, cp, clock);
         const done = this.store.transition(rec.id, ["creating"], "running", { runtime, endAt: Date.now() + (o.timeoutS ?? this.opts.defaultTimeoutS) * 1000 });
         if (!done) throw new OrchestratorError(409, `sandbox ${rec.id} changed state while it was created`);
+        clock.lap("record");
+        this.timings.add("create", rec.id, clock);
         return done;
       } catch (e) {
         await this.teardown(rec.id);
@@ -293,7 +300,7 @@ export class Orchestrator {
   }
 
   /** A VM for `rec` restored from `cp` in a fresh slot with a fresh upper, envd initialised. */
-  private async startFrom(rec: SandboxRecord, cp: VmCheckpoint): Promise<SandboxRuntime> {
+  private async startFrom(rec: SandboxRecord, cp: VmCheckpoint, clock = new PhaseClock()): Promise<SandboxRuntime> {
     const devices: string[] = [];
     const upperDir = join(this.opts.home, "sandboxes", rec.id, `upper-${randomId(6)}`);
     const rt: SandboxRuntime = {
@@ -304,6 +311,7 @@ export class Orchestrator {
     const save = () => this.store.setRuntime(rec.id, rt);
     rt.slot = await this.slots.acquire();
     save();
+    clock.lap("slot");
     // On a throw, the caller's teardown() gives back what the saved runtime names.
     {
       let drives: DriveSpec[];
@@ -315,19 +323,24 @@ export class Orchestrator {
         save();
       }
       const snap = await readSnapshot(cp.dir);
+      clock.lap("devices");
       const vm = await this.driver.restore(snap, {
         id: rec.id, runDir: rt.runDir!, drives, net: { tap: rt.slot.tap, mac: rt.slot.guestMac }, netnsPath: rt.slot.netnsPath,
       });
+      clock.lap("vmm");
       rt.vmPid = vm.pid;
       this.live.set(rec.id, { vm, slot: rt.slot });
       save();
+      clock.lap("record");
       const url = `http://${rt.slot.nsIp}:${ENVD_PORT}`;
       await waitEnvdReady(url, this.envdTimeoutMs, () => vm.state !== "stopped");
+      clock.lap("guest");
       await initEnvd(url, {
         accessToken: rec.envdAccessToken,
         currentToken: cp.envdToken,
         envVars: { ...rec.envVars, E2B_SANDBOX_ID: rec.id, E2B_TEMPLATE_ID: rec.templateId },
       }, 30_000);
+      clock.lap("init");
       return rt;
     }
   }
@@ -383,18 +396,24 @@ export class Orchestrator {
       const live = this.live.get(id);
       try {
         if (!live || !rt.rootfsDevice) throw new OrchestratorError(500, `sandbox ${id} has no VM to pause`);
-        const cp = await this.checkpoint(id, live.vm, rt, { resumable: false });
+        const clock = new PhaseClock();
+        const cp = await this.checkpoint(id, live.vm, rt, { resumable: false }, clock);
         // Give back what a paused sandbox does not need: the VMM, its devices and its slot.
         for (const cb of this.goneListeners) cb(id);
         await live.vm.stop();
+        clock.lap("vmm");
         this.live.delete(id);
         await this.release(rt);
+        clock.lap("release");
         rmSync(join(this.opts.home, "sandboxes", id), { recursive: true, force: true });
         // A paused sandbox's memory lives on disk, not in the host's page cache.
         for (const f of ["mem", "vmstate"]) await dropCache(join(cp.dir, f));
+        clock.lap("drop-cache");
         const paused: SandboxRuntime = { ...rt, slot: null, toolsDevice: null, rootfsDevice: null, upperDir: null, vmPid: null, paused: cp, layers: cp.layers, checkpoints: [cp.dir, ...cp.layers.map((l) => join(l, ".."))] };
         this.store.transition(id, ["pausing"], "paused", { runtime: paused });
         this.collectCheckpoints();
+        clock.lap("record");
+        this.timings.add("pause", id, clock);
       } catch (e) {
         // Still running if the VM is: back to running; otherwise the sandbox is lost and goes.
         if (live && live.vm.state !== "stopped") {
@@ -429,8 +448,12 @@ export class Orchestrator {
       const cp = rt.paused;
       if (!cp) throw new OrchestratorError(500, `paused sandbox ${id} has no checkpoint`);
       try {
-        const started = await this.startFrom(now, cp);
-        return this.store.transition(id, ["resuming"], "running", { runtime: started, endAt })!;
+        const clock = new PhaseClock();
+        const started = await this.startFrom(now, cp, clock);
+        const out = this.store.transition(id, ["resuming"], "running", { runtime: started, endAt })!;
+        clock.lap("record");
+        this.timings.add("resume", id, clock);
+        return out;
       } catch (e) {
         await this.teardown(id, { keepPaused: true });
         this.store.transition(id, ["resuming"], "paused", { runtime: rt });
@@ -457,9 +480,14 @@ export class Orchestrator {
       const live = this.live.get(id);
       try {
         if (!live) throw new OrchestratorError(500, `sandbox ${id} has no VM`);
-        return await this.checkpoint(id, live.vm, rt, { resumable: true });
+        const clock = new PhaseClock();
+        const cp = await this.checkpoint(id, live.vm, rt, { resumable: true }, clock);
+        await live.vm.resume();
+        clock.lap("vmm");
+        this.timings.add("fork-checkpoint", id, clock);
+        return cp;
       } finally {
-        await live?.vm.resume().catch(() => {});
+        if (live?.vm.state === "paused") await live.vm.resume().catch(() => {});
         this.store.transition(id, ["forking"], "running", { runtime: rt });
       }
     });
@@ -492,8 +520,12 @@ export class Orchestrator {
     this.store.insert(rec);
     return this.track(rec.id, "create", async () => {
       try {
-        const runtime = await this.startFrom(rec, cp);
-        return this.store.transition(rec.id, ["creating"], "running", { runtime, endAt: Date.now() + ttl })!;
+        const clock = new PhaseClock();
+        const runtime = await this.startFrom(rec, cp, clock);
+        const out = this.store.transition(rec.id, ["creating"], "running", { runtime, endAt: Date.now() + ttl })!;
+        clock.lap("record");
+        this.timings.add("fork-child", rec.id, clock);
+        return out;
       } catch (e) {
         await this.teardown(rec.id);
         this.store.delete(rec.id);
@@ -548,13 +580,16 @@ export class Orchestrator {
    * rootfs upper into a layer there (the device carries on over a fresh upper). `resumable`: the
    * VM may run again (memory copied), else the checkpoint takes its memory over.
    */
-  private async checkpoint(id: string, vm: Vmm, rt: SandboxRuntime, o: { resumable: boolean }): Promise<VmCheckpoint> {
+  private async checkpoint(id: string, vm: Vmm, rt: SandboxRuntime, o: { resumable: boolean }, clock = new PhaseClock()): Promise<VmCheckpoint> {
     const envdToken = this.store.get(id)?.envdAccessToken ?? null;
     const dir = join(this.opts.home, "checkpoints", `${id}-${randomId(8)}`);
     try {
+      clock.lap("record");
       await vm.snapshot(dir, { resumable: o.resumable });
+      clock.lap("vmm");
       const layer = join(dir, "rootfs.layer");
       await this.blockd.call("restack", { id: rt.rootfsDevice, layerPath: layer });
+      clock.lap("restack");
       rt.layers = [...rt.layers, layer];
       rt.checkpoints = [...rt.checkpoints, dir];
       this.store.setRuntime(id, rt);
