@@ -2,9 +2,9 @@
 // §4). Upstream rejects unknown fields with a 400, so every request comes from a builder below that
 // emits exactly the documented fields, checks their types and enums, and drops absent optionals.
 
-import { existsSync, mkdirSync, readFileSync, rmSync, writeFileSync } from "node:fs";
+import { existsSync } from "node:fs";
+import { mkdir, rm } from "node:fs/promises";
 import { basename, join, resolve } from "node:path";
-import { withTimeout } from "./qmp.ts";
 import { probeKvm } from "./qemu.ts";
 import {
   type BalloonInfo,
@@ -18,6 +18,7 @@ import {
   VmProcess,
   netnsArgv,
 } from "./types.ts";
+import { retryUntilListening, withTimeout } from "./wait.ts";
 
 // ---- request builders -------------------------------------------------------------------------
 
@@ -409,9 +410,18 @@ export interface JailerOptions {
   newPidNs?: boolean;
 }
 
+/**
+ * A VM id as Firecracker's and the jailer's `--id` accept it ([A-Za-z0-9-]{1,64}), and not
+ * starting with "-" so it never reads as an option; BadSpec otherwise.
+ */
+export function checkVmId(id: unknown): string {
+  if (typeof id !== "string" || !/^[A-Za-z0-9][A-Za-z0-9-]{0,63}$/.test(id)) bad("--id", "[A-Za-z0-9-]{1,64}, not starting with -", id);
+  return id as string;
+}
+
 /** jailer argv: it chroots, drops privileges and execs firecracker with the args after `--`. */
 export function jailerArgs(id: string, execFile: string, j: JailerOptions, firecrackerArgs: string[]): string[] {
-  if (!/^[A-Za-z0-9-]{1,64}$/.test(id)) bad("jailer --id", "[A-Za-z0-9-]{1,64}", id);
+  checkVmId(id);
   const argv = [j.binary ?? process.env.AENV_JAILER_BIN ?? "jailer", "--id", id, "--exec-file", execFile, "--uid", String(int("uid", j.uid)), "--gid", String(int("gid", j.gid))];
   if (j.chrootBaseDir) argv.push("--chroot-base-dir", j.chrootBaseDir);
   if (j.netns) argv.push("--netns", j.netns);
@@ -432,16 +442,24 @@ export function jailRoot(id: string, execFile: string, j: JailerOptions): string
 
 // ---- API client ---------------------------------------------------------------------------------
 
+/** How long a request waits for the API socket to accept (Firecracker binds, then listens). */
+export const API_CONNECT_TIMEOUT_MS = 5_000;
+
 export class FirecrackerApi {
-  constructor(readonly socketPath: string) {}
+  constructor(
+    readonly socketPath: string,
+    readonly connectTimeoutMs = API_CONNECT_TIMEOUT_MS,
+  ) {}
 
   async send<T = unknown>(req: FcRequest): Promise<T> {
-    const res = await fetch(`http://localhost${req.path}`, {
-      unix: this.socketPath,
-      method: req.method,
-      headers: req.body !== undefined ? { "Content-Type": "application/json", Accept: "application/json" } : { Accept: "application/json" },
-      body: req.body !== undefined ? JSON.stringify(req.body) : undefined,
-    } as RequestInit);
+    const attempt = () =>
+      fetch(`http://localhost${req.path}`, {
+        unix: this.socketPath,
+        method: req.method,
+        headers: req.body !== undefined ? { "Content-Type": "application/json", Accept: "application/json" } : { Accept: "application/json" },
+        body: req.body !== undefined ? JSON.stringify(req.body) : undefined,
+      } as RequestInit);
+    const res = await retryUntilListening(attempt, Date.now() + this.connectTimeoutMs, `firecracker ${req.method} ${req.path} on ${this.socketPath}`);
     const text = await res.text();
     if (!res.ok) {
       let msg = text;
@@ -526,14 +544,14 @@ class FirecrackerVm extends VmProcess implements Vmm {
   async snapshot(dir: string, _opts: SnapshotOptions = {}): Promise<SnapshotInfo> {
     this.need("running", "paused");
     dir = resolve(dir);
-    mkdirSync(dir, { recursive: true });
+    await mkdir(dir, { recursive: true });
     if (this._state === "running") await this.pause();
     const statePath = join(dir, "vmstate");
     const memPath = join(dir, "mem");
     // Firecracker writes a full memory file, so the VM stays resumable whatever opts say.
     await this.api.send(createSnapshot({ snapshotType: "Full", snapshotPath: statePath, memFilePath: memPath }));
     const info: SnapshotInfo = { vmm: "firecracker", dir, statePath, memPath, spec: this.spec, createdAt: new Date().toISOString() };
-    writeFileSync(join(dir, "snapshot.json"), JSON.stringify(info, null, 1));
+    await Bun.write(join(dir, "snapshot.json"), JSON.stringify(info, null, 1));
     return info;
   }
 
@@ -553,7 +571,7 @@ class FirecrackerVm extends VmProcess implements Vmm {
       await this.exited;
     }
     this._state = "stopped";
-    rmSync(this.api.socketPath, { force: true });
+    await rm(this.api.socketPath, { force: true });
   }
 }
 
@@ -562,7 +580,9 @@ export class FirecrackerDriver implements VmmDriver {
   constructor(private opts: FirecrackerOptions = {}) {}
 
   private async start(spec: VmSpec): Promise<{ proc: ReturnType<typeof Bun.spawn>; api: FirecrackerApi; consoleLog: string }> {
-    mkdirSync(spec.runDir, { recursive: true });
+    // Firecracker would refuse it after we spawned it; the id also names the jail directory.
+    checkVmId(spec.id);
+    await mkdir(spec.runDir, { recursive: true });
     const bin = firecrackerBinary(this.opts);
     const consoleLog = join(spec.runDir, "console.log");
     let sock: string;
@@ -577,17 +597,22 @@ export class FirecrackerDriver implements VmmDriver {
       sock = join(spec.runDir, "firecracker.sock");
       argv = netnsArgv(spec.netnsPath, [bin, "--api-sock", sock, "--id", spec.id]);
     }
-    rmSync(sock, { force: true });
+    await rm(sock, { force: true });
     // The guest's serial console is Firecracker's stdout.
     const out = Bun.file(consoleLog);
-    const proc = Bun.spawn(argv, { stdin: "ignore", stdout: out, stderr: out, detached: true });
+    let proc: ReturnType<typeof Bun.spawn>;
+    try {
+      proc = Bun.spawn(argv, { stdin: "ignore", stdout: out, stderr: out, detached: true });
+    } catch (e) {
+      throw new VmmError("StartFailed", `cannot run ${argv[0]}: ${(e as Error).message}`);
+    }
     proc.unref();
     const until = Date.now() + (this.opts.startTimeoutMs ?? 5000);
     while (!existsSync(sock)) {
       if (proc.exitCode !== null || Date.now() > until) {
         if (proc.exitCode === null) proc.kill("SIGKILL");
         await proc.exited;
-        const log = existsSync(consoleLog) ? readFileSync(consoleLog, "utf8").trim() : "";
+        const log = (await Bun.file(consoleLog).text().catch(() => "")).trim();
         throw new VmmError("StartFailed", `firecracker ${spec.id} did not open ${sock}${log ? `: ${log}` : ""}`);
       }
       await Bun.sleep(2);

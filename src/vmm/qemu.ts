@@ -3,9 +3,10 @@
 // RAM file itself; a restore maps that file private (copy-on-write) and loads the device state.
 // KVM when it is usable, TCG otherwise (../../shared/docs/reference/vm-measurements.md).
 
-import { accessSync, constants, existsSync, linkSync, mkdirSync, readFileSync, rmSync, writeFileSync } from "node:fs";
+import { accessSync, constants, existsSync, readFileSync } from "node:fs";
+import { link, mkdir, rm } from "node:fs/promises";
 import { dirname, join, resolve } from "node:path";
-import { QmpClient, withTimeout } from "./qmp.ts";
+import { QmpClient } from "./qmp.ts";
 import {
   type BalloonInfo,
   type NetSpec,
@@ -19,6 +20,7 @@ import {
   VmProcess,
   netnsArgv,
 } from "./types.ts";
+import { withTimeout } from "./wait.ts";
 
 export type Accel = "kvm" | "tcg";
 
@@ -169,10 +171,22 @@ function shellQuote(s: string): string {
   return `'${s.replaceAll("'", `'\\''`)}'`;
 }
 
-/** Copy keeping holes, so an untouched 512 MiB RAM file costs only its touched pages. */
-function sparseCopy(from: string, to: string): void {
-  const r = Bun.spawnSync(["cp", "--sparse=always", from, to], { stderr: "pipe" });
-  if (r.exitCode !== 0) throw new VmmError("Protocol", `copying ${from}: ${r.stderr.toString().trim()}`);
+/** A RAM copy's time limit: cp moves well over 100 MiB/s even on a loaded disk, so 2 min is ≥ 12 GiB. */
+export const COPY_TIMEOUT_MS = 120_000;
+
+/**
+ * Copy keeping holes, so an untouched 512 MiB RAM file costs only its touched pages. Awaited
+ * (the event loop keeps serving), killed after timeoutMs (Timeout); on any failure the partial
+ * copy is removed and the error carries cp's stderr.
+ */
+export async function sparseCopy(from: string, to: string, timeoutMs = COPY_TIMEOUT_MS): Promise<void> {
+  const deadline = AbortSignal.timeout(timeoutMs);
+  const cp = Bun.spawn(["cp", "--sparse=always", "--", from, to], { stdin: "ignore", stdout: "ignore", stderr: "pipe", signal: deadline, killSignal: "SIGKILL" });
+  const [stderr] = await Promise.all([new Response(cp.stderr).text(), cp.exited]);
+  if (cp.exitCode === 0) return;
+  await rm(to, { force: true });
+  if (cp.exitCode === null && deadline.aborted) throw new VmmError("Timeout", `copying ${from} to ${to} took over ${timeoutMs} ms (killed)`);
+  throw new VmmError("Protocol", `copying ${from} to ${to} failed (${cp.exitCode ?? cp.signalCode}): ${stderr.trim()}`);
 }
 
 class QemuVm extends VmProcess implements Vmm {
@@ -212,7 +226,7 @@ class QemuVm extends VmProcess implements Vmm {
   async snapshot(dir: string, opts: SnapshotOptions = {}): Promise<SnapshotInfo> {
     this.need("running", "paused");
     dir = resolve(dir);
-    mkdirSync(dir, { recursive: true });
+    await mkdir(dir, { recursive: true });
     const statePath = join(dir, "vmstate");
     if (this._state === "running") await this.pause();
     const sharedRam = this.launch.ram.share;
@@ -230,14 +244,14 @@ class QemuVm extends VmProcess implements Vmm {
     let memPath: string | undefined;
     if (sharedRam) {
       memPath = join(dir, "mem");
-      rmSync(memPath, { force: true });
-      if (opts.resumable) sparseCopy(this.launch.ram.path, memPath);
+      await rm(memPath, { force: true });
+      if (opts.resumable) await sparseCopy(this.launch.ram.path, memPath);
       else {
         // Taking the RAM file over: the VM must never run again, or it would change the image.
         try {
-          linkSync(this.launch.ram.path, memPath);
+          await link(this.launch.ram.path, memPath);
         } catch {
-          sparseCopy(this.launch.ram.path, memPath);
+          await sparseCopy(this.launch.ram.path, memPath);
         }
         this._state = "snapshotted";
       }
@@ -251,7 +265,7 @@ class QemuVm extends VmProcess implements Vmm {
       createdAt: new Date().toISOString(),
       extra: { ignoreShared: sharedRam, accel: this.launch.accel, tscKhz: this.launch.tscKhz },
     };
-    writeFileSync(join(dir, "snapshot.json"), JSON.stringify(info, null, 1));
+    await Bun.write(join(dir, "snapshot.json"), JSON.stringify(info, null, 1));
     return info;
   }
 
@@ -279,9 +293,9 @@ class QemuVm extends VmProcess implements Vmm {
     }
     this.qmp.close();
     this._state = "stopped";
-    rmSync(this.launch.qmpSocket, { force: true });
-    rmSync(this.launch.pidFile, { force: true });
-    if (this.ownsRam) rmSync(this.launch.ram.path, { force: true });
+    await rm(this.launch.qmpSocket, { force: true });
+    await rm(this.launch.pidFile, { force: true });
+    if (this.ownsRam) await rm(this.launch.ram.path, { force: true });
   }
 }
 
@@ -309,8 +323,8 @@ export class QemuDriver implements VmmDriver {
   /** Spawn QEMU and connect to QMP; a QEMU that dies first is reported with its stderr. */
   private async start(launch: QemuLaunch, qemuLog: string): Promise<{ proc: ReturnType<typeof Bun.spawn>; qmp: QmpClient }> {
     const argv = netnsArgv(launch.spec.netnsPath, [this.binary, ...qemuArgs(launch)]);
-    rmSync(launch.qmpSocket, { force: true });
-    writeFileSync(join(dirname(qemuLog), "qemu.argv"), JSON.stringify(argv));
+    await rm(launch.qmpSocket, { force: true });
+    await Bun.write(join(dirname(qemuLog), "qemu.argv"), JSON.stringify(argv));
     const log = Bun.file(qemuLog);
     let proc: ReturnType<typeof Bun.spawn>;
     try {
@@ -323,7 +337,7 @@ export class QemuDriver implements VmmDriver {
     const failure = async (why: string) => {
       if (proc.exitCode === null) proc.kill("SIGKILL");
       await proc.exited;
-      const stderr = existsSync(qemuLog) ? readFileSync(qemuLog, "utf8").trim() : "";
+      const stderr = (await Bun.file(qemuLog).text().catch(() => "")).trim();
       return new VmmError("StartFailed", `QEMU ${launch.spec.id} ${why}${stderr ? `: ${stderr}` : ""}`);
     };
     const until = Date.now() + (this.opts.startTimeoutMs ?? 10_000);
@@ -347,11 +361,11 @@ export class QemuDriver implements VmmDriver {
   async boot(spec: VmSpec): Promise<Vmm> {
     spec = { ...spec, runDir: resolve(spec.runDir) };
     checkSpec(spec);
-    mkdirSync(spec.runDir, { recursive: true });
+    await mkdir(spec.runDir, { recursive: true });
     const p = this.paths(spec.runDir);
     const ram = { path: resolve(spec.memFile ?? join(spec.runDir, "ram")), share: true };
-    mkdirSync(dirname(ram.path), { recursive: true });
-    rmSync(ram.path, { force: true }); // a fresh VM starts from zeroed memory
+    await mkdir(dirname(ram.path), { recursive: true });
+    await rm(ram.path, { force: true }); // a fresh VM starts from zeroed memory
     const launch: QemuLaunch = { spec, accel: this.accel, ram, ...p, tscKhz: this.tscKhz };
     const { proc, qmp } = await this.start(launch, p.qemuLog);
     return new QemuVm(spec, proc, qmp, launch, true);
@@ -366,7 +380,7 @@ export class QemuDriver implements VmmDriver {
     // The netdev backend is part of the migration stream; a different kind fails to load.
     if (kindOf(r.net) !== kindOf(old.net)) throw new VmmError("BadSpec", `restore needs a ${kindOf(old.net)} network like the snapshot`);
     const spec: VmSpec = { ...old, id: r.id, runDir: resolve(r.runDir), drives: r.drives, net: r.net, memFile: r.memFile, netnsPath: r.netnsPath };
-    mkdirSync(spec.runDir, { recursive: true });
+    await mkdir(spec.runDir, { recursive: true });
     const p = this.paths(spec.runDir);
     const ignoreShared = snap.extra?.ignoreShared === true;
     let ram: RamBacking;
@@ -374,7 +388,7 @@ export class QemuDriver implements VmmDriver {
     else {
       // RAM comes in the stream: load it into a shared file of our own, so our next snapshot is cheap.
       ram = { path: resolve(r.memFile ?? join(spec.runDir, "ram")), share: true };
-      rmSync(ram.path, { force: true });
+      await rm(ram.path, { force: true });
     }
     // The accelerator and TSC must match the source: the stream holds CPU state in its terms.
     const accel = (snap.extra?.accel as Accel | undefined) ?? this.accel;
@@ -398,7 +412,7 @@ export class QemuDriver implements VmmDriver {
       }
     } catch (e) {
       await vm.stop();
-      const log = existsSync(p.qemuLog) ? readFileSync(p.qemuLog, "utf8").trim() : "";
+      const log = (await Bun.file(p.qemuLog).text().catch(() => "")).trim();
       throw new VmmError("StartFailed", `${(e as Error).message}${log ? `: ${log}` : ""}`);
     }
     return vm;

@@ -3,6 +3,7 @@
 
 import type { Socket } from "bun";
 import { VmmError } from "./types.ts";
+import { retryUntilListening, withTimeout } from "./wait.ts";
 
 export interface QmpEvent {
   event: string;
@@ -37,19 +38,8 @@ export class QmpClient {
           error: (_s, e) => client.onClose(e),
         },
       });
-    let socket: Awaited<ReturnType<typeof open>>;
-    for (;;) {
-      try {
-        socket = await open();
-        break;
-      } catch (e) {
-        // QEMU binds the socket before it listens: the file can exist a moment before connect works
-        // (ECONNREFUSED), and a stale file may be replaced under us (ENOENT).
-        const code = (e as { code?: string }).code;
-        if ((code !== "ECONNREFUSED" && code !== "ENOENT") || Date.now() > until) throw e;
-        await Bun.sleep(5);
-      }
-    }
+    // QEMU binds the socket before it listens: the file can exist a moment before connect works.
+    const socket = await retryUntilListening(open, until, `QMP ${path}`);
     client.socket = socket;
     const closed = new Promise((_, reject) => (client.rejectGreeting = reject));
     try {
@@ -135,15 +125,5 @@ export class QmpClient {
   close(): void {
     this.onClose(new VmmError("Protocol", "QMP client closed"));
     this.socket?.end();
-  }
-}
-
-/** p, or a Timeout error after ms; the timer never outlives the race. */
-export async function withTimeout<T>(p: Promise<T>, ms: number, what: string): Promise<T> {
-  let timer: ReturnType<typeof setTimeout> | undefined;
-  try {
-    return await Promise.race([p, new Promise<never>((_, reject) => (timer = setTimeout(() => reject(new VmmError("Timeout", what)), ms)))]);
-  } finally {
-    clearTimeout(timer);
   }
 }

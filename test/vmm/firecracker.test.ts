@@ -3,9 +3,12 @@
 // must hold only documented fields, all required ones, the right JSON types and valid enums.
 
 import { describe, expect, test } from "bun:test";
+import { existsSync } from "node:fs";
+import { join } from "node:path";
 import * as fc from "../../src/vmm/firecracker.ts";
 import { selectDriver } from "../../src/vmm/select.ts";
-import type { VmSpec } from "../../src/vmm/types.ts";
+import { VmmError, type VmSpec } from "../../src/vmm/types.ts";
+import { scratchDir } from "../helpers/tmp.ts";
 
 // ---- the documented schema, written out independently of the builders ---------------------------
 
@@ -309,3 +312,93 @@ describe("VMM selection", () => {
     expect(() => selectDriver({ vmm: "xen" as never })).toThrow(/AENV_VMM/);
   });
 });
+
+// ---- the API client and the driver against a socket, without a Firecracker binary -------------
+
+describe("firecracker API socket and VM ids", () => {
+  test("a request waits out a socket that is bound but not listening yet, then goes through", async () => {
+    const path = join(scratchDir("fc-api"), "api.sock");
+    const server = Bun.spawn([process.execPath, join(import.meta.dir, "bound_socket.ts"), path], { stdin: "pipe", stdout: "pipe", stderr: "inherit" });
+    try {
+      const lines = lineReader(server.stdout);
+      expect(await lines.next()).toBe("bound");
+      // Bound, not listening: a plain connect is refused, as Firecracker's is for a moment.
+      const early = await fetch("http://localhost/", { unix: path } as RequestInit).catch((e) => e);
+      expect(early.code).toBe("ECONNREFUSED");
+
+      const api = new fc.FirecrackerApi(path, 60_000);
+      let settled = false;
+      const sent = api.send(fc.putMachineConfig({ vcpuCount: 1, memSizeMib: 128 })).finally(() => (settled = true));
+      // Still refused a while later, and the request has not given up.
+      await Bun.sleep(100);
+      expect((await fetch("http://localhost/", { unix: path } as RequestInit).catch((e) => e)).code).toBe("ECONNREFUSED");
+      expect(settled).toBe(false);
+      server.stdin.write("listen\n");
+      server.stdin.flush();
+      expect(await lines.next()).toBe("listening");
+      expect(await sent).toBeUndefined();
+      expect(await lines.next()).toBe(`PUT /machine-config {"vcpu_count":1,"mem_size_mib":128}`);
+    } finally {
+      server.kill(9);
+      await server.exited;
+    }
+  }, 60_000);
+
+  test("a request gives up with Timeout when the socket never listens", async () => {
+    const path = join(scratchDir("fc-api-never"), "api.sock");
+    const server = Bun.spawn([process.execPath, join(import.meta.dir, "bound_socket.ts"), path], { stdin: "pipe", stdout: "pipe", stderr: "inherit" });
+    try {
+      expect(await lineReader(server.stdout).next()).toBe("bound");
+      const err = (await new fc.FirecrackerApi(path, 200).send(fc.getVersion()).then(
+        () => undefined,
+        (e: unknown) => e,
+      )) as VmmError;
+      expect(err).toBeInstanceOf(VmmError);
+      expect(err.code).toBe("Timeout");
+      expect(err.message).toContain("ECONNREFUSED");
+    } finally {
+      server.kill(9);
+      await server.exited;
+    }
+  }, 60_000);
+
+  test("VM ids are checked as Firecracker does ([A-Za-z0-9-]{1,64}) before anything is spawned", async () => {
+    const dir = scratchDir("fc-id");
+    // A binary that does not exist: reaching the spawn would fail differently (StartFailed).
+    const driver = new fc.FirecrackerDriver({ binary: join(dir, "no-firecracker") });
+    const spec: VmSpec = { id: "ok-id", runDir: join(dir, "run"), kernel: "/k", cmdline: "console=ttyS0", vcpus: 1, memMiB: 128, drives: [] };
+    for (const id of ["", "has_underscore", "dots.no", "a/b", "x".repeat(65), "--api-sock"]) {
+      const err = await driver.boot({ ...spec, id }).catch((e) => e);
+      expect([id, err.code]).toEqual([id, "BadSpec"]);
+    }
+    const snap = { vmm: "firecracker" as const, dir, statePath: join(dir, "s"), memPath: join(dir, "m"), spec, createdAt: "" };
+    expect((await driver.restore(snap, { id: "bad id", runDir: join(dir, "r"), drives: [] }).catch((e) => e)).code).toBe("BadSpec");
+    expect(existsSync(join(dir, "run"))).toBe(false);
+    expect(existsSync(join(dir, "r"))).toBe(false);
+    expect(fc.checkVmId("x".repeat(64))).toBe("x".repeat(64));
+    // A good id gets as far as the spawn.
+    expect((await driver.boot(spec).catch((e) => e)).code).toBe("StartFailed");
+  }, 60_000);
+});
+
+/** Lines from a child's stdout, one per next(). */
+function lineReader(stream: ReadableStream<Uint8Array>) {
+  const reader = stream.getReader();
+  const decoder = new TextDecoder();
+  let buf = "";
+  return {
+    async next(): Promise<string> {
+      for (;;) {
+        const nl = buf.indexOf("\n");
+        if (nl >= 0) {
+          const line = buf.slice(0, nl);
+          buf = buf.slice(nl + 1);
+          return line;
+        }
+        const { value, done } = await reader.read();
+        if (done) throw new Error(`stream ended after ${JSON.stringify(buf)}`);
+        buf += decoder.decode(value, { stream: true });
+      }
+    },
+  };
+}

@@ -81,14 +81,14 @@ describe.skipIf(!!skip)("Firecracker microVMs", async () => {
     await health(a);
     await vm.pause();
     await vm.resume();
-    await health(a, 5000);
+    await health(a);
     const snap = await vm.snapshot(join(root, "snap"));
     await vm.stop();
     live.delete(vm);
     const b = await pool.acquire();
     const vm2 = await driver.restore(snap, { id: "fc-b", runDir: join(root, "b"), drives: await drives("b"), net: { tap: b.tap, mac: b.guestMac }, netnsPath: b.netnsPath });
     live.add(vm2);
-    await health(b, 10_000);
+    await health(b);
     await vm2.stop();
     live.delete(vm2);
     expect(vm2.state).toBe("stopped");

@@ -58,6 +58,15 @@ export function qemuPids(marker: string): number[] {
   return pids;
 }
 
+/** Polls cond until it holds or ms pass; deadlines are generous (TCG on a shared, loaded machine). */
+export async function until(cond: () => boolean | Promise<boolean>, ms = 30_000, what = "condition"): Promise<void> {
+  const end = Date.now() + ms;
+  while (!(await cond())) {
+    if (Date.now() > end) throw new Error(`${what} not met within ${ms} ms`);
+    await Bun.sleep(50);
+  }
+}
+
 /** Milliseconds until GET url answers 200, or throws after timeoutMs. */
 export async function waitHttp(url: string, timeoutMs = 30_000): Promise<number> {
   const t0 = performance.now();

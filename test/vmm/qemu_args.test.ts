@@ -1,10 +1,12 @@
 // QEMU command-line construction (no VM): microvm with a file-backed RAM object, drives in guest
-// order, loopback-only forwards, TAP, the TCG TSC fix, and the restore variant.
+// order, loopback-only forwards, TAP, the TCG TSC fix, and the restore variant; the RAM file copy.
 
 import { describe, expect, test } from "bun:test";
-import { existsSync } from "node:fs";
-import { effectiveCmdline, probeKvm, qemuArgs, qemuOptValue, resolveAccel, type QemuLaunch } from "../../src/vmm/qemu.ts";
-import { netnsArgv, type VmSpec } from "../../src/vmm/types.ts";
+import { existsSync, openSync, closeSync, ftruncateSync, statSync, writeSync } from "node:fs";
+import { join } from "node:path";
+import { effectiveCmdline, probeKvm, qemuArgs, qemuOptValue, resolveAccel, sparseCopy, type QemuLaunch } from "../../src/vmm/qemu.ts";
+import { VmmError, netnsArgv, type VmSpec } from "../../src/vmm/types.ts";
+import { scratchDir } from "../helpers/tmp.ts";
 
 const spec: VmSpec = {
   id: "vm-1",
@@ -128,4 +130,51 @@ describe("qemuArgs", () => {
       else process.env.AENV_QEMU_ACCEL = saved;
     }
   });
+});
+
+describe("RAM file copy (resumable snapshots)", () => {
+  /** A sparse "RAM file": `size` bytes with a touched page every `stride`. */
+  function ramFile(path: string, size: number, stride: number): void {
+    const fd = openSync(path, "w");
+    ftruncateSync(fd, size);
+    const page = new Uint8Array(4096).fill(0xa5);
+    for (let off = 0; off < size; off += stride) writeSync(fd, page, 0, page.length, off);
+    closeSync(fd);
+  }
+
+  test("the copy is awaited (timers keep firing), keeps the holes and the bytes", async () => {
+    const dir = scratchDir("ram-copy");
+    const from = join(dir, "ram");
+    ramFile(from, 256 << 20, 1 << 20);
+    let ticks = 0;
+    const timer = setInterval(() => ticks++, 1);
+    try {
+      const before = ticks;
+      await sparseCopy(from, join(dir, "mem"));
+      // A synchronous cp would hold the loop for the whole copy: no tick at all.
+      expect(ticks).toBeGreaterThan(before);
+    } finally {
+      clearInterval(timer);
+    }
+    const to = statSync(join(dir, "mem"));
+    expect(to.size).toBe(256 << 20);
+    expect(to.blocks * 512).toBeLessThan(16 << 20); // 256 touched pages, not 256 MiB
+    expect(Buffer.compare(await Bun.file(from).bytes(), await Bun.file(join(dir, "mem")).bytes())).toBe(0);
+  }, 60_000);
+
+  test("a copy that fails says why and leaves no partial file; one past its time limit is killed", async () => {
+    const dir = scratchDir("ram-copy-fail");
+    const missing = await sparseCopy(join(dir, "absent"), join(dir, "mem")).catch((e) => e);
+    expect(missing).toBeInstanceOf(VmmError);
+    expect(missing.code).toBe("Protocol");
+    expect(missing.message).toContain("No such file");
+    expect(existsSync(join(dir, "mem"))).toBe(false);
+
+    // A FIFO never ends: cp blocks on it until the limit kills it.
+    expect(Bun.spawnSync(["mkfifo", join(dir, "fifo")]).exitCode).toBe(0);
+    const hung = await sparseCopy(join(dir, "fifo"), join(dir, "mem2"), 200).catch((e) => e);
+    expect(hung).toBeInstanceOf(VmmError);
+    expect(hung.code).toBe("Timeout");
+    expect(existsSync(join(dir, "mem2"))).toBe(false);
+  }, 60_000);
 });
