@@ -291,7 +291,7 @@ describe("aenv layer refuses bad input up front, by name", () => {
     for (const [name, fn, what] of [
       ["t-flags", (b: Uint8Array, t: number) => dv(b).setUint32(t + 28, 0x02, true), "trailer flags 0x2"],
       ["t-isize", (b: Uint8Array, t: number) => dv(b).setUint32(t + 44, 0x100000, true), "index_size 4503599627370497"],
-      ["t-ioff", (b: Uint8Array, t: number) => dv(b).setUint32(t + 32, 7, true), "index_offset 7"],
+      ["t-ioff", (b: Uint8Array, t: number) => dv(b).setUint32(t + 32, 7, true), "outside the data area [8, 0)"],
     ] as const) {
       const p = variant(name, fn);
       for (const verb of ["inspect", "cat"]) {
@@ -300,6 +300,24 @@ describe("aenv layer refuses bad input up front, by name", () => {
         expect(r.err).toContain(what);
       }
     }
+  });
+
+  test("what C++ opens is opened: a length-0 entry, an index_offset off the sector grid", () => {
+    const len0 = variant("len0", (b, t) => {
+      const at = dv(b).getUint32(t + 32, true); // the one entry {offset 8, length 16}: length is bits 50..63 of word 0
+      dv(b).setUint16(at + 6, dv(b).getUint16(at + 6, true) & 0x3, true);
+    });
+    const info = JSON.parse(ok(["layer", "inspect", len0]).text);
+    expect(info.trailer.indexSize).toBe(1);
+    expect(info.index.entries).toBe(0);
+    expect(ok(["layer", "cat", len0]).out.every((x) => x === 0)).toBe(true);
+    ok(["layer", "create", "--size", "64K", join(d, "empty")]);
+    ok(["layer", "seal", join(d, "empty"), join(d, "empty.sealed")]);
+    const b = new Uint8Array(readFileSync(join(d, "empty.sealed")));
+    const t = b.length - 4096;
+    dv(b).setUint32(t + 32, dv(b).getUint32(t + 32, true) - 100, true); // 0 entries at an unaligned offset
+    writeFileSync(join(d, "ioff"), b);
+    expect(ok(["layer", "cat", join(d, "ioff")]).out.length).toBe(65536);
   });
 
   test("a committed header without a trailer is an error", () => {

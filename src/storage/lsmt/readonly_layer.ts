@@ -49,8 +49,6 @@ export class ReadOnlyLayer {
       throw new FieldError("trailer flags", flags(trailer), "do not say sealed data trailer (bits 0x06, 0x01 clear)", name, toff + HT_FIELD.flags);
     if (trailer.indexSize > MAX_RO_INDEX_ENTRIES)
       throw new FieldError("index_size", trailer.indexSize, `exceeds the ${MAX_RO_INDEX_ENTRIES} entries C++ reads`, name, toff + HT_FIELD.indexSize);
-    if (trailer.indexOffset % SECTOR !== 0 || trailer.indexOffset < HT_SPACE)
-      throw new FieldError("index_offset", trailer.indexOffset, "is not a sector past the header", name, toff + HT_FIELD.indexOffset);
     const ibytes = trailer.indexSize * SEGMENT_BYTES;
     if (ibytes > toff - trailer.indexOffset)
       throw new FormatError(`index of ${trailer.indexSize} entries at ${trailer.indexOffset} runs past the trailer`, name, toff + HT_FIELD.indexSize);
@@ -58,8 +56,10 @@ export class ReadOnlyLayer {
     if (ibytes && (await file.pread(raw, trailer.indexOffset)) !== ibytes)
       throw new TruncatedError("short read of the index", name, trailer.indexOffset);
     const index = decodeSegments(raw);
-    validateReadOnlyIndex(index, trailer.indexOffset / SECTOR, name, trailer.indexOffset);
-    return new ReadOnlyLayer(file, header, trailer, index);
+    // C++ bounds entries by index_offset in whole sectors and checks nothing else about it.
+    validateReadOnlyIndex(index, Math.floor(trailer.indexOffset / SECTOR), name, trailer.indexOffset);
+    // C++ keeps length-0 entries; they map nothing, so they are dropped here.
+    return new ReadOnlyLayer(file, header, trailer, index.filter((s) => s.length > 0));
   }
 
   close(): Promise<void> {
@@ -67,14 +67,16 @@ export class ReadOnlyLayer {
   }
 }
 
-/** Sorted, disjoint, and every moffset inside [8, limit] (zeroed) or [8, limit − length] (data). Tags are reset to 0. */
+/**
+ * Sorted, disjoint, and every moffset inside [8, limit] (zeroed) or [8, limit − length] (data),
+ * length-0 entries included, as C++ checks them. Tags are reset to 0.
+ */
 export function validateReadOnlyIndex(index: Segment[], limitSectors: number, name: string, at: number): void {
   let prevEnd = 0;
   for (let i = 0; i < index.length; i++) {
     const s = index[i]!;
     const where = at + i * SEGMENT_BYTES;
     s.tag = 0;
-    if (s.length === 0) throw new FormatError(`entry ${i} has length 0`, name, where);
     if (s.offset < prevEnd) throw new FormatError(`entry ${i} at sector ${s.offset} overlaps or is out of order`, name, where);
     if (s.moffset < 8 || (s.zeroed ? s.moffset > limitSectors : s.moffset + s.length > limitSectors))
       throw new FormatError(`entry ${i} maps sector ${s.moffset} outside the data area [8, ${limitSectors})`, name, where);
