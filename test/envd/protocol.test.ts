@@ -1,10 +1,10 @@
 // Raw wire tests for envd: Connect framing in JSON and binary protobuf, error codes, malformed
 // input of every kind, /files edge cases, /init, signing, and that nothing kills the process.
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
-import { mkdirSync, readFileSync, writeFileSync } from "node:fs";
+import { existsSync, mkdirSync, readFileSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { schema } from "../../guest/envd/schema.ts";
-import { envelope, envelopes, jsonEnvelopes, startEnvd, type Envd } from "./harness.ts";
+import { envelope, envelopes, jsonEnvelopes, jsonFrames, startEnvd, until, type Envd } from "./harness.ts";
 
 let envd: Envd;
 
@@ -26,6 +26,20 @@ async function unary(path: string, msg: unknown, headers: Record<string, string>
   const r = await post(path, JSON.stringify(msg), { ...JSON_CT, ...headers });
   return { status: r.status, body: (await r.json()) as any };
 }
+
+/** The pid of the live process carrying `tag`, once envd lists it. */
+async function listedPid(tag: string): Promise<number> {
+  let pid = 0;
+  await until(async () => {
+    const l = await unary("/process.Process/List", {});
+    pid = (l.body.processes ?? []).find((p: any) => p.tag === tag)?.pid ?? 0;
+    return pid > 0;
+  }, `a process tagged ${tag}`);
+  return pid;
+}
+
+/** A flag file the test creates to let a waiting process go on (no timing in the test). */
+const waitFor = (flag: string) => `while [ ! -e ${flag} ]; do sleep 0.05; done`;
 
 async function stream(path: string, msg: unknown, headers: Record<string, string> = {}) {
   const r = await post(path, envelope(msg), { ...STREAM_CT, ...headers });
@@ -80,7 +94,7 @@ describe("routing and Connect errors", () => {
     writeFileSync(join(envd.root, "file"), "x");
     expect(await unary("/filesystem.Filesystem/ListDir", { path: join(envd.root, "file") })).toMatchObject({ status: 400, body: { code: "invalid_argument" } });
     expect(await unary("/process.Process/SendInput", { process: { pid: 999999 }, input: { stdin: "" } })).toMatchObject({ status: 404, body: { code: "not_found" } });
-    expect(await unary("/process.Process/SendSignal", { process: { pid: 1 }, signal: "SIGNAL_SIGKILL" })).toMatchObject({ status: 404 });
+    expect(await unary("/process.Process/SendSignal", { process: { pid: 1 }, signal: "SIGNAL_SIGKILL" })).toMatchObject({ status: 404, body: { code: "not_found" } });
     expect(await unary("/filesystem.Filesystem/Stat", { path: "~bob/x" })).toMatchObject({ status: 400, body: { code: "invalid_argument" } });
     const bad = await unary("/filesystem.Filesystem/Stat", { path: "/" }, { authorization: `Basic ${btoa("mallory:")}` });
     expect(bad).toMatchObject({ status: 401, body: { code: "unauthenticated", message: "invalid username: 'mallory'" } });
@@ -127,7 +141,7 @@ describe("binary protobuf", () => {
   });
 
   test("streaming Start in application/connect+proto", async () => {
-    const config = ld(1, "/bin/echo").concat(ld(2, "hi"));
+    const config = ld(1, "/bin/sh").concat(ld(2, "-c"), ld(2, "echo $$"));
     const req = envelope(new Uint8Array(ld(1, new Uint8Array(config)).concat([0x20, 0x00]))); // stdin=false
     const r = await post("/process.Process/Start", req, { "content-type": "application/connect+proto" });
     expect(r.headers.get("content-type")).toBe("application/connect+proto");
@@ -135,9 +149,8 @@ describe("binary protobuf", () => {
     // StartResponse{event{start{pid}}}: 0a len 0a len 08 <varint>
     expect([...frames[0]![1].subarray(0, 1)]).toEqual([0x0a]);
     const events = frames.slice(0, -1).map(([, p]) => (schema.decode("process.StartResponse", p) as any).event);
-    expect(events[0].start.pid).toBeGreaterThan(0);
     const out = events.filter((e) => e.data).map((e) => new TextDecoder().decode(e.data.stdout)).join("");
-    expect(out).toBe("hi\n");
+    expect(out).toBe(`${events[0].start.pid}\n`); // the pid envd reported is the process's own
     expect(events.at(-1).end).toMatchObject({ exited: true, status: "exit status 0" });
     const [flags, end] = frames.at(-1)!;
     expect([flags, new TextDecoder().decode(end)]).toEqual([2, "{}"]);
@@ -172,41 +185,54 @@ describe("streams", () => {
   });
 
   test("exit code, signal and stdin-less start; start event first, end-stream last", async () => {
-    const frames = await stream("/process.Process/Start", { process: { cmd: "/bin/sh", args: ["-c", "echo o; echo e >&2; exit 3"] }, stdin: false });
+    const frames = await stream("/process.Process/Start", { process: { cmd: "/bin/sh", args: ["-c", "echo $$; echo e >&2; exit 3"] }, stdin: false });
     expect(frames[0]).toEqual([0, { event: { start: { pid: expect.any(Number) } } }]);
+    expect(frames[1]).toEqual([0, { event: { data: { stdout: btoa(`${frames[0]![1].event.start.pid}\n`) } } }]);
     expect(frames.at(-2)).toEqual([0, { event: { end: { exitCode: 3, exited: true, status: "exit status 3", error: "exit status 3" } } }]);
     expect(frames.at(-1)).toEqual([2, {}]);
     const killed = await stream("/process.Process/Start", { process: { cmd: "/bin/sh", args: ["-c", "kill -TERM $$"] } });
     expect(killed.at(-2)).toEqual([0, { event: { end: { exitCode: -1, status: "signal: terminated", error: "signal: terminated" } } }]);
   });
 
-  test("keepalives flow on idle streams", async () => {
-    const frames = await stream("/process.Process/Start", { process: { cmd: "/bin/sleep", args: ["1.3"] } }, { "keepalive-ping-interval": "1" });
-    expect(frames.map(([, m]) => Object.keys(m.event ?? m)[0] as string | undefined)).toEqual(["start", "keepalive", "end", undefined]);
-  });
+  test("keepalives flow on idle streams, between start and end", async () => {
+    // cat idles until the test closes its stdin, which it does once a keepalive has come.
+    const res = await post("/process.Process/Start", envelope({ process: { cmd: "/bin/cat" }, stdin: true }), { ...STREAM_CT, "keepalive-ping-interval": "1" });
+    const kinds: (string | undefined)[] = [];
+    let pid = 0;
+    for await (const [flags, m] of jsonFrames(res)) {
+      kinds.push(flags & 2 ? undefined : Object.keys(m.event)[0]);
+      if (kinds.at(-1) === "start") {
+        pid = m.event.start.pid;
+        expect(readFileSync(`/proc/${pid}/cmdline`, "utf8")).toBe("/bin/cat\0");
+      }
+      if (kinds.at(-1) === "keepalive" && kinds.indexOf("keepalive") === kinds.length - 1) {
+        expect((await unary("/process.Process/CloseStdin", { process: { pid } })).status).toBe(200);
+      }
+    }
+    expect(kinds[0]).toBe("start");
+    expect(kinds.slice(-2)).toEqual(["end", undefined]);
+    const middle = kinds.slice(1, -2);
+    expect(middle.length).toBeGreaterThan(0);
+    expect(middle.every((k) => k === "keepalive")).toBe(true);
+  }, 60_000);
 
   test("Connect-Timeout-Ms ends the stream with deadline_exceeded and kills the process", async () => {
     const frames = await stream("/process.Process/Start", { process: { cmd: "/bin/sleep", args: ["30"] } }, { "connect-timeout-ms": "300" });
     expect(frames.at(-1)).toEqual([2, { error: { code: "deadline_exceeded", message: "deadline exceeded" } }]);
     const pid = frames[0]![1].event.start.pid;
-    await Bun.sleep(700);
-    const list = await unary("/process.Process/List", {});
-    expect((list.body.processes ?? []).some((p: any) => p.pid === pid)).toBe(false);
+    await until(async () => !((await unary("/process.Process/List", {})).body.processes ?? []).some((p: any) => p.pid === pid), "the process gone from the list");
+    await until(() => !existsSync(`/proc/${pid}`), "the process killed and reaped");
     // Just-exited processes still answer Connect with start + end.
     const again = await stream("/process.Process/Connect", { process: { pid } });
     expect(again.map(([, m]) => Object.keys(m.event ?? {})[0] as string | undefined)).toEqual(["start", "end", undefined]);
   });
 
   test("StreamInput (client streaming), CloseStdin, List with tag, SendSignal validation", async () => {
-    // The sleep keeps the process alive after EOF so a second CloseStdin still finds it.
-    const started = post("/process.Process/Start", envelope({ process: { cmd: "/bin/sh", args: ["-c", "cat; sleep 0.3"] }, tag: "cat-1", stdin: true }), STREAM_CT);
-    let pid = 0;
-    for (let i = 0; i < 100 && !pid; i++) {
-      const l = await unary("/process.Process/List", {});
-      pid = (l.body.processes ?? []).find((p: any) => p.tag === "cat-1")?.pid ?? 0;
-      if (!pid) await Bun.sleep(20);
-    }
-    expect(pid).toBeGreaterThan(0);
+    // After EOF the process waits for the flag, so a second CloseStdin still finds it.
+    const flag = join(envd.root, "cat-1-go");
+    const started = post("/process.Process/Start", envelope({ process: { cmd: "/bin/sh", args: ["-c", `cat; ${waitFor(flag)}`] }, tag: "cat-1", stdin: true }), STREAM_CT);
+    const pid = await listedPid("cat-1");
+    expect(readFileSync(`/proc/${pid}/cmdline`, "utf8")).toContain("cat; while");
     const body = new Uint8Array([
       ...envelope({ start: { process: { tag: "cat-1" } } }),
       ...envelope({ keepalive: {} }),
@@ -219,6 +245,7 @@ describe("streams", () => {
     expect((await unary("/process.Process/SendInput", { process: { pid }, input: { pty: "" } })).body.code).toBe("internal");
     expect((await unary("/process.Process/CloseStdin", { process: { pid } })).status).toBe(200);
     expect((await unary("/process.Process/CloseStdin", { process: { pid } })).status).toBe(200); // idempotent
+    writeFileSync(flag, "");
     const frames = jsonEnvelopes(new Uint8Array(await (await started).arrayBuffer()));
     const out = frames.filter(([, m]) => m.event?.data).map(([, m]) => atob(m.event.data.stdout)).join("");
     expect(out).toBe("via stream");
@@ -226,13 +253,10 @@ describe("streams", () => {
   });
 
   test("pty processes refuse stdin operations", async () => {
-    const started = post("/process.Process/Start", envelope({ process: { cmd: "/bin/sh" }, pty: { size: { cols: 80, rows: 24 } } }), STREAM_CT);
-    let pid = 0;
-    for (let i = 0; i < 100 && !pid; i++) {
-      pid = ((await unary("/process.Process/List", {})).body.processes ?? []).find((p: any) => p.config.cmd === "/bin/sh")?.pid ?? 0;
-      if (!pid) await Bun.sleep(20);
-    }
-    expect((await unary("/process.Process/CloseStdin", { process: { pid } })).status).toBeGreaterThanOrEqual(400);
+    const started = post("/process.Process/Start", envelope({ process: { cmd: "/bin/sh" }, pty: { size: { cols: 80, rows: 24 } }, tag: "pty-1" }), STREAM_CT);
+    const pid = await listedPid("pty-1");
+    expect(existsSync(`/proc/${pid}`)).toBe(true);
+    expect(await unary("/process.Process/CloseStdin", { process: { pid } })).toMatchObject({ status: 400, body: { code: "failed_precondition" } });
     expect((await unary("/process.Process/SendInput", { process: { pid }, input: { stdin: "" } })).body.code).toBe("internal");
     expect((await unary("/process.Process/SendInput", { process: { pid }, input: { pty: btoa("exit 5\n") } })).status).toBe(200);
     const frames = jsonEnvelopes(new Uint8Array(await (await started).arrayBuffer()));
@@ -244,9 +268,12 @@ describe("streams", () => {
     mkdirSync(dir);
     const { body } = await unary("/filesystem.Filesystem/CreateWatcher", { path: dir, includeEntry: true });
     writeFileSync(join(dir, "a"), "1");
-    await Bun.sleep(100);
-    const ev = await unary("/filesystem.Filesystem/GetWatcherEvents", { watcherId: body.watcherId });
-    expect(ev.body.events[0]).toMatchObject({ name: "a", type: "EVENT_TYPE_CREATE", entry: { name: "a" } });
+    const events: any[] = [];
+    await until(async () => {
+      events.push(...((await unary("/filesystem.Filesystem/GetWatcherEvents", { watcherId: body.watcherId })).body.events ?? []));
+      return events.some((e) => e.type === "EVENT_TYPE_WRITE");
+    }, "the write's events");
+    expect(events[0]).toMatchObject({ name: "a", type: "EVENT_TYPE_CREATE", entry: { name: "a" } });
     expect((await unary("/filesystem.Filesystem/GetWatcherEvents", { watcherId: body.watcherId })).body).toEqual({});
     expect((await unary("/filesystem.Filesystem/RemoveWatcher", { watcherId: body.watcherId })).status).toBe(200);
     expect((await unary("/filesystem.Filesystem/GetWatcherEvents", { watcherId: body.watcherId })).body.code).toBe("not_found");

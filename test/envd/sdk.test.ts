@@ -1,9 +1,11 @@
 // The unmodified e2b SDK (2.51.0) against our envd running as a host process on 127.0.0.1.
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
-import { lstatSync, readFileSync, statSync, symlinkSync, writeFileSync } from "node:fs";
+import { existsSync, lstatSync, readFileSync, statSync, symlinkSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
-import { CommandExitError, FileNotFoundError, FilesystemEventType, NotFoundError, TimeoutError, type Sandbox } from "e2b";
-import { sdkSandbox, startEnvd, USER_UID, type Envd } from "./harness.ts";
+import {
+  AuthenticationError, CommandExitError, FileNotFoundError, FilesystemEventType, InvalidArgumentError, NotFoundError, TimeoutError, type Sandbox,
+} from "e2b";
+import { sdkSandbox, startEnvd, until, USER_UID, type Envd } from "./harness.ts";
 
 let envd: Envd;
 let sbx: Sandbox;
@@ -16,14 +18,17 @@ afterAll(async () => {
   await envd?.stop();
 });
 
-/** Polls until `cond` holds (output and events arrive asynchronously). */
-async function until(cond: () => boolean, ms = 5000) {
-  const end = Date.now() + ms;
-  while (!cond()) {
-    if (Date.now() > end) throw new Error("condition not met in time");
-    await Bun.sleep(20);
+/** The pid is a live process whose command line (argv joined by spaces) contains `fragment`. */
+function runs(pid: number, fragment: string): boolean {
+  try {
+    return readFileSync(`/proc/${pid}/cmdline`, "utf8").split("\0").join(" ").includes(fragment);
+  } catch {
+    return false;
   }
 }
+
+/** A shell loop that waits for `flag` to exist: a process that stays alive exactly as long as the test needs. */
+const waitFor = (flag: string) => `while [ ! -e ${flag} ]; do sleep 0.05; done`;
 
 describe("commands", () => {
   test("stdout, stderr, exit code 0, default user and home", async () => {
@@ -72,24 +77,33 @@ describe("commands", () => {
   });
 
   test("missing cwd is an argument error", async () => {
-    await expect(sbx.commands.run("true", { cwd: "/definitely/not/here" })).rejects.toThrow(/does not exist/);
+    const err = await sbx.commands.run("true", { cwd: "/definitely/not/here" }).catch((e) => e);
+    expect(err).toBeInstanceOf(InvalidArgumentError);
+    expect(err.message).toContain("cwd '/definitely/not/here' does not exist");
   });
 
   test("streaming callbacks see chunks as they come", async () => {
+    // "two" is written only after the test saw "one": proof that "one" arrived on its own.
+    const flag = join(envd.root, "seen-one");
     const seen: string[] = [];
-    await sbx.commands.run("echo one; sleep 0.2; echo two", { onStdout: (d) => void seen.push(d) });
+    const run = sbx.commands.run(`echo one; ${waitFor(flag)}; echo two`, { onStdout: (d) => void seen.push(d) });
+    await until(() => seen.join("") === "one\n", "first chunk");
+    writeFileSync(flag, "");
+    await run;
     expect(seen.join("")).toBe("one\ntwo\n");
-    expect(seen.length).toBeGreaterThanOrEqual(2);
   });
 
   test("background command, list, connect and wait", async () => {
-    const h = await sbx.commands.run("sleep 0.5; echo done", { background: true });
-    expect(h.pid).toBeGreaterThan(0);
+    const flag = join(envd.root, "background-go");
+    const script = `${waitFor(flag)}; echo done`;
+    const h = await sbx.commands.run(script, { background: true });
+    await until(() => runs(h.pid, script), "the started pid running the command");
     const listed = await sbx.commands.list();
     const mine = listed.find((p) => p.pid === h.pid);
     expect(mine?.cmd).toBe("/bin/bash");
-    expect(mine?.args).toEqual(["-l", "-c", "sleep 0.5; echo done"]);
+    expect(mine?.args).toEqual(["-l", "-c", script]);
     const other = await sbx.commands.connect(h.pid);
+    writeFileSync(flag, "");
     const r = await h.wait();
     expect(r.stdout).toBe("done\n");
     expect((await other.wait()).stdout).toBe("done\n");
@@ -113,10 +127,12 @@ describe("commands", () => {
 
   test("kill", async () => {
     const h = await sbx.commands.run("sleep 30", { background: true });
+    await until(() => runs(h.pid, "sleep 30"), "the started pid running the command");
     expect(await sbx.commands.kill(h.pid)).toBe(true);
     const err = await h.wait().catch((e) => e);
     expect(err).toBeInstanceOf(CommandExitError);
     expect(err.error).toBe("signal: killed");
+    await until(() => !existsSync(`/proc/${h.pid}`), "the killed process reaped");
     expect(await sbx.commands.kill(h.pid)).toBe(false);
     expect(await sbx.commands.kill(999_999)).toBe(false);
   });
@@ -126,14 +142,13 @@ describe("commands", () => {
   });
 
   test("timeoutMs ends the command with TimeoutError, and kills it", async () => {
-    const t0 = Date.now();
-    await expect(sbx.commands.run("sleep 10", { timeoutMs: 500 })).rejects.toBeInstanceOf(TimeoutError);
-    expect(Date.now() - t0).toBeLessThan(5000);
-    const h = await sbx.commands.run("sleep 10", { background: true, timeoutMs: 300 });
+    // sleep 600: ending on its own would take far longer than the test's own limit.
+    await expect(sbx.commands.run("sleep 600", { timeoutMs: 500 })).rejects.toBeInstanceOf(TimeoutError);
+    const h = await sbx.commands.run("sleep 600", { background: true, timeoutMs: 300 });
     await expect(h.wait()).rejects.toBeInstanceOf(TimeoutError);
-    await Bun.sleep(200);
-    expect((await sbx.commands.list()).some((p) => p.pid === h.pid)).toBe(false);
-  });
+    await until(async () => !(await sbx.commands.list()).some((p) => p.pid === h.pid), "the timed-out process gone from the list");
+    await until(() => !existsSync(`/proc/${h.pid}`), "the timed-out process reaped");
+  }, 60_000);
 });
 
 describe("files", () => {
@@ -207,7 +222,7 @@ describe("files", () => {
     await sbx.files.remove("mk");
     await sbx.files.remove("mk"); // idempotent
     expect(await sbx.files.exists("mk")).toBe(false);
-    expect(() => lstatSync(join(envd.userHome, "mk"))).toThrow();
+    expect(() => lstatSync(join(envd.userHome, "mk"))).toThrow(/ENOENT/);
   });
 
   test("watchDir: write, create in a new nested dir, remove", async () => {
@@ -251,7 +266,9 @@ describe("files", () => {
   test("watchDir on a missing dir or a file fails", async () => {
     await expect(sbx.files.watchDir("no-such-dir", () => {})).rejects.toBeInstanceOf(FileNotFoundError);
     await sbx.files.write("plain.txt", "p");
-    await expect(sbx.files.watchDir("plain.txt", () => {})).rejects.toThrow();
+    const err = await sbx.files.watchDir("plain.txt", () => {}).catch((e) => e);
+    expect(err).toBeInstanceOf(InvalidArgumentError);
+    expect(err.message).toContain("is not a directory");
   });
 });
 
@@ -260,7 +277,8 @@ describe("pty", () => {
     let out = "";
     const dec = new TextDecoder();
     const h = await sbx.pty.create({ cols: 80, rows: 24, onData: (d) => void (out += dec.decode(d, { stream: true })), envs: { FOO: "bar" } });
-    await sbx.pty.sendInput(h.pid, new TextEncoder().encode("echo pty-$FOO; tty\n"));
+    await sbx.pty.sendInput(h.pid, new TextEncoder().encode("echo pty-$FOO; tty; echo pid=$$\n"));
+    await until(() => out.includes(`pid=${h.pid}`), "the shell reporting the pid envd gave");
     await until(() => out.includes("pty-bar") && out.includes("/dev/pts/"));
     await sbx.pty.resize(h.pid, { cols: 100, rows: 30 });
     await sbx.pty.sendInput(h.pid, new TextEncoder().encode("tput cols\n"));
@@ -285,8 +303,10 @@ describe("pty", () => {
 
   test("kill", async () => {
     const h = await sbx.pty.create({ cols: 80, rows: 24, onData: () => {} });
+    await until(() => existsSync(`/proc/${h.pid}`), "the pty's shell running");
     expect(await sbx.pty.kill(h.pid)).toBe(true);
     await expect(h.wait()).rejects.toBeInstanceOf(CommandExitError);
+    await until(() => !existsSync(`/proc/${h.pid}`), "the killed shell reaped");
   });
 });
 
@@ -298,7 +318,7 @@ describe("secured envd (access token)", () => {
       const res = await fetch(`${secured.url}/init`, { method: "POST", body: JSON.stringify({ accessToken: token }) });
       expect(res.status).toBe(204);
       const anon = await sdkSandbox(secured);
-      await expect(anon.commands.run("true")).rejects.toThrow();
+      await expect(anon.commands.run("true")).rejects.toBeInstanceOf(AuthenticationError);
       const s = await sdkSandbox(secured, token);
       expect((await s.commands.run("echo secure")).stdout).toBe("secure\n");
       await s.files.write("hello.txt", "hello world");
