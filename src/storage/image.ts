@@ -110,7 +110,7 @@ export class Image {
   }
 
   // Hot path: no async frames, no allocation in the mapping walk, one pread per run of pieces
-  // that continue each other in one file.
+  // that continue each other in one file, and one settle for all of them.
   private readNow(buf: Uint8Array, offset: number): Promise<void> {
     const plan = this.plan;
     try {
@@ -122,28 +122,36 @@ export class Image {
       this.leave();
       return Promise.reject(e);
     }
-    const want = plan.want;
     const jobs = plan.jobs;
     if (jobs.length === 0) {
       this.leave();
       return Promise.resolve();
     }
-    const check = (got: number) => {
-      this.leave();
-      // Validated layers map only bytes inside their files: a short read means one was cut.
-      if (got !== want) throw new TruncatedError(`short read: ${got} of ${want} bytes`, "image", offset);
-    };
-    const fail = (e: unknown) => {
-      this.leave();
-      throw e;
-    };
+    const want = plan.want;
     if (jobs.length === 1) {
       const only = jobs[0]!;
       jobs.length = 0;
-      return only.then(check, fail);
+      return only.then(
+        (got) => {
+          this.leave();
+          // Validated layers map only bytes inside their files: a short read means one was cut.
+          if (got !== want) throw new TruncatedError(`short read: ${got} of ${want} bytes`, "image", offset);
+        },
+        (e) => {
+          this.leave();
+          throw e;
+        },
+      );
     }
-    plan.jobs = [];
-    return Promise.all(jobs).then((ns) => check(ns.reduce((a, b) => a + b, 0)), fail);
+    const read = new PendingRead(this, want, offset, jobs.length);
+    for (const job of jobs) job.then(read.done, read.fail);
+    jobs.length = 0;
+    return read.promise;
+  }
+
+  /** @internal a read's preads have all settled. */
+  readSettled(): void {
+    this.leave();
   }
 
   private writable(offset: number, length: number): WritableLayer {
@@ -300,6 +308,44 @@ export class Image {
 }
 
 
+/** The preads of one read that spans several runs: settles once, when the last one has. */
+class PendingRead {
+  readonly promise: Promise<void>;
+  private resolve!: () => void;
+  private reject!: (e: unknown) => void;
+  private got = 0;
+  private error: unknown = undefined;
+
+  constructor(
+    private image: Image,
+    private want: number,
+    private offset: number,
+    private left: number,
+  ) {
+    this.promise = new Promise<void>((res, rej) => {
+      this.resolve = res;
+      this.reject = rej;
+    });
+  }
+
+  readonly done = (n: number): void => {
+    this.got += n;
+    if (--this.left === 0) this.settle();
+  };
+
+  readonly fail = (e: unknown): void => {
+    this.error ??= e;
+    if (--this.left === 0) this.settle();
+  };
+
+  private settle(): void {
+    this.image.readSettled();
+    if (this.error !== undefined) return this.reject(this.error);
+    if (this.got !== this.want) return this.reject(new TruncatedError(`short read: ${this.got} of ${this.want} bytes`, "image", this.offset));
+    this.resolve();
+  }
+}
+
 /**
  * The mapping phase of one read, turned into preads. One per Image and reused: the walk is
  * synchronous, so reads never share it while it runs.
@@ -311,7 +357,7 @@ class ReadPlan implements PieceSink {
   start = 0;
   private cur = 0;
   private upperFile: ReadableFile | undefined;
-  jobs: Promise<number>[] = [];
+  readonly jobs: Promise<number>[] = [];
   want = 0;
   private runFile: ReadableFile | undefined;
   private runAt = 0; // byte in buf
@@ -353,7 +399,8 @@ class ReadPlan implements PieceSink {
 
   private issue(): void {
     if (!this.runLen) return;
-    this.jobs.push(this.runFile!.pread(this.buf.subarray(this.runAt, this.runAt + this.runLen), this.runOff));
+    const whole = this.runAt === 0 && this.runLen === this.buf.length; // most small reads: no view to make
+    this.jobs.push(this.runFile!.pread(whole ? this.buf : this.buf.subarray(this.runAt, this.runAt + this.runLen), this.runOff));
     this.want += this.runLen;
     this.runLen = 0;
   }
