@@ -1,31 +1,14 @@
 // Outputs of the aenv verbs: never an input, never an existing file without --force, and never
 // seen half-written. Each is written under a temporary name in its own directory (so the final
-// rename stays on one filesystem) and renamed into place only when the verb has succeeded.
+// rename stays on one filesystem) and renamed into place only when the verb has succeeded. A
+// failure removes the temporaries; a kill (Ctrl-C) leaves at most a hidden `.OUT.aenv-PID-*.tmp`.
+// No signal handler: I/O chains of microtasks would hold it off until the verb ends, so Ctrl-C
+// would not stop anything.
 
 import { randomBytes } from "node:crypto";
 import { existsSync, renameSync, rmSync, statSync, unlinkSync } from "node:fs";
 import { basename, dirname, join } from "node:path";
 import { UsageError } from "./args.ts";
-
-/** Temporaries of the verb in progress, removed if the process is interrupted. */
-const pending = new Set<string>();
-let signalsHooked = false;
-
-function hookSignals(): void {
-  if (signalsHooked) return;
-  signalsHooked = true;
-  for (const [sig, code] of [["SIGINT", 130], ["SIGTERM", 143]] as const) {
-    process.on(sig, () => {
-      removeAll();
-      process.exit(code);
-    });
-  }
-}
-
-function removeAll(): void {
-  for (const p of pending) rmSync(p, { recursive: true, force: true });
-  pending.clear();
-}
 
 /** Which file a path names, after following links: device and inode, not the spelling of the path. */
 export const fileIdentity = (p: string) => {
@@ -34,7 +17,7 @@ export const fileIdentity = (p: string) => {
 };
 
 /** A fresh name next to `path`, hidden, that says who made it. */
-export function tempNameFor(path: string): string {
+function tempNameFor(path: string): string {
   return join(dirname(path), `.${basename(path)}.aenv-${process.pid}-${randomBytes(4).toString("hex")}.tmp`);
 }
 
@@ -62,11 +45,9 @@ export async function withOutputs<T>(spec: OutputSpec, write: (tmps: string[], s
     if (statSync(out).isDirectory()) throw new UsageError(`output ${out} is a directory`);
     if (!spec.force) throw new UsageError(`output ${out} exists (--force replaces it)`);
   }
-  hookSignals();
   const temps: string[] = [];
   const make = (path: string) => {
     const t = tempNameFor(path);
-    pending.add(t);
     temps.push(t);
     return t;
   };
@@ -77,13 +58,9 @@ export async function withOutputs<T>(spec: OutputSpec, write: (tmps: string[], s
     spec.outs.forEach((out, i) => {
       if (existsSync(tmps[i]!)) renameSync(tmps[i]!, out);
       else if (existsSync(out)) unlinkSync(out);
-      pending.delete(tmps[i]!);
     });
     return result;
   } finally {
-    for (const t of temps) {
-      rmSync(t, { recursive: true, force: true });
-      pending.delete(t);
-    }
+    for (const t of temps) rmSync(t, { recursive: true, force: true });
   }
 }
