@@ -11,6 +11,7 @@ import { UblkQueue } from "./ublk/queue.ts";
 import type { UblkQueueSpec } from "./ublk/frontend.ts";
 import { IoRangeError } from "../storage/errors.ts";
 import { IoLimiter } from "../storage/io_limiter.ts";
+import { crashThread, faultArg } from "./fault.ts";
 
 declare const self: Worker;
 
@@ -113,6 +114,7 @@ async function drainControl(): Promise<void> {
   while (received < Atomics.load(posted, 0)) await Bun.sleep(0);
   while (queue.length) {
     const { seq, body } = queue.shift()!;
+    if (faultArg("worker-exit") === `${init.id}:${body.op}`) crashThread(`device ${init.id}'s worker, asked for ${body.op}`);
     try {
       self.postMessage({ seq, ok: true, result: await runControl(body) });
     } catch (e) {
@@ -155,6 +157,8 @@ self.onmessage = async (ev: MessageEvent) => {
       close(wakeFd);
       self.postMessage({ type: "exited" });
     } catch (e) {
+      // An adopted connection that no disk took is nobody's: close it (blockd drops the keeper's copy).
+      if (!disk && init.adoptFd !== undefined) for (const fd of [init.adoptFd, init.adoptCloneFd]) if (fd !== undefined) close(fd);
       const err = e as Error;
       self.postMessage({ type: "failed", error: { name: err.name, message: err.message } });
     }

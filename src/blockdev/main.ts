@@ -6,10 +6,17 @@ const arg = (name: string) => {
   return i > 0 ? process.argv[i + 1] : undefined;
 };
 const stateDir = arg("state") ?? process.env.AENV_BLOCKD_STATE;
-if (!stateDir) {
-  console.error("usage: blockd --state DIR [--pool N]");
+/** Pool devices are one worker and ~8 MiB each: a pool past this is a typo. */
+const MAX_POOL = 256;
+const pool = Number(arg("pool") ?? 0);
+if (!stateDir || !Number.isInteger(pool) || pool < 0 || pool > MAX_POOL) {
+  console.error(`usage: blockd --state DIR [--pool N]   (N: 0..${MAX_POOL})`);
   process.exit(2);
 }
-const blockd = await Blockd.start({ stateDir, pool: Number(arg("pool") ?? 0) });
+// A start that fails says why in one line and exits non-zero (Blockd.start lets an idle keeper go).
+const blockd = await Blockd.start({ stateDir, pool }).catch((e: Error) => {
+  console.error(`blockd: start failed: ${e.name === "Error" ? "" : `${e.name}: `}${e.message}`);
+  process.exit(1);
+});
 for (const sig of ["SIGTERM", "SIGINT"] as const) process.on(sig, () => void blockd.shutdown());
 console.log(`blockd ${process.pid} listening on ${blockd.socketPath}`);

@@ -1,15 +1,17 @@
 // blockd: the one long-lived process that owns every block device on a node. It keeps a device
 // table on disk, runs one worker per device, and answers the node's RPCs on a unix socket.
 
-import { existsSync, mkdirSync, renameSync, rmSync, writeFileSync, readFileSync } from "node:fs";
+import { existsSync, mkdirSync, readdirSync, renameSync, rmSync, writeFileSync } from "node:fs";
 import { mkdir, rm, stat } from "node:fs/promises";
 import { isAbsolute, join, resolve } from "node:path";
 import type { Socket } from "bun";
-import { umount2, MNT_DETACH } from "../../ffi/libc.ts";
+import { close, umount2, MNT_DETACH, SyscallError } from "../../ffi/libc.ts";
 import { loopAttach, loopDetach } from "../../ffi/loop.ts";
 import { type ImageConfig, type LayerRef, parseImageConfig, resolveLayerPath } from "../storage/image_config.ts";
 import { WRITABLE_DATA, WRITABLE_INDEX, WritableLayer } from "../storage/lsmt/writable_layer.ts";
 import { DeviceHandle } from "./device.ts";
+import { ID_RE, fuseDevicePath, loadDeviceTable } from "./device_table.ts";
+import { detachLoop, isMountPoint, loopBackingFile, loopsBackedBy } from "./leftovers.ts";
 import { KeeperClient } from "./keeper_client.ts";
 import { IoLimiter } from "../storage/io_limiter.ts";
 import { Image } from "../storage/image.ts";
@@ -46,6 +48,14 @@ export interface DeviceRecord {
   ublkId?: number;
   /** Device size in bytes (ublk needs it before the image is open). */
   size?: number;
+  /**
+   * Absent while the device serves as it always has. "lost": it serves again, but its connection
+   * died once (blockd and the fd keeper both gone, or its worker), so what had it open got errors.
+   * "failed": it does not serve (its worker died, or it could not be brought back). Both stay
+   * until the device is deleted; `reason` says what happened.
+   */
+  state?: "lost" | "failed";
+  reason?: string;
 }
 
 interface Device {
@@ -55,8 +65,6 @@ interface Device {
   /** Pool devices: when it was last released (a count), so acquire hands out the latest first. */
   releasedAt?: number;
 }
-
-const ID_RE = /^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$/;
 
 export class Blockd {
   private devices = new Map<string, Device>();
@@ -86,7 +94,7 @@ export class Blockd {
     return join(this.opts.stateDir, "devices.json");
   }
   private devPath(id: string): string {
-    return join(this.opts.stateDir, "dev", id);
+    return fuseDevicePath(this.opts.stateDir, id);
   }
 
   /** Start: re-export every device in the table, fill the pool, listen. */
@@ -94,10 +102,15 @@ export class Blockd {
     const b = new Blockd({ ...opts, stateDir: resolve(opts.stateDir) });
     mkdirSync(join(b.opts.stateDir, "dev"), { recursive: true });
     b.keeper = await KeeperClient.ensure(b.opts.stateDir);
-    await b.recover();
-    await b.fillPool();
-    b.listen();
-    writeFileSync(join(b.opts.stateDir, "blockd.pid"), String(process.pid));
+    try {
+      await b.recover();
+      await b.fillPool();
+      b.listen();
+      writeFileSync(join(b.opts.stateDir, "blockd.pid"), String(process.pid));
+    } catch (e) {
+      await b.keeper.exitIfEmpty().catch(() => {}); // a keeper holding nothing must not outlive a failed start
+      throw e;
+    }
     return b;
   }
 
@@ -108,43 +121,150 @@ export class Blockd {
   }
 
   /**
-   * After a crash. A device whose FUSE connection the keeper still holds is served again as it
-   * is: same mount, same loop, open files keep working, and requests the dead blockd had taken
-   * are resent. Otherwise the old mount is dead: detach its loop and mount afresh at the path.
+   * After a crash or a stop. The table is checked entry by entry: a bad entry is reported and left
+   * out (the file as it was is set aside), the good devices come back. A FUSE device whose
+   * connection the keeper still holds is served again as it is: same mount, same loop, open files
+   * keep working, and requests the dead blockd had taken are resent. Otherwise its old mount, if
+   * one is there, is dead: its loop is detached, it is mounted afresh at its path and marked lost.
+   * A device that cannot be brought back is kept as failed. What the table does not name (a bad
+   * entry's connection in the keeper, its mount, its loop) is ended, so nothing waits on it.
    */
   private async recover(): Promise<void> {
-    if (!existsSync(this.tablePath)) return;
-    const recs = JSON.parse(readFileSync(this.tablePath, "utf8")) as DeviceRecord[];
-    for (const rec of recs) {
+    const table = loadDeviceTable(this.tablePath, this.opts.stateDir);
+    for (const p of table.problems) console.error(`blockd: ${p}; left out`);
+    if (table.setAside) console.error(`blockd: ${this.tablePath} as it was is kept in ${table.setAside}`);
+    for (const rec of table.records) {
       const n = Number(/-(\d+)$/.exec(rec.id)?.[1] ?? 0);
-      if (n > this.serial) this.serial = n;
+      if (Number.isSafeInteger(n) && n > this.serial) this.serial = n;
+      let dev: Device;
       try {
-        if ((rec.frontend ?? "fuse") === "ublk") {
-          const { handle, ublk } = await this.startUblk(rec, true);
-          this.devices.set(rec.id, { rec, handle, ublk });
-          continue;
-        }
-        const live = await this.keeper.take(rec.id);
-        if (live?.length) {
-          const handle = await this.startWorker(rec, live);
-          this.devices.set(rec.id, { rec, handle });
-          continue;
-        }
-        if (rec.loop) {
-          try {
-            loopDetach(rec.loop);
-          } catch {}
-        }
-        try {
-          umount2(rec.path, MNT_DETACH);
-        } catch {}
-        const handle = await this.startWorker(rec);
-        const dev: Device = { rec: { ...rec, loop: undefined }, handle };
-        this.devices.set(rec.id, dev);
-        if (rec.loop) dev.rec.loop = loopAttach(rec.path).path;
+        dev = await this.bringBack(rec);
       } catch (e) {
-        console.error(`blockd: could not bring back ${rec.id}: ${(e as Error).message}`);
+        const why = (e as Error).message;
+        console.error(`blockd: could not bring back ${rec.id}: ${why}`);
+        if (rec.kind === "pool" && !rec.acquired) continue; // holds nothing: endUnnamed clears it, fillPool replaces it
+        rec.state = "failed";
+        rec.reason = `not brought back at start: ${why}`;
+        dev = { rec, handle: DeviceHandle.failed(rec.id, rec.reason) };
       }
+      this.register(dev);
+    }
+    await this.endUnnamed();
+    this.saveTable();
+  }
+
+  /** One checked record served again (see recover). */
+  private async bringBack(rec: DeviceRecord): Promise<Device> {
+    const wasFailed = rec.state === "failed" ? rec.reason : undefined;
+    if ((rec.frontend ?? "fuse") === "ublk") {
+      const { handle, ublk, replaced } = await this.startUblk(rec, true);
+      if (replaced) this.markLost(rec, `its ublk device could not be recovered and was added anew as ${rec.path}`);
+      else if (wasFailed) this.markLost(rec, wasFailed);
+      return { rec, handle, ublk };
+    }
+    const live = await this.keeper.take(rec.id);
+    if (live?.length) {
+      try {
+        const handle = await this.startWorker(rec, live);
+        if (wasFailed) this.markLost(rec, wasFailed);
+        return { rec, handle };
+      } catch (e) {
+        // Nobody will serve this connection: end it, so its users get errors instead of a wait
+        // (the worker that failed closed our copies of its fds).
+        await this.keeper.drop(rec.id);
+        throw e;
+      }
+    }
+    // The connection died with blockd and the keeper (or with its worker). A mount still there is
+    // the dead one, and whatever had it open has seen errors: the device is lost, though its
+    // acknowledged data is all in its layers. No mount: it was stopped cleanly (or the host rebooted).
+    const wasMounted = isMountPoint(rec.path);
+    const loop = rec.loop;
+    rec.loop = undefined;
+    if (loop && loopBackingFile(loop) === rec.path) detachLoop(loop);
+    if (wasMounted) umount2(rec.path, MNT_DETACH);
+    const handle = await this.startWorker(rec);
+    let loopLost = "";
+    if (loop) {
+      try {
+        rec.loop = loopAttach(rec.path, { readOnly: rec.readOnly }).path;
+      } catch (e) {
+        loopLost = `; its loop device could not be attached again (${(e as Error).message})`;
+      }
+    }
+    const idlePool = rec.kind === "pool" && !rec.acquired; // nobody had it: nothing was lost
+    if ((wasMounted && !idlePool) || wasFailed || loopLost)
+      this.markLost(rec, `${wasFailed ?? "its FUSE connection died with blockd and the fd keeper"}; mounted afresh at ${rec.path}${loopLost}`);
+    return { rec, handle };
+  }
+
+  private markLost(rec: DeviceRecord, why: string): void {
+    rec.state = "lost";
+    rec.reason = why;
+    console.error(`blockd: device ${rec.id} is lost: ${why}. It serves again, but whatever had it open got I/O errors; it stays "lost" until deleted`);
+  }
+
+  /**
+   * Connections the keeper holds for no device (a bad table entry's) are dropped, and the leftovers
+   * under <state>/dev that no device owns (dead mounts, loops over them) are cleared.
+   */
+  private async endUnnamed(): Promise<void> {
+    for (const key of await this.keeper.keys()) {
+      if (this.devices.has(key)) continue;
+      console.error(`blockd: the fd keeper held a connection for ${JSON.stringify(key)}, a device the table does not name; ending it`);
+      await this.keeper.drop(key);
+    }
+    const devDir = join(this.opts.stateDir, "dev");
+    for (const id of readdirSync(devDir)) {
+      if (this.devices.has(id)) continue;
+      const path = this.devPath(id);
+      for (const loop of loopsBackedBy(path)) detachLoop(loop);
+      if (isMountPoint(path)) {
+        console.error(`blockd: ${path} is mounted but no device in the table owns it; unmounting it`);
+        umount2(path, MNT_DETACH);
+      }
+      rmSync(path, { force: true });
+    }
+  }
+
+  /** Hear of the worker's death once its device is in the table (register() covers the time before). */
+  private watch(id: string, handle: DeviceHandle): void {
+    handle.onDeath = (failure) => {
+      const d = this.devices.get(id);
+      if (d?.handle === handle) void this.workerDied(d, failure);
+    };
+  }
+
+  /** Put a device in the table; one whose worker died before this is handled as dead now. */
+  private register(dev: Device): void {
+    this.devices.set(dev.rec.id, dev);
+    if (dev.handle.failure && dev.rec.state !== "failed") void this.workerDied(dev, dev.handle.failure);
+  }
+
+  /**
+   * A device whose worker died is failed; the other devices keep serving. Its connection is ended
+   * (FUSE: every fd of it closed; ublk: STOP_DEV), so what has it open gets errors instead of
+   * waiting for a server that is gone. An idle pool device is replaced instead.
+   */
+  private async workerDied(d: Device, failure: BlockdError): Promise<void> {
+    console.error(`blockd: ${failure.message}; device ${d.rec.id} is failed until deleted`);
+    d.rec.state = "failed";
+    d.rec.reason = failure.message;
+    try {
+      if (d.ublk) await d.ublk.stop();
+      else {
+        await this.keeper.drop(d.rec.id);
+        for (const fd of d.handle.fuseFds) close(fd);
+        d.handle.fuseFds = [];
+      }
+    } catch (e) {
+      console.error(`blockd: ending ${d.rec.id}'s connection: ${(e as Error).message}`);
+    }
+    if (this.closing) return;
+    if (d.rec.kind === "pool" && !d.rec.acquired && !this.busy.has(d.rec.id)) {
+      await this.exclusive(d.rec.id, () => this.teardown(d)).catch((e) => console.error(`blockd: retiring ${d.rec.id}: ${e.message}`));
+      this.devices.delete(d.rec.id);
+      void this.fillPool().catch((e) => console.error(`blockd: pool refill: ${e.message}`));
     }
     this.saveTable();
   }
@@ -153,14 +273,16 @@ export class Blockd {
    * A ublk device: ADD_DEV + SET_PARAMS here, the queue worker FETCHes, then START_DEV. After a
    * crash (recover), the kernel kept the device: START/END_USER_RECOVERY re-attach a new worker.
    */
-  private async startUblk(rec: DeviceRecord, recover = false): Promise<{ handle: DeviceHandle; ublk: UblkDevice }> {
+  private async startUblk(rec: DeviceRecord, recover = false): Promise<{ handle: DeviceHandle; ublk: UblkDevice; replaced: boolean }> {
     this.ublkCtrl ??= new UblkControl();
     let ublk: UblkDevice | undefined;
+    let replaced = false; // an old device was there and could not be recovered
     if (recover && rec.ublkId !== undefined) {
       try {
         ublk = await UblkDevice.recover(this.ublkCtrl, rec.ublkId);
       } catch (e) {
         console.error(`blockd: ublk ${rec.ublkId} not recoverable (${(e as Error).message}); adding it anew`);
+        replaced = await endStaleUblk(this.ublkCtrl, rec.ublkId);
       }
     }
     // "reissue": I/O in flight when a blockd dies is sent again to the next one (writes are idempotent).
@@ -177,8 +299,9 @@ export class Blockd {
         config: rec.config,
         remoteIo: this.remoteIo.shared,
       });
+      this.watch(rec.id, handle);
       await ublk.start();
-      return { handle, ublk };
+      return { handle, ublk, replaced };
     } catch (e) {
       await ublk.stop().catch(() => {});
       await ublk.remove().catch(() => {});
@@ -199,6 +322,7 @@ export class Blockd {
       adoptCloneFd: adopt?.[1],
       remoteIo: this.remoteIo.shared,
     });
+    this.watch(rec.id, handle);
     try {
       await this.keeper.hold(rec.id, handle.fuseFds); // the connection now outlives us
     } catch (e) {
@@ -217,7 +341,7 @@ export class Blockd {
       rec.frontend = "ublk";
       rec.size ??= await imageSize(rec.config!);
       const { handle, ublk } = await this.startUblk(rec);
-      this.devices.set(rec.id, { rec, handle, ublk });
+      this.register({ rec, handle, ublk });
       this.saveTable();
       return rec; // already a block device: no loop needed
     }
@@ -229,7 +353,7 @@ export class Blockd {
       await rm(rec.path, { force: true }).catch(() => {}); // a new device's file: a failed start leaves nothing
       throw e;
     }
-    this.devices.set(rec.id, { rec, handle });
+    this.register({ rec, handle });
     try {
       if (loop) rec.loop = loopAttach(rec.path, { readOnly: rec.readOnly }).path;
     } catch (e) {
@@ -261,7 +385,19 @@ export class Blockd {
   }
 
   private view(rec: DeviceRecord, size?: number) {
-    return { id: rec.id, kind: rec.kind, path: rec.path, loop: rec.loop ?? null, readOnly: rec.readOnly, refs: rec.refs, size, config: rec.config };
+    return {
+      id: rec.id,
+      kind: rec.kind,
+      path: rec.path,
+      loop: rec.loop ?? null,
+      readOnly: rec.readOnly,
+      refs: rec.refs,
+      size,
+      config: rec.config,
+      /** "live", or "lost" / "failed" with the reason (DeviceRecord.state). */
+      state: rec.state ?? "live",
+      reason: rec.reason ?? null,
+    };
   }
 
   // ---- RPC methods --------------------------------------------------------------------------
@@ -371,7 +507,7 @@ export class Blockd {
     if (d.ublk) {
       await d.handle.stop();
       await d.ublk.stop();
-      await d.ublk.remove();
+      await d.ublk.remove({ wait: !d.handle.failure }); // a dead queue thread may still map the device
       return;
     }
     await this.keeper.drop(d.rec.id);
@@ -381,6 +517,7 @@ export class Blockd {
       } catch {}
     }
     await d.handle.stop();
+    if (d.handle.failure) unmountDead(d.rec.path); // no worker was left to unmount it
     rmSync(d.rec.path, { force: true });
   }
 
@@ -476,7 +613,7 @@ export class Blockd {
   }
 
   private async list() {
-    return [...this.devices.values()].map((d) => this.view(d.rec, d.handle.size));
+    return [...this.devices.values()].map((d) => this.view(d.rec, d.handle.failure ? d.rec.size : d.handle.size));
   }
 
   async dispatch(method: string, params: Record<string, unknown>): Promise<unknown> {
@@ -582,11 +719,12 @@ export class Blockd {
         if (d.ublk) {
           await d.handle.stop();
           await d.ublk.stop();
-          await d.ublk.remove();
+          await d.ublk.remove({ wait: !d.handle.failure });
           continue;
         }
         await this.keeper.drop(d.rec.id);
         await d.handle.stop();
+        if (d.handle.failure) unmountDead(d.rec.path);
       } catch (e) {
         console.error(`blockd: stopping ${d.rec.id}: ${(e as Error).message}`);
       }
@@ -692,5 +830,45 @@ async function imageSize(config: ImageConfig): Promise<number> {
     return image.virtualSize;
   } finally {
     await image.close();
+  }
+}
+
+/** Unmount a device whose worker is gone (its mount is dead); one not mounted is fine. */
+function unmountDead(path: string): void {
+  try {
+    umount2(path, MNT_DETACH);
+  } catch (e) {
+    if (!(e instanceof SyscallError && (e.code === "EINVAL" || e.code === "ENOENT"))) throw e;
+  }
+}
+
+/**
+ * After a failed recovery, what is left of the old ublk device: STOP_DEV fails the I/O waiting on
+ * it (with "reissue" it would wait for a server forever), then it is deleted. True when there was
+ * one; a device that a live process serves is someone else's and is left alone.
+ */
+async function endStaleUblk(ctrl: UblkControl, devId: number): Promise<boolean> {
+  let info;
+  try {
+    info = await ctrl.getDevInfo(devId);
+  } catch {
+    return false; // gone: blockd stopped it cleanly, or the host rebooted
+  }
+  if (info.ublksrvPid > 0 && info.ublksrvPid !== process.pid && processAlive(info.ublksrvPid)) return false;
+  try {
+    await ctrl.stopDev(devId);
+    await ctrl.delDevAsync(devId);
+  } catch (e) {
+    console.error(`blockd: ending stale ublk ${devId}: ${(e as Error).message}`);
+  }
+  return true;
+}
+
+function processAlive(pid: number): boolean {
+  try {
+    process.kill(pid, 0);
+    return true;
+  } catch (e) {
+    return (e as { code?: string }).code === "EPERM";
   }
 }

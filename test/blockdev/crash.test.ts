@@ -4,10 +4,11 @@
 // visible is exactly a prefix of the writes.
 import { expect, test } from "bun:test";
 import { join } from "node:path";
-import { openSync, readSync, closeSync, writeSync } from "node:fs";
+import { openSync, readSync, closeSync, writeSync, readFileSync, rmSync } from "node:fs";
 import { BlockdClient } from "../../src/blockdev/client.ts";
 import { blockFor } from "../storage/crash_blocks.ts";
-import { blockdPid, haveFuse, startBlockd } from "./harness.ts";
+import { firstBadChunk } from "./patterns.ts";
+import { blockdPid, haveFuse, haveLoop, mountsAt, processGone, readAll, spawnFixture, startBlockd, until } from "./harness.ts";
 
 const BLOCKS = 1024; // 4 MiB device
 
@@ -40,7 +41,7 @@ async function crashAndRestart(label: string, readersAfter?: string) {
   process.kill(oldPid, "SIGKILL");
   const atKill = synced;
   client.close();
-  await Bun.sleep(200); // the writer is now blocked on the dead server
+  await until(() => processGone(oldPid), "the killed blockd to be gone"); // the writer now waits on a dead server
 
   if (readersAfter !== undefined) process.env.AENV_FUSE_READER_SLOTS = readersAfter;
   const again = await BlockdClient.ensure(state).finally(() => delete process.env.AENV_FUSE_READER_SLOTS);
@@ -81,3 +82,51 @@ async function crashAndRestart(label: string, readersAfter?: string) {
 test.skipIf(!haveFuse)("kill -9 blockd during fsync'd writes: the device survives, open files included", () => crashAndRestart("blockd-crash"), 90_000);
 
 test.skipIf(!haveFuse)("the same, restarting without a reader thread: the dead reader's requests are resent, not lost", () => crashAndRestart("blockd-crash-noreader", "0"), 90_000);
+
+test.skipIf(!haveFuse || !haveLoop)(
+  "blockd and its fd keeper both killed: the device comes back at its path with a new loop, its data there, marked lost until deleted",
+  async () => {
+    const { dir, state, client } = await startBlockd("blockd-crash-nokeeper");
+    const size = 4 << 20;
+    const dev = await client.call("create", { id: "vm-disk", upperDir: join(dir, "up"), size, loop: true });
+    expect(dev.loop).toMatch(/^\/dev\/loop\d+$/);
+    const w = spawnFixture("seq_writer", [dev.path, String(size), "1"]);
+    expect(await w.exited()).toBe(0); // fsync'd: acknowledged data
+    const user = spawnFixture("io_loop", [dev.loop, "120"]); // a VM with the disk open, through the loop
+    await until(() => user.lines.length > 0, "the loop device to serve reads");
+
+    const pids = [blockdPid(state), Number(readFileSync(join(state, "keeper.pid"), "utf8"))];
+    for (const pid of pids) process.kill(pid, "SIGKILL");
+    client.close();
+    await until(() => pids.every(processGone), "blockd and the keeper to be gone");
+    // With every fd of the connection closed, the kernel ends it: the user gets an error, no wait.
+    expect(await user.exited()).toBe(0);
+    expect(user.lines.at(-1)).toMatch(/^error (EIO|ENOTCONN|ECONNABORTED)$/);
+
+    const again = await BlockdClient.ensure(state);
+    const [back] = await again.call("list");
+    expect(back).toMatchObject({ id: dev.id, path: dev.path, state: "lost" });
+    expect(back.reason).toContain("died with blockd and the fd keeper");
+    expect(back.loop).toMatch(/^\/dev\/loop\d+$/);
+    expect(readFileSync(join(state, "blockd.log"), "utf8")).toContain(`device ${dev.id} is lost`);
+    expect(mountsAt(dev.path)).toHaveLength(1); // the dead mount is gone, the new one serves
+    // Every acknowledged byte is there, through the path and through the new loop.
+    for (const path of [dev.path, back.loop]) expect(firstBadChunk(readAll(path, size), 0)).toBe(-1);
+
+    // "lost" outlives a plain restart (the keeper alive this time) ...
+    const pid = blockdPid(state);
+    process.kill(pid, "SIGKILL");
+    again.close();
+    await until(() => processGone(pid), "blockd to be gone");
+    const third = await BlockdClient.ensure(state);
+    expect((await third.call("list"))[0]).toMatchObject({ id: dev.id, state: "lost" });
+    // ... until the device is deleted; made again, it is live.
+    await third.call("delete", { id: dev.id });
+    rmSync(join(dir, "up"), { recursive: true });
+    const made = await third.call("create", { id: dev.id, upperDir: join(dir, "up"), size });
+    expect(made).toMatchObject({ state: "live", reason: null });
+    await third.call("delete", { id: dev.id });
+    third.close();
+  },
+  120_000,
+);

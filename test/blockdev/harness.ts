@@ -71,3 +71,58 @@ export function readAll(path: string, length: number, at = 0): Uint8Array {
   closeSync(fd);
   return b;
 }
+
+/** Wait for an eventual state: polls cond until it holds, failing with `what` after ms. */
+export async function until(cond: () => boolean | Promise<boolean>, what: string, ms = 30_000): Promise<void> {
+  const deadline = Date.now() + ms;
+  while (!(await cond())) {
+    if (Date.now() > deadline) throw new Error(`timed out after ${ms} ms waiting for ${what}`);
+    await Bun.sleep(20);
+  }
+}
+
+/** True once process `pid` has exited (gone, or a zombie nobody reaped yet). */
+export function processGone(pid: number): boolean {
+  try {
+    return readFileSync(`/proc/${pid}/stat`, "utf8").replace(/^.*\) /s, "")[0] === "Z";
+  } catch {
+    return true;
+  }
+}
+
+/** Mount lines of /proc/mounts whose mount point is `path`. */
+export function mountsAt(path: string): string[] {
+  return readFileSync("/proc/mounts", "utf8")
+    .split("\n")
+    .filter((l) => l.split(" ")[1] === path);
+}
+
+/**
+ * A fixture process (test/blockdev/<name>.ts) whose stdout lines are collected as they come; its
+ * I/O may block on a device under test, so the test waits on it with bounds, never in-process.
+ */
+export function spawnFixture(name: string, args: string[]) {
+  const proc = Bun.spawn([process.execPath, join(import.meta.dir, `${name}.ts`), ...args], { stdout: "pipe", stderr: "pipe" });
+  const lines: string[] = [];
+  const done = (async () => {
+    const dec = new TextDecoder();
+    let buf = "";
+    for await (const chunk of proc.stdout) {
+      buf += dec.decode(chunk);
+      const parts = buf.split("\n");
+      buf = parts.pop()!;
+      lines.push(...parts);
+    }
+    if (buf) lines.push(buf);
+  })();
+  return {
+    proc,
+    lines,
+    /** Its exit code, once it has exited and its output is read. */
+    async exited(): Promise<number> {
+      const code = await proc.exited;
+      await done;
+      return code;
+    },
+  };
+}

@@ -112,6 +112,7 @@ import {
   ublksrvGetOp,
 } from "../../ffi/ublk.ts";
 import type { DeviceIo, WakeSource } from "../../src/blockdev/device_io.ts";
+import { until } from "./harness.ts";
 import { UblkControl, ublkBlockPath, ublkCharPath, type UblkControlTrace } from "../../src/blockdev/ublk/control.ts";
 import { UblkDevice, openUblkNode, ublkParamsFor, ublkRecoveryFlags } from "../../src/blockdev/ublk/frontend.ts";
 import { UBLK_QUEUE_RING_FLAGS, UblkQueue, UringQueueRing, ublkResultForError, type UblkQueueRing } from "../../src/blockdev/ublk/queue.ts";
@@ -520,8 +521,7 @@ describe("UblkControl (real ring, stand-in node)", () => {
     return cmd;
   }
 
-  test("the default node is absent here: a SyscallError names it", () => {
-    if (existsSync("/dev/ublk-control")) return;
+  test.skipIf(existsSync("/dev/ublk-control"))("the default node is absent here: a SyscallError names it (skipped: this host has ublk_drv)", () => {
     expect(UblkControl.available()).toBe(false);
     expect(() => new UblkControl()).toThrow(SyscallError);
     expect(() => new UblkControl()).toThrow(/\/dev\/ublk-control/);
@@ -721,8 +721,7 @@ describe("frontend helpers", () => {
     }
   });
 
-  test("the e2e queue worker loads and reports an open failure by name", async () => {
-    if (existsSync("/dev/ublkc4000")) return;
+  test.skipIf(existsSync("/dev/ublkc4000"))("the e2e queue worker loads and reports an open failure by name (skipped: /dev/ublkc4000 exists)", async () => {
     const w = new Worker(new URL("./ublk_e2e_worker.ts", import.meta.url).href);
     try {
       const msg = await new Promise<{ type: string; message: string }>((resolve) => {
@@ -890,6 +889,8 @@ class MemDisk implements DeviceIo {
   flushes = 0;
   discards: [number, number][] = [];
   delayMs = 0;
+  /** While set, every request waits for it (a request held in flight on purpose). */
+  gate: Promise<void> | null = null;
   failNext: unknown = null;
   constructor(
     size: number,
@@ -905,6 +906,7 @@ class MemDisk implements DeviceIo {
     this.maxInflight = Math.max(this.maxInflight, this.inflight);
     try {
       if (this.delayMs) await Bun.sleep(this.delayMs);
+      if (this.gate) await this.gate;
       if (this.failNext) {
         const e = this.failNext;
         this.failNext = null;
@@ -1077,11 +1079,16 @@ describe("UblkQueue loop (fake kernel)", () => {
     // A request in flight when stopping() turns true still finishes and commits before run() returns.
     const b = fakeQueue(2, UBLK_F_CMD_IOCTL_ENCODE, { busyPollMs: 1 });
     const d2 = new MemDisk(64 * 1024);
-    d2.delayMs = 20;
+    let release!: () => void;
+    d2.gate = new Promise<void>((r) => (release = r));
+    const ws = wakeSource(1);
     const pending = b.k.submit({ op: UBLK_IO_OP_WRITE, startSector: 0, nrSectors: 1, data: pattern(512, 9) });
-    const runP = b.q.run(d2, wakeSource(1));
-    await Bun.sleep(5);
+    const runP = b.q.run(d2, ws);
+    await until(() => d2.inflight === 1, "the write to be in flight");
     b.k.wake();
+    await until(() => ws.stopping(), "the loop to take the wake"); // stopping, the write still held
+    expect(d2.inflight).toBe(1);
+    release();
     expect((await runP).reason).toBe("stopping");
     expect((await pending).result).toBe(512);
     expect(b.k.log.filter((l) => l.cmdOp === UBLK_U_IO_COMMIT_AND_FETCH_REQ).length).toBe(1);
@@ -1217,8 +1224,7 @@ describe("UblkQueue loop (fake kernel)", () => {
     }
   });
 
-  test("UblkQueue.open on a missing /dev/ublkcN is a SyscallError naming the node", () => {
-    if (existsSync("/dev/ublkc4000")) return;
+  test.skipIf(existsSync("/dev/ublkc4000"))("UblkQueue.open on a missing /dev/ublkcN is a SyscallError naming the node (skipped: /dev/ublkc4000 exists)", () => {
     expect(() => UblkQueue.open({ devId: 4000, qId: 0, queueDepth: 2, maxIoBufBytes: 4096, flags: 0 })).toThrow(/\/dev\/ublkc4000/);
   });
 });
@@ -1240,6 +1246,7 @@ test.skipIf(ublkReason !== "")(
     const ctrl = new UblkControl();
     let dev: UblkDevice | null = null;
     let worker: Worker | null = null;
+    let workerDone: Promise<unknown> = Promise.resolve();
     const wakeFd = syscall(SYS_eventfd2, 0, O_CLOEXEC);
     try {
       const feats = await ctrl.supportedFeatures();
@@ -1257,6 +1264,7 @@ test.skipIf(ublkReason !== "")(
           else if (ev.data.type === "error") onFail(new Error(ev.data.message));
         };
       });
+      workerDone = exited;
       w.postMessage({ spec: dev.queueSpec(0), wakeFd, sizeBytes: SIZE });
       await dev.start(ready);
 
@@ -1289,7 +1297,7 @@ test.skipIf(ublkReason !== "")(
       if (dev) {
         write(wakeFd, new Uint8Array(new BigUint64Array([1n]).buffer)); // tell the worker to stop
         await dev.stop().catch(() => {});
-        await Bun.sleep(100);
+        await Promise.race([workerDone, Bun.sleep(10_000)]); // its queue is closed once it says "exit"
         await dev.remove().catch(() => {});
       }
       worker?.terminate();

@@ -10,6 +10,7 @@
 
 import { eventfdSignal, poll, read, viewAt, POLLIN, type SyscallError } from "../../../ffi/libc.ts";
 import { RING, ringNext, type ReaderInit } from "./reader_link.ts";
+import { crashThread, faultArg } from "../fault.ts";
 
 declare const self: Worker;
 
@@ -34,6 +35,8 @@ function run(init: ReaderInit): string {
   const reqs = init.reqAt.map((at) => mem.subarray(at, at + init.reqLen));
   const taken = RING.header;
   const free = RING.header + n;
+  const crashAfter = Number(faultArg("reader-exit") ?? 0); // tests: die holding a request (fault.ts)
+  let takenCount = 0;
   const pollfds = new Uint8Array(16);
   const pv = new DataView(pollfds.buffer);
   pv.setInt32(0, init.fd, true);
@@ -63,6 +66,7 @@ function run(init: ReaderInit): string {
       throw e;
     }
     if (got <= 0) continue;
+    if (++takenCount === crashAfter) crashThread(`a FUSE reader, after taking request ${takenCount}`);
     Atomics.store(ctl, RING.freeHead, ringNext(head, n));
     const tail = Atomics.load(ctl, RING.takenTail);
     Atomics.store(ctl, taken + (tail % n), slot);

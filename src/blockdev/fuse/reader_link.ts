@@ -38,6 +38,11 @@ export class ReaderLink {
   private readonly worker: Worker;
   private readonly n: number;
   exitReason: string | undefined;
+  /**
+   * The reader's thread ended without passing through its own exit (a crash): a request it had
+   * read may sit in a slot it never handed over, and only a FUSE_NOTIFY_RESEND brings it back.
+   */
+  stranded = false;
 
   /** Start a reader on cloneFd (see cloneFd()) lending it the slots whose requests start at reqAt. */
   constructor(
@@ -60,6 +65,15 @@ export class ReaderLink {
     // A reader that never ran (its script failed) must not keep the device worker waiting for it.
     this.worker.addEventListener("error", (ev: ErrorEvent) => {
       this.exitReason = `failed: ${ev.message}`;
+      Atomics.store(this.ctl, RING.exited, 1);
+      eventfdSignal(this.takenFd);
+    });
+    // Every end of the thread; one that did not mark itself exited crashed mid-stream.
+    this.worker.addEventListener("close", (ev) => {
+      if (Atomics.load(this.ctl, RING.exited) === 1) return;
+      this.stranded = true;
+      this.exitReason = `died (exit code ${(ev as CloseEvent).code})`;
+      console.error(`fuse reader on fd ${cloneFd}: ${this.exitReason}; its requests are resent to the device worker`);
       Atomics.store(this.ctl, RING.exited, 1);
       eventfdSignal(this.takenFd);
     });

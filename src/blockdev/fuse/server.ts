@@ -45,6 +45,11 @@ function readerSlots(v: string | undefined): number {
 }
 /** A WRITE request at least this long (header included) starts the reader thread. */
 const READER_FROM = 128 << 10;
+/**
+ * While a reader runs, the serve loop's poll wakes at least this often, so the reader's end (a
+ * Worker event) is heard even on an idle device, where a request it stranded would wait forever.
+ */
+const READER_WATCH_MS = 1000;
 const ATTR_VALID_SEC = 1;
 const SECTOR = 512;
 // Linux errno values sent back as −errno.
@@ -349,6 +354,8 @@ class ServeLoop {
   private controlAgain = false;
   private reader: ReaderLink | undefined;
   private readerSlots: Slot[] = [];
+  /** Set once the reader's end has been dealt with; the device serves on without it. */
+  private readerEnded = false;
 
   constructor(
     private disk: FuseDisk,
@@ -403,6 +410,18 @@ class ServeLoop {
     });
   }
 
+  /**
+   * The reader ended while the device serves: the device worker reads every request itself from
+   * now on (the connection's queue is shared by its fds). A crashed reader may have read a request
+   * it never handed over; FUSE_NOTIFY_RESEND queues every unanswered request of the connection
+   * again, and a duplicate of one being served is harmless (its first reply finds no request).
+   */
+  private readerLost(reader: ReaderLink): void {
+    this.readerEnded = true;
+    reader.drainTaken(this.startTaken);
+    if (reader.stranded) this.disk.resend();
+  }
+
   /** Serve until stopped or the connection is gone, then release the slots once none is in use. */
   async run(): Promise<void> {
     try {
@@ -430,7 +449,8 @@ class ServeLoop {
       pv.setInt16(4, this.busy < MAX_SLOTS && !stopping ? POLLIN : 0, true);
       for (const at of [6, 14, 22, 30]) pv.setInt16(at, 0, true);
       // Control work may wait on timers and messages: keep the event loop turning meanwhile.
-      if (poll(this.pollfds, 4, this.control || gone ? 1 : -1) > 0) {
+      const timeout = this.control || gone ? 1 : reader && !reader.exited ? READER_WATCH_MS : -1;
+      if (poll(this.pollfds, 4, timeout) > 0) {
         if (pv.getInt16(22, true) & POLLIN) {
           read(pv.getInt32(16, true), this.counter);
           reapLocalIo();
@@ -443,6 +463,7 @@ class ServeLoop {
           read(reader!.takenFd, this.counter);
           reader!.drainTaken(this.startTaken);
         }
+        if (reader?.exited && !stopping && !this.readerEnded) this.readerLost(reader);
         if (pv.getInt16(6, true) !== 0) {
           while (this.busy < MAX_SLOTS) {
             const slot = this.idle.pop() ?? new Slot(this.arena.bytes, SLOT_BYTES * this.made++);

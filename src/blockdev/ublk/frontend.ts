@@ -268,14 +268,17 @@ export class UblkDevice {
     }
   }
 
-  /** Close /dev/ublkcN (queue rings must be closed already), then DEL_DEV. */
-  async remove(): Promise<void> {
+  /**
+   * Close /dev/ublkcN (queue rings must be closed already), then DEL_DEV. wait: false sends
+   * DEL_DEV_ASYNC (6.9+), which does not wait for the last reference (a dead queue thread's mapping).
+   */
+  async remove(opts: { wait?: boolean } = {}): Promise<void> {
     if (this.charFd >= 0) {
       closeFd(this.charFd);
       this.charFd = -1;
     }
     try {
-      await this.ctrl.delDev(this.devId);
+      await (opts.wait === false ? this.ctrl.delDevAsync(this.devId) : this.ctrl.delDev(this.devId));
     } catch (e) {
       if (!(e instanceof UblkError && e.errno === E.ENODEV)) throw e;
     }

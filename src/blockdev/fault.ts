@@ -1,0 +1,17 @@
+// Fault injection for tests: AENV_BLOCKD_FAULT names one crash for a blockd thread to act out, the
+// way a bug in that thread would end it (process.exit in a Worker ends only that thread). Unset in
+// production; a value that names no fault here is ignored.
+//   worker-exit:<device id>:<control op>  the device's worker ends when it is asked for <op>
+//   reader-exit:<n>                       a FUSE reader ends after taking its n-th request, before handing it on
+
+/** The argument of fault `kind` ("worker-exit", "reader-exit") when AENV_BLOCKD_FAULT arms it. */
+export function faultArg(kind: string): string | undefined {
+  const v = process.env.AENV_BLOCKD_FAULT;
+  return v?.startsWith(`${kind}:`) ? v.slice(kind.length + 1) : undefined;
+}
+
+/** End the calling Worker thread at once, as a crash would: no finally, no message to its parent. */
+export function crashThread(why: string): never {
+  console.error(`blockd fault injected: ${why}`);
+  process.exit(70);
+}
