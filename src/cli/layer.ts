@@ -116,7 +116,7 @@ const optionUsage = (o: Option) => (o.required ? optionText(o) : `[${optionText(
 const synopsis = (name: string, v: Verb) => `aenv layer ${name} ${[...v.options.map(optionUsage), v.operands].join(" ")}`;
 const HELP_OPTION: Option = { flag: "-h, --help", help: "this help" };
 
-/** Every verb, one line each: the help of `aenv layer` and what follows its usage errors. */
+/** Every verb with its synopsis and summary: the help of `aenv layer` and what follows its usage errors. */
 export function layerVerbList(): string {
   return Object.entries(VERBS)
     .map(([name, v]) => `  ${synopsis(name, v)}\n      ${v.summary}`)
