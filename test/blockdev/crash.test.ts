@@ -8,7 +8,7 @@ import { openSync, readSync, closeSync, writeSync, readFileSync, rmSync } from "
 import { BlockdClient } from "../../src/blockdev/client.ts";
 import { blockFor } from "../storage/crash_blocks.ts";
 import { firstBadChunk } from "./patterns.ts";
-import { blockdPid, haveFuse, haveLoop, mountsAt, processGone, readAll, spawnFixture, startBlockd, until } from "./harness.ts";
+import { blockdPid, haveFuse, haveLoop, makeLayer, mountsAt, processGone, readAll, spawnFixture, startBlockd, until } from "./harness.ts";
 
 const BLOCKS = 1024; // 4 MiB device
 
@@ -84,12 +84,14 @@ test.skipIf(!haveFuse)("kill -9 blockd during fsync'd writes: the device survive
 test.skipIf(!haveFuse)("the same, restarting without a reader thread: the dead reader's requests are resent, not lost", () => crashAndRestart("blockd-crash-noreader", "0"), 90_000);
 
 test.skipIf(!haveFuse || !haveLoop)(
-  "blockd and its fd keeper both killed: the device comes back at its path with a new loop, its data there, marked lost until deleted",
+  "blockd and its fd keeper both killed: devices come back at their paths with new loops (read-only stays read-only), data there, marked lost until deleted",
   async () => {
     const { dir, state, client } = await startBlockd("blockd-crash-nokeeper");
     const size = 4 << 20;
     const dev = await client.call("create", { id: "vm-disk", upperDir: join(dir, "up"), size, loop: true });
     expect(dev.loop).toMatch(/^\/dev\/loop\d+$/);
+    const base = await makeLayer(join(dir, "base.sealed"), size, 0, new Uint8Array(8192).fill(0x5a));
+    const ro = await client.call("createReadOnly", { lowers: [base], loop: true });
     const w = spawnFixture("seq_writer", [dev.path, String(size), "1"]);
     expect(await w.exited()).toBe(0); // fsync'd: acknowledged data
     const user = spawnFixture("io_loop", [dev.loop, "120"]); // a VM with the disk open, through the loop
@@ -104,7 +106,7 @@ test.skipIf(!haveFuse || !haveLoop)(
     expect(user.lines.at(-1)).toMatch(/^error (EIO|ENOTCONN|ECONNABORTED)$/);
 
     const again = await BlockdClient.ensure(state);
-    const [back] = await again.call("list");
+    const [back, roBack] = await again.call("list");
     expect(back).toMatchObject({ id: dev.id, path: dev.path, state: "lost" });
     expect(back.reason).toContain("died with blockd and the fd keeper");
     expect(back.loop).toMatch(/^\/dev\/loop\d+$/);
@@ -112,6 +114,11 @@ test.skipIf(!haveFuse || !haveLoop)(
     expect(mountsAt(dev.path)).toHaveLength(1); // the dead mount is gone, the new one serves
     // Every acknowledged byte is there, through the path and through the new loop.
     for (const path of [dev.path, back.loop]) expect(firstBadChunk(readAll(path, size), 0)).toBe(-1);
+    // A read-only device comes back the same way, its loop read-only again.
+    expect(roBack).toMatchObject({ id: ro.id, path: ro.path, state: "lost", readOnly: true });
+    expect(readFileSync(`/sys/block/${roBack.loop.slice(5)}/ro`, "utf8").trim()).toBe("1");
+    expect(readAll(roBack.loop, 8192).every((b) => b === 0x5a)).toBe(true);
+    await again.call("delete", { id: ro.id });
 
     // "lost" outlives a plain restart (the keeper alive this time) ...
     const pid = blockdPid(state);
