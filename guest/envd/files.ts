@@ -16,6 +16,8 @@ import { resolvePath, type User } from "./users.ts";
 
 /** /files/compose takes a JSON list of paths: 1 MiB is thousands of them. */
 const MAX_COMPOSE_BODY = 1024 * 1024;
+/** Files in one multipart upload: each is staged until the last part is in. */
+const MAX_UPLOAD_FILES = 10_000;
 /** Files whose size says 0 (/proc and the like) are read in chunks of this size. */
 const READ_CHUNK = 64 * 1024;
 
@@ -303,6 +305,7 @@ export async function postFile(req: Request, url: URL, state: EnvdState): Promis
       const f = await StagedFile.create(resolve(queryPath, user, state), user);
       staged.push(f);
       for await (const chunk of body) await f.write(chunk);
+      await f.finish();
     } else if (media === "multipart/form-data") {
       const boundary = boundaryOf(ct);
       if (!boundary) throw new HttpError(400, "multipart boundary is missing");
@@ -314,10 +317,11 @@ export async function postFile(req: Request, url: URL, state: EnvdState): Promis
         if (!given) throw new HttpError(400, "file part has no filename and no path was given");
         const path = resolve(given, user, state);
         if (seen.has(path)) throw new HttpError(400, `cannot write to the same path '${path}' twice in one request`);
+        if (seen.size >= MAX_UPLOAD_FILES) throw new HttpError(400, `more than ${MAX_UPLOAD_FILES} files in one request`);
         seen.add(path);
         const f = await StagedFile.create(path, user);
         staged.push(f);
-        return { write: (c: Uint8Array) => f.write(c), end: () => {} };
+        return { write: (c: Uint8Array) => f.write(c), end: () => f.finish() };
       });
     } else {
       throw new HttpError(400, `unsupported content type '${media || "(none)"}'`);
@@ -326,7 +330,7 @@ export async function postFile(req: Request, url: URL, state: EnvdState): Promis
 
     const results: Record<string, unknown>[] = [];
     for (const f of staged) {
-      await f.commit(user, (p) => applyMetadata(p, meta));
+      await f.commit((p) => applyMetadata(p, meta));
       const out: Record<string, unknown> = { path: f.path, name: posix.basename(f.path), type: "file" };
       const stored = Object.keys(meta).length ? readMetadata(f.path) : {};
       if (Object.keys(stored).length) out.metadata = stored;
@@ -371,7 +375,7 @@ export async function composeFiles(req: Request, state: EnvdState): Promise<Resp
     }
     out = await StagedFile.create(dest, user);
     for (const s of srcs) for await (const chunk of fileStream(await openRegular(s))) await out.write(chunk);
-    await out.commit(user);
+    await out.commit();
     for (const s of srcs) await unlink(s).catch(() => {});
     const e = entryInfo(dest, state.users);
     return Response.json({ path: e.path, name: e.name, type: "file" });

@@ -49,9 +49,13 @@ async function writeTarget(path: string): Promise<string> {
   throw new ConnectError("invalid_argument", `path '${path}': too many levels of symbolic links`);
 }
 
-/** A target file being written: `write` the bytes, then `commit` (the target changes only there) or `discard`. */
+/**
+ * A target file being written: `write` the bytes, `finish` when they are all there (the fd is
+ * closed, so a request staging many files holds none open), then `commit` (the target changes only
+ * there) or `discard`.
+ */
 export class StagedFile {
-  private state: "open" | "committed" | "discarded" = "open";
+  private state: "writing" | "finished" | "committed" | "discarded" = "writing";
 
   private constructor(
     /** The path as asked for (what answers report). */
@@ -60,19 +64,19 @@ export class StagedFile {
     readonly target: string,
     private readonly temp: string,
     private readonly fh: FileHandle,
+    private readonly user: User,
   ) {}
 
   /** Refuses directories and non-regular files (a FIFO or device never ends), creates missing parents. */
   static async create(path: string, user: User): Promise<StagedFile> {
     const target = await writeTarget(path);
     const st = await statOrNull(target);
-    if (st?.isDirectory()) throw new ConnectError("invalid_argument", `path '${path}' is a directory`);
-    if (st && !st.isFile()) throw new ConnectError("invalid_argument", `path '${path}' is not a regular file`);
+    if (st) assertRegular(path, st);
     const dir = posix.dirname(target);
     ensureDirs(dir, user);
     const temp = `${dir}/${st ? STAGED_REPLACE : STAGED_NEW}${randomBytes(8).toString("hex")}`;
     const fh = await open(temp, "wx", 0o666); // 0666 & umask, as a new file gets
-    return new StagedFile(path, target, temp, fh);
+    return new StagedFile(path, target, temp, fh, user);
   }
 
   async write(chunk: Uint8Array): Promise<void> {
@@ -80,22 +84,35 @@ export class StagedFile {
   }
 
   /**
-   * Gives the temp file the target's owner, mode and xattrs as they are now (a new file: the
-   * user's), runs `prepare` on it, and renames it over the target. A target that is a mount point
-   * cannot be renamed over: the checked bytes are copied into it instead.
+   * Gives the temp file the target's owner and mode as they are now (a new file: the user's, 0644),
+   * through the fd (a name in the user's directory can be swapped under us, the fd cannot), and
+   * closes it.
    */
-  async commit(user: User, prepare?: (path: string) => void): Promise<void> {
-    if (this.state !== "open") throw new Error(`commit of a ${this.state} staged file`);
+  async finish(): Promise<void> {
+    if (this.state !== "writing") return;
     try {
       const old = await statOrNull(this.target);
-      if (old?.isDirectory()) throw new ConnectError("invalid_argument", `path '${this.path}' is a directory`);
-      if (old && !old.isFile()) throw new ConnectError("invalid_argument", `path '${this.path}' is not a regular file`);
-      await this.fh.chown(old ? old.uid : user.uid, old ? old.gid : user.gid).catch(() => {}); // not root: stays ours
-      if (old) {
-        await this.fh.chmod(old.mode & 0o7777); // after chown, which clears set-id bits
-        copyXattrs(this.target, this.temp);
-      }
+      if (old) assertRegular(this.path, old);
+      await this.fh.chown(old ? old.uid : this.user.uid, old ? old.gid : this.user.gid).catch(() => {}); // not root: stays ours
+      if (old) await this.fh.chmod(old.mode & 0o7777); // after chown, which clears set-id bits
       await this.fh.close();
+      this.state = "finished";
+    } catch (e) {
+      await this.discard();
+      throw e;
+    }
+  }
+
+  /**
+   * Copies the target's user xattrs onto the temp file, runs `prepare` on it, and renames it over
+   * the target. A target that is a mount point cannot be renamed over: the checked bytes are copied
+   * into it instead.
+   */
+  async commit(prepare?: (path: string) => void): Promise<void> {
+    await this.finish();
+    if (this.state !== "finished") throw new Error(`commit of a ${this.state} staged file`);
+    try {
+      copyUserXattrs(this.target, this.temp);
       prepare?.(this.temp);
       try {
         await rename(this.temp, this.target);
@@ -113,17 +130,26 @@ export class StagedFile {
     }
   }
 
-  /** Closes and removes the temp file; the target is untouched. Idempotent, and a no-op once committed. */
+  /** Removes the temp file; the target is untouched. Idempotent, and a no-op once committed. */
   async discard(): Promise<void> {
-    if (this.state !== "open") return;
+    if (this.state === "committed" || this.state === "discarded") return;
+    if (this.state === "writing") await this.fh.close().catch(() => {});
     this.state = "discarded";
-    await this.fh.close().catch(() => {});
     await unlink(this.temp).catch(() => {});
   }
 }
 
-/** Every xattr of `from` onto `to` (an upload then replaces envd's own metadata set); best effort. */
-function copyXattrs(from: string, to: string) {
+function assertRegular(path: string, st: Stats) {
+  if (st.isDirectory()) throw new ConnectError("invalid_argument", `path '${path}' is a directory`);
+  if (!st.isFile()) throw new ConnectError("invalid_argument", `path '${path}' is not a regular file`);
+}
+
+/**
+ * The `user.*` xattrs of `from` onto `to`, best effort (an upload then replaces envd's own
+ * `user.e2b.*` set). Other namespaces are not copied: security.* (file capabilities) must not
+ * move onto a file the user may have swapped in.
+ */
+function copyUserXattrs(from: string, to: string) {
   let names: string[];
   try {
     names = xattr.list(from);
@@ -131,10 +157,11 @@ function copyXattrs(from: string, to: string) {
     return; // no xattr support here
   }
   for (const name of names) {
+    if (!name.startsWith("user.")) continue;
     try {
       xattr.set(to, name, xattr.get(from, name));
     } catch {
-      // e.g. trusted.* without CAP_SYS_ADMIN
+      // gone meanwhile, or a file system that refuses it
     }
   }
 }

@@ -5,6 +5,7 @@ import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { chmodSync, chownSync, existsSync, lstatSync, mkdirSync, readdirSync, readFileSync, statSync, symlinkSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { readEnvelopes } from "../../guest/envd/connect.ts";
+import { xattr } from "../../guest/envd/sys.ts";
 import { envelope, jsonEnvelopes, rawExchange, rssBytes, startEnvd, until, USER_UID, type Envd } from "./harness.ts";
 
 let envd: Envd;
@@ -84,10 +85,14 @@ describe("POST /files: a failed upload changes nothing", () => {
     writeFileSync(kept, "old");
     chmodSync(kept, 0o600);
     chownSync(kept, 0, USER_UID);
-    const r1 = await upload(`?path=${kept}`, "new", { "content-type": "application/octet-stream" });
+    xattr.set(kept, "user.note", "kept");
+    xattr.set(kept, "user.e2b.old", "replaced");
+    const r1 = await upload(`?path=${kept}`, "new", { "content-type": "application/octet-stream", "x-metadata-fresh": "1" });
     expect(r1.status).toBe(200);
     const st = statSync(kept);
     expect([readFileSync(kept, "utf8"), st.mode & 0o7777, st.uid, st.gid]).toEqual(["new", 0o600, 0, USER_UID]);
+    expect(xattr.list(kept).sort()).toEqual(["user.e2b.fresh", "user.note"]);
+    expect(xattr.get(kept, "user.note")).toBe("kept");
 
     const fresh = join(dir, "fresh.txt");
     expect((await upload(`?path=${fresh}`, "f", { "content-type": "application/octet-stream" })).status).toBe(200);
@@ -109,6 +114,15 @@ describe("POST /files: a failed upload changes nothing", () => {
     expect([r.status, ((await r.json()) as any).message]).toEqual([400, `path '${fifo}' is not a regular file`]);
     expect(readdirSync(dir)).toEqual(["pipe"]);
   });
+
+  test("a multipart request of more than 10 000 files is refused whole", async () => {
+    const dir = scratch("many");
+    const part = (i: number) => `--b\r\nContent-Disposition: form-data; name="file"; filename="${dir}/f${i}"\r\n\r\n${i}\r\n`;
+    const body = Array.from({ length: 10_001 }, (_, i) => part(i)).join("") + "--b--\r\n";
+    const r = await upload("", body, { "content-type": "multipart/form-data; boundary=b" });
+    expect([r.status, ((await r.json()) as any).message]).toEqual([400, "more than 10000 files in one request"]);
+    expect(readdirSync(dir)).toEqual([]);
+  }, 120_000);
 
   test("two uploads racing for one path both succeed and the file is exactly one of them", async () => {
     const dir = scratch("race");
