@@ -70,6 +70,7 @@ export class DirWatcher {
       return; // unreadable subdirectory: watch what we can
     }
     for (const d of entries) {
+      if (stagedKind(d.name)) continue; // an upload in flight shows up when it lands
       const child = rel ? `${rel}/${d.name}` : d.name;
       if (announce && !this.closed) this.onEvent({ name: child, type: EventType.CREATE });
       if (!d.isDirectory()) continue;

@@ -239,6 +239,10 @@ describe("files", () => {
       await until(() => events.some((e) => e.name === "nested/g.txt" && e.type === FilesystemEventType.WRITE));
       await sbx.files.remove("watched/f.txt");
       await until(() => events.some((e) => e.name === "f.txt" && e.type === FilesystemEventType.REMOVE));
+      // Uploads are staged in temp files and renamed into place: watchers see only the target.
+      expect(events.filter((e) => e.name.includes(".envd-"))).toEqual([]);
+      const g = events.filter((e) => e.name === "nested/g.txt").map((e) => e.type);
+      expect(g).toEqual([FilesystemEventType.CREATE, FilesystemEventType.WRITE]);
     } finally {
       await handle.stop();
     }
