@@ -12,6 +12,7 @@ import { WRITABLE_DATA, WRITABLE_INDEX, WritableLayer } from "../storage/lsmt/wr
 import { DeviceHandle } from "./device.ts";
 import { ID_RE, fuseDevicePath, loadDeviceTable } from "./device_table.ts";
 import { detachLoop, isMountPoint, loopBackingFile, loopsBackedBy } from "./leftovers.ts";
+import { lockState } from "./state_lock.ts";
 import { KeeperClient } from "./keeper_client.ts";
 import { IoLimiter } from "../storage/io_limiter.ts";
 import { Image } from "../storage/image.ts";
@@ -101,6 +102,7 @@ export class Blockd {
   static async start(opts: BlockdOptions): Promise<Blockd> {
     const b = new Blockd({ ...opts, stateDir: resolve(opts.stateDir) });
     mkdirSync(join(b.opts.stateDir, "dev"), { recursive: true });
+    lockState(b.opts.stateDir); // held (its fd open) until this process ends; before the keeper, which only we start
     b.keeper = await KeeperClient.ensure(b.opts.stateDir);
     try {
       await b.recover();
