@@ -87,8 +87,20 @@ export class SlotPool {
   async reconcile(opts: { adopt?: Iterable<string> } = {}): Promise<ReconcileReport> {
     if (this.state !== "new" || this.reconciled) throw new NetworkError("BadState", "reconcile() runs once, before start() hands out slots");
     const report: ReconcileReport = { removed: [], adopted: [], orphanPids: {}, skipped: [] };
+    // Set before the first await so a concurrent call is refused; undone if this one fails.
     this.reconciled = report;
-    const adoptNames = new Set(opts.adopt ?? []);
+    try {
+      await this.reconcileInto(report, new Set(opts.adopt ?? []));
+    } catch (e) {
+      this.reconciled = undefined;
+      for (const s of report.adopted) this.leased.delete(s.id);
+      for (const name of report.skipped) this.blockedIds.delete(slotIdOf(this.config, name)!);
+      throw e;
+    }
+    return report;
+  }
+
+  private async reconcileInto(report: ReconcileReport, adoptNames: Set<string>): Promise<void> {
     const { netns, links } = await listOurs(this.config);
     for (const name of new Set([...netns, ...links])) {
       const complete = netns.includes(name) && links.includes(name);
@@ -112,7 +124,6 @@ export class SlotPool {
     }
     // With adopted slots the old table keeps guarding them until start() replaces it atomically.
     if (report.adopted.length === 0) await removeHostTable(this.config);
-    return report;
   }
 
   /**
@@ -161,6 +172,7 @@ export class SlotPool {
         return ready;
       }
       const id = await this.reserveId();
+      if (this.state !== "started" && id !== undefined) this.busy.delete(id);
       this.mustBeStarted();
       if (id !== undefined) {
         let slot: Slot;

@@ -31,21 +31,11 @@ const ENVD_PORT = 49983;
 const DISK = 64 << 20;
 const tag = (process.pid % 46656).toString(36).padStart(3, "0");
 
-/** Every QEMU on the host, not only ours: a leak is a leak whoever's marker it has. */
-function allQemuPids(): number[] {
-  return readdirSync("/proc")
-    .filter((e) => /^\d+$/.test(e))
-    .filter((e) => {
-      try {
-        return readFileSync(`/proc/${e}/cmdline`, "utf8").includes("qemu-system");
-      } catch {
-        return false;
-      }
-    })
-    .map(Number);
-}
-const namespaces = () => (existsSync("/run/netns") ? readdirSync("/run/netns").sort() : []);
-const hostLinks = () => readdirSync("/sys/class/net").sort();
+const PREFIX = `avm${tag}-`;
+// Only this run's: other suites on this host start QEMUs and namespaces at the same time. Every VM
+// here has its run directory under the run root, which its argv names (qemuPids).
+const namespaces = () => (existsSync("/run/netns") ? readdirSync("/run/netns").filter((n) => n.startsWith(PREFIX)).sort() : []);
+const hostLinks = () => readdirSync("/sys/class/net").filter((l) => l.startsWith(PREFIX) || ["vpeer", "tap0"].includes(l)).sort();
 
 describe.skipIf(!!skip)("sandbox VMs: envd in the guest, VM in a network slot, the e2b SDK", async () => {
   // bun runs a skipped describe's body: start nothing there, and show why it skipped.
@@ -53,7 +43,7 @@ describe.skipIf(!!skip)("sandbox VMs: envd in the guest, VM in a network slot, t
   const { dir, client } = await startBlockd("sandbox-vm");
   const root = runRoot("sandbox-vm");
   const driver = new QemuDriver();
-  const pool = new SlotPool({ size: 0, prefix: `avm${tag}-`, hostCidr: `10.214.${process.pid % 250}.0/24`, hostTable: `aenv_vmtest_${tag}` });
+  const pool = new SlotPool({ size: 0, prefix: PREFIX, hostCidr: `10.214.${process.pid % 250}.0/24`, hostTable: `aenv_vmtest_${tag}` });
   let fx: GuestFixture;
   let toolsLayer = "";
   const live = new Set<Vmm>();
@@ -63,7 +53,7 @@ describe.skipIf(!!skip)("sandbox VMs: envd in the guest, VM in a network slot, t
   console.log(`sandbox VM tests: accel ${driver.accel}`);
 
   beforeAll(async () => {
-    before.qemu = allQemuPids();
+    before.qemu = qemuPids(root);
     before.netns = namespaces();
     before.links = hostLinks();
     before.devices = (await client.call<unknown[]>("list")).length;
@@ -437,7 +427,7 @@ describe.skipIf(!!skip)("sandbox VMs: envd in the guest, VM in a network slot, t
   test(
     "a QEMU that cannot start reports its stderr and leaves nothing running",
     async () => {
-      const pidsBefore = allQemuPids();
+      const pidsBefore = qemuPids(root);
       const spec = {
         id: "bad",
         runDir: join(root, "bad"),
@@ -456,10 +446,10 @@ describe.skipIf(!!skip)("sandbox VMs: envd in the guest, VM in a network slot, t
       expect(busy?.name).toContain("StartFailed");
       expect(busy?.message).toContain("could not configure /dev/net/tun (tap0): Device or resource busy");
       // A namespace that does not exist: nsenter's own complaint comes back.
-      const nons = await failure(driver.boot({ ...spec, netnsPath: `/run/netns/avm${tag}-nonexistent` }));
+      const nons = await failure(driver.boot({ ...spec, netnsPath: `/run/netns/${PREFIX}nonexistent` }));
       expect(nons?.name).toContain("StartFailed");
       expect(nons?.message).toContain("No such file or directory");
-      expect(allQemuPids()).toEqual(pidsBefore);
+      expect(qemuPids(root)).toEqual(pidsBefore);
     },
     150_000,
   );
@@ -472,7 +462,7 @@ describe.skipIf(!!skip)("sandbox VMs: envd in the guest, VM in a network slot, t
       expect(live.size).toBe(0);
       expect(leased.size).toBe(0);
       expect(qemuPids(root)).toEqual([]);
-      expect(allQemuPids()).toEqual(before.qemu);
+      expect(qemuPids(root)).toEqual(before.qemu);
       await pool.destroy();
       expect(namespaces()).toEqual(before.netns);
       expect(hostLinks()).toEqual(before.links);
