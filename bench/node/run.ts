@@ -57,7 +57,7 @@ const work = mkdtempSync("/var/tmp/aenv-bench/node-");
 const runRoot = mkdtempSync("/dev/shm/aenv-bench-node-");
 const state = join(work, "blockd");
 mkdirSync(state, { recursive: true });
-const blockd = await BlockdClient.ensure(state);
+const blockd = await BlockdClient.ensure(state, { pool: 8 });
 const store = new SandboxStore(join(work, "node.db"));
 const templates = new TemplateStore(store.db);
 const pool = new SlotPool({ size: 4, prefix: "abn-", hostCidr: "10.217.0.0/24", hostTable: "aenv_bench_node" });

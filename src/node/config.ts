@@ -43,6 +43,7 @@ export const SETTINGS = {
   maxBodyBytes: setting("AENV_MAX_BODY_BYTES", "max_body_bytes", "1048576", int(1024, 64 << 20), "largest API request body (the proxy streams and has no such bound)"),
   vmm: setting("AENV_VMM", "vmm", "auto", oneOf("auto", "qemu", "firecracker"), "VMM: auto picks Firecracker when its binary and KVM exist, else QEMU"),
   slotCidr: setting("AENV_SLOT_CIDR", "slot_cidr", "10.200.0.0/16", str, "host-side addresses of network slots, cut into /31s; on this machine's veths only"),
+  devicePool: setting("AENV_DEVICE_POOL", "device_pool", "4", int(0, 256), "blockd devices kept ready for sandbox root filesystems"),
   slotPool: setting("AENV_SLOT_POOL", "slot_pool", "4", int(0, 256), "network slots kept ready"),
   snapshotStore: setting("AENV_SNAPSHOT_STORE", "snapshot_store", "$AENV_HOME/snapshots", str, "where snapshots live: a directory (local or shared FS) or s3://bucket/prefix"),
 };

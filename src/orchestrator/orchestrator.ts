@@ -279,7 +279,7 @@ export class Orchestrator {
         throw e;
       } finally {
         await vm?.stop().catch(() => {});
-        for (const d of devices.reverse()) await this.blockd.call("delete", { id: d }).catch(() => {});
+        await this.giveBackDevices(devices[1] ?? null, devices[0] ?? null);
         rmSync(join(this.opts.home, "sandboxes", id), { recursive: true, force: true });
         if (slot) await this.slots.release(slot).catch(() => {});
         this.preparing.delete(tpl.id);
@@ -294,7 +294,8 @@ export class Orchestrator {
     const tools = await this.blockd.call("createReadOnly", { lowers: [this.guest.toolsLayer] });
     devices.push(tools.id);
     mkdirSync(join(upperDir, ".."), { recursive: true });
-    const rootfs = await this.blockd.call("create", { lowers: layers, upperDir, size: diskSizeMB * 1024 * 1024 });
+    // From blockd's warm pool: the image is swapped in under a device that already exists.
+    const rootfs = await this.blockd.call("acquire", { lowers: layers, upperDir, size: diskSizeMB * 1024 * 1024 });
     devices.push(rootfs.id);
     return { drives: [{ path: tools.path, readOnly: true }, { path: rootfs.path }] };
   }
@@ -606,8 +607,14 @@ export class Orchestrator {
     return r.runtime as SandboxRuntime;
   }
 
+  /** The rootfs goes back to blockd's pool, the shared tools disk loses a reference. */
+  private async giveBackDevices(rootfs: string | null, tools: string | null): Promise<void> {
+    if (rootfs) await this.blockd.call("release", { id: rootfs }).catch((e) => console.error(`orchestrator: release ${rootfs}: ${(e as Error).message}`));
+    if (tools) await this.blockd.call("delete", { id: tools }).catch((e) => console.error(`orchestrator: delete ${tools}: ${(e as Error).message}`));
+  }
+
   private async release(rt: SandboxRuntime): Promise<void> {
-    for (const d of [rt.rootfsDevice, rt.toolsDevice]) if (d) await this.blockd.call("delete", { id: d }).catch(() => {});
+    await this.giveBackDevices(rt.rootfsDevice, rt.toolsDevice);
     if (rt.slot) await this.slots.release(rt.slot).catch(() => {});
     if (rt.runDir) rmSync(rt.runDir, { recursive: true, force: true });
   }

@@ -32,7 +32,7 @@ const tag = ((process.pid + 7) % 46656).toString(36).padStart(3, "0");
 
 describe.skipIf(!!skip)("node API + orchestrator with the e2b SDK (QEMU, blockd, slots)", async () => {
   if (skip) return void test.skip(skip!, () => {});
-  const { dir, client } = await startBlockd("orch");
+  const { dir, client } = await startBlockd("orch", { pool: 2 });
   const root = runRoot("orch");
   const home = join(dir, "home");
   const store = new SandboxStore(join(dir, "node.db"));

@@ -1,0 +1,120 @@
+// `bun run node`: the node on its settings (docs/node.md). It listens at once; /health answers 503
+// with the step it is on (blockd, network slots, VMM, guest kernel, the base template) until it
+// can create sandboxes, then 200. blockd and the VMMs outlive it: a stop leaves sandboxes running.
+import { mkdirSync } from "node:fs";
+import { join } from "node:path";
+import { debianKernel, envdToolsDisk, guestCmdline, sealedLayer } from "../../guest/artifacts.ts";
+import { createApi } from "../api/app.ts";
+import { ApiError } from "../api/errors.ts";
+import { SandboxProxy } from "../api/proxy.ts";
+import { serveNode } from "../api/server.ts";
+import { sandboxRoutes } from "../api/sandboxes.ts";
+import { BlockdClient } from "../blockdev/client.ts";
+import { SlotPool } from "../network/index.ts";
+import { Orchestrator } from "../orchestrator/orchestrator.ts";
+import { SandboxStore } from "../orchestrator/store.ts";
+import { TemplateStore } from "../orchestrator/templates.ts";
+import { buildBaseTemplate } from "../template/debian.ts";
+import { selectDriver } from "../vmm/select.ts";
+import { loadConfig, resolveApiKey } from "./config.ts";
+import pkg from "../../package.json";
+
+const cfg = loadConfig();
+const { key, path: keyPath } = resolveApiKey(cfg);
+mkdirSync(cfg.home, { recursive: true });
+const store = new SandboxStore(join(cfg.home, "node.db"));
+const templates = new TemplateStore(store.db);
+
+let step = "starting";
+let orch: Orchestrator | undefined;
+let proxy: SandboxProxy | undefined;
+let failed: string | undefined;
+const notReady = () => (orch ? undefined : failed ? `start failed at ${step}: ${failed}` : `starting: ${step}`);
+
+const app = createApi({
+  apiKey: key,
+  maxBodyBytes: cfg.maxBodyBytes,
+  notReadyReason: notReady,
+  version: pkg.version,
+})
+  .use(sandboxRoutes(() => {
+    if (!orch) throw new ApiError(503, notReady() ?? "starting");
+    return orch;
+  }, { domain: cfg.domain || null, defaultTimeoutS: cfg.defaultTimeoutS }))
+  .get("/metrics", () => new Response(prometheus(), { headers: { "content-type": "text/plain; version=0.0.4" } }), { detail: { hide: true } });
+const server = serveNode(app, { hostname: cfg.host, port: cfg.port, proxy: () => proxy });
+
+const shown = cfg.host === "0.0.0.0" ? "127.0.0.1" : cfg.host;
+console.log(`aenv node ${pkg.version} listening on http://${cfg.host}:${server.port}`);
+console.log(`  API key:  ${keyPath ?? "from AENV_API_KEY"}`);
+console.log(`  Swagger:  http://${shown}:${server.port}/swagger`);
+console.log(`  state:    ${cfg.home}`);
+
+function prometheus(): string {
+  const by = new Map<string, number>();
+  for (const r of store.all()) by.set(r.state, (by.get(r.state) ?? 0) + 1);
+  const lines = ["# HELP aenv_sandboxes Sandboxes on this node by state.", "# TYPE aenv_sandboxes gauge"];
+  for (const [state, n] of by) lines.push(`aenv_sandboxes{state="${state}"} ${n}`);
+  lines.push("# HELP aenv_ready 1 once the node can create sandboxes.", "# TYPE aenv_ready gauge", `aenv_ready ${orch ? 1 : 0}`);
+  if (proxy) lines.push("# HELP aenv_proxy_open_streams Proxied requests in flight.", "# TYPE aenv_proxy_open_streams gauge", `aenv_proxy_open_streams ${proxy.streams.count()}`);
+  return lines.join("\n") + "\n";
+}
+
+async function start(): Promise<void> {
+  const t0 = performance.now();
+  const progress = (s: string) => {
+    step = s;
+    console.log(`  [${((performance.now() - t0) / 1000).toFixed(1)} s] ${s}`);
+  };
+  progress("blockd");
+  const blockd = await BlockdClient.ensure(join(cfg.home, "blockd"), { pool: cfg.devicePool });
+  progress("network slots");
+  const slots = new SlotPool({ size: cfg.slotPool, hostCidr: cfg.slotCidr });
+  await slots.start();
+  progress("VMM");
+  const { driver, reason } = selectDriver({ vmm: cfg.vmm });
+  console.log(`  VMM: ${reason}`);
+  progress("guest kernel and tools disk");
+  const kernel = await debianKernel();
+  const toolsLayer = await sealedLayer(await envdToolsDisk());
+  if (!templates.resolve("base")) {
+    progress("template base");
+    const built = await buildBaseTemplate({
+      cacheDir: join(cfg.home, "templates"),
+      onProgress: (p) => progress(`template base: ${p.step}${p.bytes ? ` ${(p.bytes / 2 ** 20).toFixed(0)} MiB` : ""}`),
+    });
+    templates.insert({
+      id: `base${built.key.slice(0, 12)}`, alias: "base", kind: "template", names: ["base:default"], cpuCount: built.cpuCount,
+      memoryMB: built.memoryMB, diskSizeMB: built.diskSizeMB, layers: [built.layer], checkpoint: null, sourceSandboxId: null,
+      envdVersion: "0.6.13", createdAt: Date.now(),
+    });
+  }
+  const o = new Orchestrator(store, templates, blockd, slots, driver, {
+    kernel: kernel.vmlinux, initrd: kernel.initrd, toolsLayer,
+    cmdline: (s) => guestCmdline({ ip: `${s.guestIp}/${s.guestPrefixLen}`, gw: s.gatewayIp }),
+  }, { home: cfg.home, runRoot: "/run/aenv/vms", defaultTimeoutS: cfg.defaultTimeoutS, maxSandboxes: cfg.maxSandboxes });
+  const base = templates.resolve("base")!;
+  if (!base.checkpoint) {
+    progress("template base: boot and checkpoint");
+    await o.prepareTemplate(base);
+  }
+  o.startReaper(cfg.reaperIntervalMs);
+  proxy = new SandboxProxy(o, { domain: cfg.domain });
+  orch = o;
+  progress(`ready (${((performance.now() - t0) / 1000).toFixed(1)} s)`);
+}
+
+start().catch((e) => {
+  failed = (e as Error).message;
+  console.error(`aenv node: start failed at ${step}: ${(e as Error).stack ?? e}`);
+});
+
+for (const sig of ["SIGINT", "SIGTERM"] as const) {
+  process.on(sig, () => {
+    console.log(`aenv node: ${sig}: stopping (sandboxes, blockd and VMMs keep running)`);
+    orch?.close();
+    server.stop();
+    store.close();
+    process.exit(0);
+  });
+}
