@@ -11,7 +11,7 @@ import { WritableLayer } from "../../src/storage/lsmt/writable_layer.ts";
 import { openLayerFile } from "../../src/storage/open_layer.ts";
 import { ReadOnlyLayer } from "../../src/storage/lsmt/readonly_layer.ts";
 import { ZFileReader, writeZFile } from "../../src/storage/zfile.ts";
-import { MADV_HUGEPAGE, MAP_SHARED, PROT_READ, madvise, mmap, munmap, posixFadvise, POSIX_FADV_DONTNEED } from "../../ffi/libc.ts";
+import { MADV_HUGEPAGE, MAP_SHARED, PROT_READ, madvise, mmap, munmap, posixFadvise, POSIX_FADV_DONTNEED, POSIX_FADV_WILLNEED } from "../../ffi/libc.ts";
 
 const arg = (name: string, dflt: number) => {
   const i = process.argv.indexOf(`--${name}`);
@@ -111,29 +111,38 @@ async function buildStack(layers: number): Promise<string[]> {
 
 const MADV_POPULATE_READ = 22; // Linux 5.14
 /**
- * Drop the files from the page cache and fault them back in through a MADV_HUGEPAGE mapping, so
- * the raw baseline and every layer file sit in 2 MiB folios whatever their size. Read-ahead alone
- * starts each file at 4 KiB folios and grows them only over a long file: a 4 MiB layer file stays
- * in 4 KiB folios, a 256 MiB one reaches 2 MiB, and 1 MiB copies from 4 KiB folios run ~2× slower.
+ * The page cache holds a file in folios of 4 KiB to 2 MiB, and a 1 MiB copy out of 4 KiB folios
+ * costs ~2.5× the CPU of one out of 2 MiB folios, so both sides must sit in the same shape.
+ * Read-ahead alone does not give that: it starts each file at 4 KiB folios and grows them only
+ * over a long file (a 4 MiB layer file stays small, a 256 MiB one reaches 2 MiB).
+ *
+ * "large": faulted in through a MADV_HUGEPAGE mapping, every file in 2 MiB folios but its tail
+ * (a file's last partial 2 MiB gets smaller ones, which is most of a small layer file).
+ * "small": WILLNEED in windows of 8 MiB (it reads in 4 KiB folios, up to read_ahead_kb a call),
+ * every file in 4 KiB folios: the same shape exactly.
  */
-async function cacheInLargeFolios(paths: string[]): Promise<void> {
+async function recache(paths: string[], folios: "large" | "small"): Promise<void> {
   for (const p of paths) {
     const f = await LocalFile.open(p, {});
     await f.fdatasync(); // dirty pages would survive DONTNEED and keep their write-time shape
     posixFadvise(f.fd, 0, 0, POSIX_FADV_DONTNEED);
     const len = f.size();
-    const addr = mmap(0, len, PROT_READ, MAP_SHARED, f.fd, 0);
-    try {
-      madvise(addr, len, MADV_HUGEPAGE);
-      madvise(addr, len, MADV_POPULATE_READ);
-    } finally {
-      munmap(addr, len);
+    if (folios === "small") {
+      for (let at = 0; at < len; at += 8 << 20) posixFadvise(f.fd, at, 8 << 20, POSIX_FADV_WILLNEED);
+    } else {
+      const addr = mmap(0, len, PROT_READ, MAP_SHARED, f.fd, 0);
+      try {
+        madvise(addr, len, MADV_HUGEPAGE);
+        madvise(addr, len, MADV_POPULATE_READ);
+      } finally {
+        munmap(addr, len);
+      }
     }
     await f.close();
   }
 }
 const thp = readFileSync("/sys/kernel/mm/transparent_hugepage/enabled", "utf8");
-if (thp.includes("[never]")) console.log("# THP is off: files keep read-ahead's folios, which differ with file size");
+if (thp.includes("[never]")) console.log("# THP is off: \"large\" folios are read-ahead's, which differ with file size");
 
 async function openStack(paths: string[]): Promise<Image> {
   const lowers: ReadOnlyLayer[] = [];
@@ -143,7 +152,8 @@ async function openStack(paths: string[]): Promise<Image> {
 
 const stackPaths = new Map<number, string[]>();
 for (const layers of STACKS) stackPaths.set(layers, await buildStack(layers));
-await cacheInLargeFolios([rawPath, ...[...stackPaths.values()].flat()]);
+const allFiles = [rawPath, ...[...stackPaths.values()].flat()];
+await recache(allFiles, "large");
 const raw = await LocalFile.open(rawPath, {});
 const images = new Map<number, Image>();
 for (const layers of STACKS) {
@@ -190,18 +200,34 @@ function medianRow(name: string, rounds: Map<string, { rate: number; cpu: number
   );
 }
 
-for (const [label, unit, make, target] of [
-  ["4 KiB random read", "IOPS", random4k, 0.7],
-  ["1 MiB sequential read", "MiB/s", sequential1m, 0.9],
-] as const) {
-  const rounds: Map<string, { rate: number; cpu: number }>[] = [];
+type Rounds = Map<string, { rate: number; cpu: number }>[];
+/** ROUNDS rounds of one slice per target, forward in even rounds and backward in odd ones. */
+async function alternate(make: (read: Reader) => (l: number) => Promise<unknown>, among: [string, Reader][]): Promise<Rounds> {
+  const rounds: Rounds = [];
   for (let r = 0; r < ROUNDS; r++) {
     const got = new Map<string, { rate: number; cpu: number }>();
-    for (const [name, read] of r % 2 ? [...targets].reverse() : targets) got.set(name, await measure(make(read), SLICE));
+    for (const [name, read] of r % 2 ? [...among].reverse() : among) got.set(name, await measure(make(read), SLICE));
     rounds.push(got);
   }
+  return rounds;
+}
+
+const top = STACKS[STACKS.length - 1]!;
+const workloads = [
+  ["4 KiB random read", "IOPS", random4k, 0.7],
+  ["1 MiB sequential read", "MiB/s", sequential1m, 0.9],
+] as const;
+console.log("# every file in 2 MiB folios (a file's tail in smaller ones)");
+for (const [label, unit, make, target] of workloads) {
+  const rounds = await alternate(make, targets);
   for (const n of STACKS) medianRow(`${label}, ${n} layer(s)`, rounds, `${n}`, "raw", unit, target);
-  const top = STACKS[STACKS.length - 1]!;
+  medianRow(`${label}, ${top} vs 1 layer`, rounds, `${top}`, "1", unit, 0.9);
+}
+// The same stacks with every file in 4 KiB folios: what the engine costs per layer count alone.
+await recache(allFiles, "small");
+console.log("# every file in 4 KiB folios");
+for (const [label, unit, make] of workloads) {
+  const rounds = await alternate(make, targets.filter(([n]) => n === "1" || n === `${top}`));
   medianRow(`${label}, ${top} vs 1 layer`, rounds, `${top}`, "1", unit, 0.9);
 }
 for (const image of images.values()) await image.close();
