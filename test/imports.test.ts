@@ -19,6 +19,8 @@ const allowed: Record<string, string[]> = {
   "src/orchestrator": ["src/orchestrator", "src/vmm", "src/network", "src/blockdev/client.ts",
     "src/blockdev/protocol.ts", "src/storage/image_config.ts", "ffi"],
   "src/api": ["src/api", "src/orchestrator"],
+  // Template builds make a raw image into a sealed layer with the guest builders' sealedLayer.
+  "src/template": ["src/template", "src/storage", "guest/artifacts.ts", "ffi"],
   // The node's composition root wires every part together.
   "src/node": ["src", "ffi", "guest", "package.json"],
   "src/cli": ["src/cli", "src/storage", "src/blockdev/client.ts", "src/blockdev/protocol.ts", "ffi", "package.json"],

@@ -5,7 +5,6 @@
 // end, so a crash leaves no half template, and concurrent calls for one key share one build.
 import { mkdir, open, readdir, readFile, rename, rm, stat, writeFile } from "node:fs/promises";
 import { join } from "node:path";
-import { sealedLayer } from "../../guest/artifacts.ts";
 import { loadDefinition, TemplateBuildError, type BuildStep, type LoadedDefinition } from "./definition.ts";
 import { runStep } from "./step.ts";
 
@@ -47,7 +46,7 @@ export interface BuildOptions {
 }
 
 /** Per-step limits. mmdebstrap took 1.5 min here for base; 30 min covers a slow mirror on 2 loaded cores. */
-export const STEP_TIMEOUT_MS = { bootstrap: 30 * 60_000, setup: 5 * 60_000, image: 10 * 60_000 } as const;
+export const STEP_TIMEOUT_MS = { bootstrap: 30 * 60_000, setup: 5 * 60_000, image: 10 * 60_000, layer: 10 * 60_000 } as const;
 
 const IMAGE = "rootfs.ext4";
 const LAYER = "rootfs.layer";
@@ -215,11 +214,7 @@ async function build_(def: LoadedDefinition, cacheDir: string, entry: string, sa
 
     say({ step: "layer" });
     const layer = join(work, LAYER);
-    try {
-      await sealedLayer(image, layer);
-    } catch (e) {
-      throw new TemplateBuildError("StepFailed", "layer", `sealing ${image}: ${(e as Error).message}`);
-    }
+    await sealInWorker(image, layer);
     const layerBytes = (await stat(layer)).size;
     say({ step: "layer", bytes: layerBytes });
 
@@ -245,6 +240,25 @@ async function build_(def: LoadedDefinition, cacheDir: string, entry: string, sa
   } catch (e) {
     await removeTree(work).catch(() => {});
     throw e;
+  }
+}
+
+/** The image as one sealed layer (guest/artifacts.ts's sealedLayer), on a worker thread, bounded in time. */
+async function sealInWorker(image: string, out: string): Promise<void> {
+  const worker = new Worker(new URL("./seal_worker.ts", import.meta.url).href);
+  let timer: ReturnType<typeof setTimeout> | undefined;
+  try {
+    await new Promise<void>((resolve, reject) => {
+      const fail = (why: string, code: "StepFailed" | "Timeout" = "StepFailed") => reject(new TemplateBuildError(code, "layer", `sealing ${image}: ${why}`));
+      timer = setTimeout(() => fail(`not done within ${STEP_TIMEOUT_MS.layer} ms`, "Timeout"), STEP_TIMEOUT_MS.layer);
+      worker.onmessage = (ev: MessageEvent<{ ok: boolean; error?: string }>) => (ev.data.ok ? resolve() : fail(ev.data.error ?? "failed"));
+      worker.onerror = (ev) => fail(ev.message);
+      worker.addEventListener("close", () => fail("its worker ended without an answer"));
+      worker.postMessage({ image, out });
+    });
+  } finally {
+    clearTimeout(timer);
+    worker.terminate();
   }
 }
 
