@@ -2,9 +2,9 @@
 // checked in its ext4 image without booting: debugfs for owners and modes, a read-only loop mount
 // and chroot to run what it ships. Also the cache: hits, concurrent calls, failures that leave
 // nothing behind, damaged entries rebuilt.
-import { describe, expect, test } from "bun:test";
+import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { existsSync } from "node:fs";
-import { mkdir, readdir, truncate, writeFile } from "node:fs/promises";
+import { mkdir, readdir, rm, truncate, writeFile } from "node:fs/promises";
 import { join } from "node:path";
 import {
   BASE_TEMPLATE_DIR, buildBaseTemplate, buildTemplate, TemplateBuildError,
@@ -61,8 +61,23 @@ async function buildFolders(cacheDir: string): Promise<string[]> {
   return (await readdir(cacheDir)).filter((n) => n.startsWith(".building-"));
 }
 
+/**
+ * A scratch folder for a suite, made before its first test and removed after its last: a skipped
+ * or filtered-out suite leaves nothing behind (scratchDir at collection time would).
+ */
+function suiteDir(label: string): () => string {
+  let dir: string | undefined;
+  beforeAll(() => {
+    dir = scratchDir(label, { keep: true });
+  });
+  afterAll(async () => {
+    if (dir) await rm(dir, { recursive: true, force: true });
+  });
+  return () => dir ?? expect.unreachable(`${label}: used outside its suite`);
+}
+
 describe("template definitions", () => {
-  const root = scratchDir("template-def");
+  const rootOf = suiteDir("template-def");
 
   test("base's definition loads and has the packages the issue lists", async () => {
     const d = await loadDefinition(BASE_TEMPLATE_DIR);
@@ -74,10 +89,10 @@ describe("template definitions", () => {
   });
 
   test("the key follows setup.sh and template.json, and nothing else", async () => {
-    const a = await loadDefinition(await definition(join(root, "a"), {}));
-    const b = await loadDefinition(await definition(join(root, "b"), {}));
-    const c = await loadDefinition(await definition(join(root, "c"), {}, "#!/bin/bash\nset -e\ntrue\n"));
-    const d = await loadDefinition(await definition(join(root, "d"), { memoryMB: 512 }));
+    const a = await loadDefinition(await definition(join(rootOf(), "a"), {}));
+    const b = await loadDefinition(await definition(join(rootOf(), "b"), {}));
+    const c = await loadDefinition(await definition(join(rootOf(), "c"), {}, "#!/bin/bash\nset -e\ntrue\n"));
+    const d = await loadDefinition(await definition(join(rootOf(), "d"), { memoryMB: 512 }));
     expect(a.key).toBe(b.key);
     expect(new Set([a.key, c.key, d.key]).size).toBe(3);
   });
@@ -88,9 +103,9 @@ describe("template definitions", () => {
     ["a package with a space", { packages: ["bad name"] }, null, /packages entry "bad name"/],
     ["a disk below 256 MiB", { diskSizeMB: 16 }, null, /diskSizeMB/],
   ] as const)("a definition with %s is BadDefinition at step resolving", async (label, fields, json, message) => {
-    const dir = await definition(join(root, label.replaceAll(" ", "-")), fields);
+    const dir = await definition(join(rootOf(), label.replaceAll(" ", "-")), fields);
     if (json !== null) await writeFile(join(dir, "template.json"), json);
-    const err = await buildTemplate({ definitionDir: dir, cacheDir: join(root, "cache") }).catch((e) => e);
+    const err = await buildTemplate({ definitionDir: dir, cacheDir: join(rootOf(), "cache") }).catch((e) => e);
     expect(err).toBeInstanceOf(TemplateBuildError);
     expect(err.code).toBe("BadDefinition");
     expect(err.step).toBe("resolving");
@@ -98,7 +113,7 @@ describe("template definitions", () => {
   });
 
   test("a missing setup.sh is BadDefinition", async () => {
-    const dir = await definition(join(root, "nosetup"), {});
+    const dir = await definition(join(rootOf(), "nosetup"), {});
     await Bun.file(join(dir, "setup.sh")).delete();
     const err = await loadDefinition(dir).catch((e) => e);
     expect(err).toBeInstanceOf(TemplateBuildError);
@@ -108,11 +123,13 @@ describe("template definitions", () => {
 });
 
 describe.skipIf(!canBuild)(built("base template, built for real"), () => {
-  const cacheDir = scratchDir("template-base");
+  const rootOf = suiteDir("template-base");
+  const cacheDirOf = () => join(rootOf(), "cache");
   let first: Promise<{ results: BuiltTemplate[]; progress: BuildProgress[][]; ms: number }> | undefined;
 
   /** Two calls at once on an empty cache: the first build of the file, shared by the tests below. */
   function builtOnce() {
+    const cacheDir = cacheDirOf();
     first ??= (async () => {
       const progress: BuildProgress[][] = [[], []];
       const t0 = performance.now();
@@ -141,7 +158,7 @@ describe.skipIf(!canBuild)(built("base template, built for real"), () => {
     expect(builder.map((p) => p.elapsedMs)).toEqual(builder.map((p) => p.elapsedMs).sort((x, y) => x - y));
     // The joined caller heard the rest of the same build.
     expect(progress[results.findIndex((r) => r.source === "joined")]!.some((p) => p.step === "layer")).toBe(true);
-    const entries = await readdir(cacheDir);
+    const entries = await readdir(cacheDirOf());
     expect(entries).toEqual([a!.layer.split("/").at(-2)!]);
     expect((await Bun.file(a!.image).stat()).size).toBe(2048 * 1024 * 1024);
   }, BUILD_TIMEOUT_MS);
@@ -176,7 +193,8 @@ describe.skipIf(!canBuild)(built("base template, built for real"), () => {
   const runs = "what it ships runs: python, node, npm, git daemon, tput, sudo as user (read-only mount + chroot, hostname sandbox)";
   test.skipIf(!haveLoop)(haveLoop ? runs : `${runs} (skipped: no /dev/loop-control)`, async () => {
     const { results: [t] } = await builtOnce();
-    const mnt = scratchDir("template-mnt");
+    const mnt = join(rootOf(), "mnt");
+    await mkdir(mnt);
     expect((await sh(["mount", "-o", "loop,ro,noload", t!.image, mnt])).code).toBe(0);
     try {
       // A UTS namespace of its own with the image's hostname, as init sets it in the guest.
@@ -202,7 +220,7 @@ describe.skipIf(!canBuild)(built("base template, built for real"), () => {
     const { results: [t] } = await builtOnce();
     const progress: BuildProgress[] = [];
     const t0 = performance.now();
-    const again = await buildBaseTemplate({ cacheDir, onProgress: (p) => progress.push(p) });
+    const again = await buildBaseTemplate({ cacheDir: cacheDirOf(), onProgress: (p) => progress.push(p) });
     console.log(`cache hit in ${(performance.now() - t0).toFixed(0)} ms`);
     expect(again.source).toBe("cache");
     expect(again.layer).toBe(t!.layer);
@@ -210,8 +228,8 @@ describe.skipIf(!canBuild)(built("base template, built for real"), () => {
   }, BUILD_TIMEOUT_MS);
 
   test("an unknown package fails at bootstrap naming the step and apt's words; no cache entry, no build folder; abandoned folders (mounts included) are swept", async () => {
-    const dir = await definition(scratchDir("template-broken-def"), { packages: ["aenv-no-such-package"] });
-    const brokenCache = scratchDir("template-broken");
+    const dir = await definition(join(rootOf(), "broken-def"), { packages: ["aenv-no-such-package"] });
+    const brokenCache = join(rootOf(), "broken-cache");
     // What a build killed with -9 leaves: its folder, with something still mounted inside.
     const abandoned = join(brokenCache, ".building-999999999-small-0000000000000000-deadbeef");
     await mkdir(join(abandoned, "tree", "proc"), { recursive: true });
@@ -229,22 +247,22 @@ describe.skipIf(!canBuild)(built("base template, built for real"), () => {
 });
 
 describe.skipIf(!canBuild)(built("a small template (minbase + bash)"), () => {
-  const cacheDir = scratchDir("template-small");
-  const defRoot = scratchDir("template-small-def");
+  const rootOf = suiteDir("template-small");
+  const cacheDirOf = () => join(rootOf(), "cache");
 
   test("setup.sh failing fails step setup with its output; nothing is cached", async () => {
-    const dir = await definition(join(defRoot, "failing"), {}, "#!/bin/bash\necho 'setup says: no'\nexit 3\n");
-    const err = await buildTemplate({ definitionDir: dir, cacheDir }).catch((e) => e);
+    const dir = await definition(join(rootOf(), "failing"), {}, "#!/bin/bash\necho 'setup says: no'\nexit 3\n");
+    const err = await buildTemplate({ definitionDir: dir, cacheDir: cacheDirOf() }).catch((e) => e);
     expect(err).toBeInstanceOf(TemplateBuildError);
     expect(err.step).toBe("setup");
     expect(err.message).toContain("exited 3");
     expect(err.outputTail).toContain("setup says: no");
-    expect(await readdir(cacheDir)).toEqual([]);
+    expect(await readdir(cacheDirOf())).toEqual([]);
   }, BUILD_TIMEOUT_MS);
 
   test("a damaged entry (layer cut short) is removed and rebuilt", async () => {
-    const dir = await definition(join(defRoot, "ok"), {}, "#!/bin/bash\nset -e\necho small >/etc/hostname\n");
-    const a = await buildTemplate({ definitionDir: dir, cacheDir });
+    const dir = await definition(join(rootOf(), "ok"), {}, "#!/bin/bash\nset -e\necho small >/etc/hostname\n");
+    const a = await buildTemplate({ definitionDir: dir, cacheDir: cacheDirOf() });
     expect(a.source).toBe("built");
     expect((await Bun.file(a.image).stat()).size).toBe(256 << 20);
     expect(await debugfs(a.image, "cat /etc/hostname")).toContain("small");
@@ -255,7 +273,7 @@ describe.skipIf(!canBuild)(built("a small template (minbase + bash)"), () => {
     const ticksAt: Partial<Record<string, number>> = {};
     const ticker = setInterval(() => ticks++, 20);
     const b = await buildTemplate({
-      definitionDir: dir, cacheDir,
+      definitionDir: dir, cacheDir: cacheDirOf(),
       onProgress: (p) => {
         progress.push(p);
         if (p.step === "layer") ticksAt[p.bytes === undefined ? "start" : "end"] = ticks;
@@ -266,6 +284,6 @@ describe.skipIf(!canBuild)(built("a small template (minbase + bash)"), () => {
     expect(b.layer).toBe(a.layer);
     expect((await Bun.file(b.layer).stat()).size).toBeGreaterThan(4096);
     expect(progress.some((p) => p.detail?.includes("removing damaged cache entry"))).toBe(true);
-    expect(await buildFolders(cacheDir)).toEqual([]);
+    expect(await buildFolders(cacheDirOf())).toEqual([]);
   }, BUILD_TIMEOUT_MS);
 });
