@@ -4,6 +4,7 @@
 // (the others come back) and the file as it was is kept beside the table for a person to read.
 
 import { existsSync, readFileSync, renameSync } from "node:fs";
+import { open, rename } from "node:fs/promises";
 import { join } from "node:path";
 import { parseImageConfig } from "../storage/image_config.ts";
 import type { DeviceRecord } from "./server.ts";
@@ -98,4 +99,58 @@ function checkRecord(r: unknown, stateDir: string): string | undefined {
     if (o.loop !== undefined && (typeof o.loop !== "string" || !LOOP_RE.test(o.loop))) return `"loop" must be /dev/loopN`;
   }
   return undefined;
+}
+
+/**
+ * Writes the table without blocking the event loop. One write at a time (temp file, fsync, rename:
+ * the file on disk is always a whole table, the old one or the new), and every save asked for
+ * during a write is served by the one next write, which takes the table as it is when it starts.
+ * So a burst of changes costs at most two writes, the last state always lands, and a save
+ * resolves only once a write that holds its change is on disk.
+ */
+export class TableWriter {
+  private writing: Promise<void> | undefined;
+  private next: PromiseWithResolvers<void> | undefined;
+
+  constructor(
+    readonly path: string,
+    private readonly records: () => DeviceRecord[],
+  ) {}
+
+  save(): Promise<void> {
+    const batch = (this.next ??= Promise.withResolvers<void>());
+    if (!this.writing) this.writeNext();
+    return batch.promise;
+  }
+
+  /** Once every save asked for so far is written (or failed). */
+  async idle(): Promise<void> {
+    while (this.writing) await this.writing;
+  }
+
+  private writeNext(): void {
+    const batch = this.next!;
+    this.next = undefined;
+    this.writing = this.write()
+      .then(batch.resolve, batch.reject)
+      .finally(() => {
+        this.writing = undefined;
+        if (this.next) this.writeNext();
+      });
+  }
+
+  private async write(): Promise<void> {
+    const text = JSON.stringify(this.records(), null, 1); // the table as it is now, for every save waiting
+    const bytes = Buffer.byteLength(text);
+    if (bytes > MAX_TABLE_BYTES) throw new Error(`device table of ${bytes} bytes is over ${MAX_TABLE_BYTES}`);
+    const tmp = `${this.path}.tmp`;
+    const f = await open(tmp, "w");
+    try {
+      await f.writeFile(text);
+      await f.sync();
+    } finally {
+      await f.close();
+    }
+    await rename(tmp, this.path); // atomic: a crash leaves the old table or the new one
+  }
 }

@@ -1,8 +1,8 @@
 // blockd: the one long-lived process that owns every block device on a node. It keeps a device
 // table on disk, runs one worker per device, and answers the node's RPCs on a unix socket.
 
-import { existsSync, mkdirSync, readdirSync, renameSync, rmSync, writeFileSync } from "node:fs";
-import { mkdir, rm, stat } from "node:fs/promises";
+import { mkdirSync, readdirSync, rmSync, writeFileSync } from "node:fs";
+import { mkdir, rm, stat, writeFile } from "node:fs/promises";
 import { isAbsolute, join, resolve } from "node:path";
 import type { Socket } from "bun";
 import { close, umount2, MNT_DETACH, SyscallError } from "../../ffi/libc.ts";
@@ -10,7 +10,7 @@ import { loopAttach, loopDetach } from "../../ffi/loop.ts";
 import { type ImageConfig, type LayerRef, parseImageConfig, resolveLayerPath } from "../storage/image_config.ts";
 import { WRITABLE_DATA, WRITABLE_INDEX, WritableLayer } from "../storage/lsmt/writable_layer.ts";
 import { DeviceHandle } from "./device.ts";
-import { ID_RE, fuseDevicePath, loadDeviceTable } from "./device_table.ts";
+import { ID_RE, TableWriter, fuseDevicePath, loadDeviceTable } from "./device_table.ts";
 import { detachLoop, isMountPoint, loopBackingFile, loopsBackedBy } from "./leftovers.ts";
 import { lockState } from "./state_lock.ts";
 import { KeeperClient } from "./keeper_client.ts";
@@ -83,16 +83,18 @@ export class Blockd {
   readonly socketPath: string;
   readonly frontend: "fuse" | "ublk";
   private ublkCtrl: UblkControl | undefined;
+  private readonly table: TableWriter;
 
   private constructor(readonly opts: BlockdOptions) {
     this.socketPath = join(opts.stateDir, "blockd.sock");
+    this.table = new TableWriter(join(opts.stateDir, "devices.json"), () => [...this.devices.values()].map((d) => d.rec));
     this.remoteIo = IoLimiter.create(opts.remoteIo ?? 32);
     const want = opts.frontend ?? (process.env.AENV_BLOCKD_FRONTEND as BlockdOptions["frontend"]) ?? "auto";
     this.frontend = want === "auto" ? (UblkControl.available() ? "ublk" : "fuse") : want;
   }
 
   private get tablePath(): string {
-    return join(this.opts.stateDir, "devices.json");
+    return this.table.path;
   }
   private devPath(id: string): string {
     return fuseDevicePath(this.opts.stateDir, id);
@@ -116,10 +118,9 @@ export class Blockd {
     return b;
   }
 
-  private saveTable(): void {
-    const tmp = `${this.tablePath}.tmp`;
-    writeFileSync(tmp, JSON.stringify([...this.devices.values()].map((d) => d.rec), null, 1));
-    renameSync(tmp, this.tablePath); // atomic: a crash leaves the old table or the new one
+  /** The table as it is now, on disk (TableWriter: atomic, off the event loop, bursts coalesced). */
+  private saveTable(): Promise<void> {
+    return this.table.save();
   }
 
   /**
@@ -152,7 +153,7 @@ export class Blockd {
       this.register(dev);
     }
     await this.endUnnamed();
-    this.saveTable();
+    await this.saveTable();
   }
 
   /** One checked record served again (see recover). */
@@ -268,7 +269,7 @@ export class Blockd {
       this.devices.delete(d.rec.id);
       void this.fillPool().catch((e) => console.error(`blockd: pool refill: ${e.message}`));
     }
-    this.saveTable();
+    await this.saveTable().catch((e) => console.error(`blockd: saving the device table: ${e.message}`));
   }
 
   /**
@@ -313,7 +314,7 @@ export class Blockd {
 
   /** adopt: the fds the keeper kept of a live connection (its own, then its reader's clone). */
   private async startWorker(rec: DeviceRecord, adopt?: number[]): Promise<DeviceHandle> {
-    if (adopt === undefined && !existsSync(rec.path)) writeFileSync(rec.path, "");
+    if (adopt === undefined) await writeFile(rec.path, "", { flag: "a" }); // the mount point: made if missing, kept if there
     const handle = await DeviceHandle.start({
       id: rec.id,
       frontend: "fuse",
@@ -344,7 +345,7 @@ export class Blockd {
       rec.size ??= await imageSize(rec.config!);
       const { handle, ublk } = await this.startUblk(rec);
       this.register({ rec, handle, ublk });
-      this.saveTable();
+      await this.saveTable();
       return rec; // already a block device: no loop needed
     }
     rec.frontend = "fuse";
@@ -364,7 +365,7 @@ export class Blockd {
       this.devices.delete(rec.id);
       throw e;
     }
-    this.saveTable();
+    await this.saveTable();
     return rec;
   }
 
@@ -454,8 +455,9 @@ export class Blockd {
       for (const d of this.devices.values())
         if (d.rec.kind === "ro" && d.rec.key === key) {
           d.rec.refs++;
-          this.saveTable();
-          return this.view(d.rec, d.handle.size);
+          const made = this.view(d.rec, d.handle.size); // this call's count: others may add theirs while the table is written
+          await this.saveTable();
+          return made;
         }
       const making = this.roMaking.get(key);
       if (!making) break;
@@ -479,7 +481,7 @@ export class Blockd {
     return this.exclusive(d.rec.id, async () => {
       const r = await d.handle.restack(p.layerPath as string);
       d.rec.config = r.config;
-      this.saveTable();
+      await this.saveTable();
       return r;
     });
   }
@@ -496,12 +498,13 @@ export class Blockd {
   private async remove(p: Record<string, unknown>) {
     const d = this.device(p.id);
     if (d.rec.kind === "ro" && --d.rec.refs > 0) {
-      this.saveTable();
-      return { id: d.rec.id, refs: d.rec.refs, freed: false };
+      const left = { id: d.rec.id, refs: d.rec.refs, freed: false };
+      await this.saveTable();
+      return left;
     }
     await this.exclusive(d.rec.id, () => this.teardown(d));
     this.devices.delete(d.rec.id);
-    this.saveTable();
+    await this.saveTable();
     return { id: d.rec.id, refs: 0, freed: true };
   }
 
@@ -520,7 +523,7 @@ export class Blockd {
     }
     await d.handle.stop();
     if (d.handle.failure) unmountDead(d.rec.path); // no worker was left to unmount it
-    rmSync(d.rec.path, { force: true });
+    await rm(d.rec.path, { force: true });
   }
 
   /** Top the pool up to its size; one refill at a time (two would both fill the same gap). */
@@ -576,7 +579,7 @@ export class Blockd {
         dev.rec.acquired = true;
         dev.rec.config = config;
         dev.rec.readOnly = readOnly;
-        this.saveTable();
+        await this.saveTable();
       } catch (e) {
         await removeUpper?.();
         if (cold) await this.dropCold(dev);
@@ -596,7 +599,7 @@ export class Blockd {
     try {
       await this.teardown(dev);
       this.devices.delete(dev.rec.id);
-      this.saveTable();
+      await this.saveTable();
     } catch (e) {
       console.error(`blockd: removing ${dev.rec.id}: ${(e as Error).message}`);
     }
@@ -610,8 +613,9 @@ export class Blockd {
     d.rec.config = null;
     d.rec.readOnly = true;
     d.releasedAt = ++this.releases;
-    this.saveTable();
-    return this.view(d.rec, 0);
+    const released = this.view(d.rec, 0);
+    await this.saveTable();
+    return released;
   }
 
   private async list() {
@@ -732,6 +736,7 @@ export class Blockd {
       }
     }
     await this.keeper.exitIfEmpty();
+    await this.table.idle(); // a table write under way lands before the process ends
     rmSync(this.socketPath, { force: true });
     if (exit) process.exit(0);
   }

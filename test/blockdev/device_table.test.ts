@@ -2,13 +2,13 @@
 // good devices come back, the file as it was is set aside, and what the bad entries had (a
 // connection in the fd keeper, a mount) is ended.
 import { expect, test } from "bun:test";
-import { existsSync, readdirSync, readFileSync, writeFileSync } from "node:fs";
+import { existsSync, readdirSync, readFileSync, watch, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { BlockdClient } from "../../src/blockdev/client.ts";
 import { checkDeviceTable, fuseDevicePath } from "../../src/blockdev/device_table.ts";
 import { KeeperClient } from "../../src/blockdev/keeper_client.ts";
 import { firstBadChunk } from "./patterns.ts";
-import { blockdPid, haveFuse, mountsAt, processGone, readAll, spawnFixture, startBlockd, until } from "./harness.ts";
+import { blockdPid, haveFuse, makeLayer, mountsAt, processGone, readAll, spawnFixture, startBlockd, until } from "./harness.ts";
 
 const MiB = 1 << 20;
 const STATE = "/var/lib/aenv/blockd";
@@ -155,4 +155,66 @@ test.skipIf(!haveFuse)(
     again.close();
   },
   60_000,
+);
+
+test.skipIf(!haveFuse)(
+  "a burst of concurrent table changes: a few coalesced writes off the event loop, the file always a whole table; after kill -9 the restart has what the replies said",
+  async () => {
+    const { dir, state, client } = await startBlockd("blockd-table-burst");
+    const layer = await makeLayer(join(dir, "base.layer"), 4 * MiB, 0, new Uint8Array(4096).fill(7));
+    await client.call("create", { id: "rw", upperDir: join(dir, "up"), size: 4 * MiB });
+    const table = join(state, "devices.json");
+    let writes = 0; // renames onto devices.json: one per table write
+    const watcher = watch(state, (ev, name) => {
+      if (ev === "rename" && name === "devices.json") writes++;
+    });
+    // Someone reads the table all along: every read is a whole, valid table.
+    let reading = true;
+    let reads = 0;
+    const bad: string[] = [];
+    const readLoop = (async () => {
+      while (reading) {
+        bad.push(...checkDeviceTable(readFileSync(table), state).problems);
+        reads++;
+        await Bun.sleep(1);
+      }
+    })();
+
+    const N = 48;
+    const D = 16;
+    const made = await Promise.all(Array.from({ length: N }, () => client.call("createReadOnly", { lowers: [layer] })));
+    const id = made[0].id;
+    expect(new Set(made.map((d) => d.id))).toEqual(new Set([id]));
+    expect(made.map((d) => d.refs).sort((a, b) => a - b)).toEqual(Array.from({ length: N }, (_, i) => i + 1)); // each its own count
+    const dropped = await Promise.all(Array.from({ length: D }, () => client.call("delete", { id })));
+    expect(dropped.map((r) => r.refs).sort((a, b) => a - b)).toEqual(Array.from({ length: D }, (_, i) => N - D + i));
+    reading = false;
+    await readLoop;
+    watcher.close();
+    expect(reads).toBeGreaterThan(0);
+    expect(bad).toEqual([]);
+    // N + D changes (and the device made) cost a handful of writes, not one each.
+    expect(writes).toBeGreaterThan(0);
+    expect(writes).toBeLessThanOrEqual((N + D) / 4);
+
+    // Every reply came after its change was on disk: a kill -9 now loses none of them.
+    const pid = blockdPid(state);
+    process.kill(pid, "SIGKILL");
+    client.close();
+    await until(() => processGone(pid), "the killed blockd to be gone");
+    const onDisk = checkDeviceTable(readFileSync(table), state);
+    expect(onDisk.problems).toEqual([]);
+    expect(onDisk.records.map((r) => [r.id, r.refs])).toEqual([
+      ["rw", 1],
+      [id, N - D],
+    ]);
+    const again = await BlockdClient.ensure(state);
+    const list = await again.call("list");
+    expect(list.map((d: { id: string; refs: number; state: string }) => [d.id, d.refs, d.state])).toEqual([
+      ["rw", 1, "live"],
+      [id, N - D, "live"],
+    ]);
+    again.close();
+  },
+  120_000,
 );
