@@ -1,10 +1,50 @@
 // DeviceHandle: blockd's main-thread side of one device worker. Control calls are messages
 // plus an eventfd write, because the worker sleeps in poll(2) on its frontend, not in its loop.
+// Every call, the start included, has a bound; a worker that misses one is stuck, and is dealt
+// with as a dead one: ended, its device failed, its fds closed.
 
 import { eventfdSignal } from "../../ffi/libc.ts";
 import type { ImageConfig } from "../storage/image_config.ts";
 import type { ControlOp, WorkerInit } from "./device_worker.ts";
+import { FdLedger } from "./fd_ledger.ts";
 import { BlockdError } from "./protocol.ts";
+
+export type DeviceCall = ControlOp["op"] | "start";
+
+/**
+ * How long a worker has to answer each call (ms). stats and resize are bookkeeping; start and swap
+ * open an image, stop flushes and closes one, restack and flush seal or sync what the upper holds,
+ * which grows with its index and the disk. Each stays under the client's bound of the RPC that
+ * makes it (30 s; 120 s for create, acquire, restack, delete, ...: client.ts), with a cold acquire's
+ * start + swap in one RPC, so the caller hears which device and call, not its own timeout.
+ */
+export const DEVICE_CALL_TIMEOUT_MS: Readonly<Record<DeviceCall, number>> = {
+  start: 45_000,
+  swap: 45_000,
+  stop: 60_000,
+  restack: 90_000,
+  flush: 90_000,
+  resize: 20_000,
+  stats: 10_000,
+};
+
+/** AENV_BLOCKD_DEVICE_TIMEOUT_MS caps every bound above (tests); unset, empty or malformed: none. */
+const TIMEOUT_CAP = timeoutCap(process.env.AENV_BLOCKD_DEVICE_TIMEOUT_MS);
+
+function timeoutCap(v: string | undefined): number {
+  if (v === undefined || v === "") return Infinity;
+  const n = Number(v);
+  if (Number.isInteger(n) && n >= 1 && n <= 600_000) return n;
+  console.error(`blockd: AENV_BLOCKD_DEVICE_TIMEOUT_MS=${v} is not an integer 1..600000; ignored`);
+  return Infinity;
+}
+
+/** After stop is answered: how long the worker has to leave its loop, then its thread to end. */
+const STOP_EXIT_MS = 5000;
+
+export function deviceCallTimeout(call: DeviceCall): number {
+  return Math.min(DEVICE_CALL_TIMEOUT_MS[call], TIMEOUT_CAP);
+}
 
 export class DeviceHandle {
   private seq = 0;
@@ -15,35 +55,44 @@ export class DeviceHandle {
   fuseFds: number[] = [];
   private exited: Promise<void>;
   private markExited!: () => void;
+  /** Resolves once the worker's thread has ended and its fds are closed. */
+  private threadEnded: Promise<void>;
+  private markThreadEnded!: () => void;
   size = 0;
   /** Set when the worker died on its own: every call, pending or later, fails with it at once. */
   failure: BlockdError | undefined;
   /** Told once when the worker dies after start (blockd marks the device failed). */
   onDeath: ((failure: BlockdError) => void) | undefined;
   private stopping = false;
+  /** The fds the worker's thread holds: closed here once the thread has ended, however it ended. */
+  private readonly ledger = new FdLedger();
 
   private constructor(
     readonly id: string,
     private worker: Worker | null,
   ) {
     this.exited = new Promise((r) => (this.markExited = r));
+    this.threadEnded = new Promise((r) => (this.markThreadEnded = r));
   }
 
   /** Start a worker that opens the image and mounts the device at `path`. */
-  static async start(init: Omit<WorkerInit, "posted">): Promise<DeviceHandle> {
+  static async start(init: Omit<WorkerInit, "posted" | "fdLedger">): Promise<DeviceHandle> {
     const worker = new Worker(new URL("./device_worker.ts", import.meta.url).href);
     const h = new DeviceHandle(init.id, worker);
     let started = false;
+    const startMs = deviceCallTimeout("start");
+    let timer: Timer | undefined;
     const ready = new Promise<void>((resolve, reject) => {
       // Before "ready" an end of the worker is a failed start; after it, a death (unless stopped).
-      const ended = (why: string) => {
+      const ended = (why: string, code = "DeviceFailed") => {
         if (!started) {
-          reject(new BlockdError("DeviceFailed", `${init.id}: ${why}`));
+          reject(new BlockdError(code, `device ${init.id}: ${why}`));
           worker.terminate();
           h.markExited();
         } else if (h.stopping) h.end(new BlockdError("DeviceFailed", `device ${init.id}: its worker ended while stopping: ${why}`));
-        else h.die(why);
+        else h.die(`its worker died: ${why}`);
       };
+      timer = setTimeout(() => ended(`its worker did not start within ${startMs} ms`, "Timeout"), startMs);
       worker.onmessage = (ev: MessageEvent) => {
         const m = ev.data;
         if (m.type === "ready") {
@@ -57,7 +106,7 @@ export class DeviceHandle {
           // Not asked to stop: its device went away under it (unmounted, aborted); its fds are closed.
           if (!h.stopping) {
             h.fuseFds = [];
-            h.die("its device ended outside blockd (unmounted or aborted)");
+            h.die("its worker died: its device ended outside blockd (unmounted or aborted)");
           }
           h.stopping = true; // the close that follows is no death
           h.markExited();
@@ -65,10 +114,18 @@ export class DeviceHandle {
       };
       worker.onerror = (ev) => ended(ev.message);
       // Every end of the thread, a crash without a message included (process.exit, a native fault).
-      worker.addEventListener("close", (ev) => ended(`its thread ended (exit code ${(ev as CloseEvent).code})`));
+      worker.addEventListener("close", (ev) => {
+        h.ledger.closeAll(); // nothing runs on the thread now: its fds are nobody's
+        h.markThreadEnded();
+        ended(`its thread ended (exit code ${(ev as CloseEvent).code})`);
+      });
     });
-    worker.postMessage({ type: "init", init: { ...init, posted: h.posted } });
-    await ready;
+    worker.postMessage({ type: "init", init: { ...init, posted: h.posted, fdLedger: h.ledger.buffer } });
+    try {
+      await ready;
+    } finally {
+      clearTimeout(timer);
+    }
     return h;
   }
 
@@ -80,12 +137,22 @@ export class DeviceHandle {
     return h;
   }
 
-  /** The worker died on its own: fail what waits on it, and tell blockd once. */
+  /** The worker died on its own or is stuck: end it, fail what waits on it, and tell blockd once. */
   private die(why: string): void {
     if (this.failure) return;
-    this.failure = new BlockdError("DeviceFailed", `device ${this.id}: its worker died: ${why}`);
+    this.failure = new BlockdError("DeviceFailed", `device ${this.id}: ${why}`);
     this.end(this.failure);
     this.onDeath?.(this.failure);
+  }
+
+  /** Call `seq` got no answer in time: it fails with Timeout, and the worker counts as dead. */
+  private stuck(seq: number, op: DeviceCall, ms: number): void {
+    const w = this.waiting.get(seq);
+    if (!w) return;
+    this.waiting.delete(seq);
+    const why = `its worker did not answer ${op} within ${ms} ms`;
+    w.reject(new BlockdError("Timeout", `device ${this.id}: ${why}`));
+    this.die(why);
   }
 
   /** The worker is gone: no call waits for it any more. */
@@ -108,8 +175,13 @@ export class DeviceHandle {
     if (this.failure) return Promise.reject(this.failure);
     const worker = this.worker!;
     const seq = ++this.seq;
+    const ms = deviceCallTimeout(body.op);
     return new Promise<T>((resolve, reject) => {
-      this.waiting.set(seq, { resolve, reject });
+      const timer = setTimeout(() => this.stuck(seq, body.op, ms), ms);
+      this.waiting.set(seq, {
+        resolve: (v) => (clearTimeout(timer), resolve(v)),
+        reject: (e) => (clearTimeout(timer), reject(e)),
+      });
       Atomics.add(new Int32Array(this.posted), 0, 1);
       worker.postMessage({ seq, body });
       eventfdSignal(this.wakeFd);
@@ -134,12 +206,21 @@ export class DeviceHandle {
     return this.call({ op: "stats" });
   }
 
-  /** Flush and close the image, unmount, end the worker. A dead worker has nothing left to stop. */
+  /**
+   * Flush and close the image, unmount, end the worker. A dead worker has nothing left to stop, and
+   * one that does not answer stop in time is ended as dead (failure says so; the caller unmounts).
+   */
   async stop(): Promise<void> {
     if (this.failure) return;
     this.stopping = true;
-    await this.call({ op: "stop" });
-    await Promise.race([this.exited, Bun.sleep(5000)]);
+    try {
+      await this.call({ op: "stop" });
+    } catch (e) {
+      if (this.failure) return;
+      throw e;
+    }
+    await Promise.race([this.exited, Bun.sleep(STOP_EXIT_MS)]);
     this.worker!.terminate();
+    await Promise.race([this.threadEnded, Bun.sleep(STOP_EXIT_MS)]); // so a stopped device holds no fd
   }
 }

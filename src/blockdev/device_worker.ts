@@ -2,7 +2,7 @@
 // frontend's serve loop on its own thread; blockd's main thread sends it control work (restack,
 // swap, resize, stop) as messages and wakes it through an eventfd the loop polls.
 
-import { eventfd, close } from "../../ffi/libc.ts";
+import { eventfd } from "../../ffi/libc.ts";
 import { Image } from "../storage/image.ts";
 import type { ImageConfig } from "../storage/image_config.ts";
 import type { DeviceIo, WakeSource } from "./device_io.ts";
@@ -11,7 +11,8 @@ import { UblkQueue } from "./ublk/queue.ts";
 import type { UblkQueueSpec } from "./ublk/frontend.ts";
 import { IoRangeError } from "../storage/errors.ts";
 import { IoLimiter } from "../storage/io_limiter.ts";
-import { crashThread, faultArg } from "./fault.ts";
+import { crashThread, faultArg, hangThread } from "./fault.ts";
+import { FdLedger, closeHeldFd, heldFd, installFdLedger } from "./fd_ledger.ts";
 
 declare const self: Worker;
 
@@ -25,6 +26,8 @@ export interface WorkerInit {
   config: ImageConfig | null; // null: an empty pool device, size 0 until acquired
   /** SharedArrayBuffer Int32[1]: how many control messages main has posted. */
   posted: SharedArrayBuffer;
+  /** FdLedger.buffer: every fd this thread holds, for blockd to close once the thread is gone. */
+  fdLedger: SharedArrayBuffer;
   /** The node-wide remote-I/O budget (IoLimiter.shared), separate from this device's own work. */
   remoteIo: SharedArrayBuffer;
   /** A live FUSE connection to serve (taken back from the fd keeper) instead of mounting anew. */
@@ -115,6 +118,7 @@ async function drainControl(): Promise<void> {
   while (queue.length) {
     const { seq, body } = queue.shift()!;
     if (faultArg("worker-exit") === `${init.id}:${body.op}`) crashThread(`device ${init.id}'s worker, asked for ${body.op}`);
+    if (faultArg("worker-hang") === `${init.id}:${body.op}`) hangThread(`device ${init.id}'s worker, asked for ${body.op}`);
     try {
       self.postMessage({ seq, ok: true, result: await runControl(body) });
     } catch (e) {
@@ -128,11 +132,13 @@ self.onmessage = async (ev: MessageEvent) => {
   const msg = ev.data;
   if (msg.type === "init") {
     init = msg.init as WorkerInit;
+    installFdLedger(new FdLedger(init.fdLedger));
+    for (const fd of [init.adoptFd, init.adoptCloneFd]) if (fd !== undefined) heldFd(fd);
     try {
       remoteIo = IoLimiter.attach(init.remoteIo);
       const image = init.config ? await Image.open(init.config, { remoteIo }) : null;
       io = new ImageIo(image, init.readOnly);
-      const wakeFd = eventfd(0);
+      const wakeFd = heldFd(eventfd(0));
       const wake: WakeSource = { fd: wakeFd, onWake: drainControl, stopping: () => stopping };
       if (init.frontend === "ublk") {
         // The kernel binds a ublk queue to the thread that fetched it: this one, for its life.
@@ -149,16 +155,17 @@ self.onmessage = async (ev: MessageEvent) => {
           disk.resend();
         } else disk = FuseDisk.mount(opts);
         const fuseFds = disk.cloneFd >= 0 ? [disk.fd, disk.cloneFd] : [disk.fd];
+        if (faultArg("worker-hang") === `${init.id}:start`) hangThread(`device ${init.id}'s worker, mounted and about to say ready`);
         self.postMessage({ type: "ready", wakeFd, fuseFds, size: io.size() });
         await disk.serve(io, wake);
         disk.unmount();
         disk.close();
       }
-      close(wakeFd);
+      closeHeldFd(wakeFd);
       self.postMessage({ type: "exited" });
     } catch (e) {
       // An adopted connection that no disk took is nobody's: close it (blockd drops the keeper's copy).
-      if (!disk && init.adoptFd !== undefined) for (const fd of [init.adoptFd, init.adoptCloneFd]) if (fd !== undefined) close(fd);
+      if (!disk && init.adoptFd !== undefined) for (const fd of [init.adoptFd, init.adoptCloneFd]) if (fd !== undefined) closeHeldFd(fd);
       const err = e as Error;
       self.postMessage({ type: "failed", error: { name: err.name, message: err.message } });
     }

@@ -5,7 +5,7 @@ import { mkdirSync, readdirSync, rmSync, writeFileSync } from "node:fs";
 import { mkdir, rm, stat, writeFile } from "node:fs/promises";
 import { isAbsolute, join, resolve } from "node:path";
 import type { Socket } from "bun";
-import { close, umount2, MNT_DETACH, SyscallError } from "../../ffi/libc.ts";
+import { umount2, MNT_DETACH, SyscallError } from "../../ffi/libc.ts";
 import { loopAttach, loopDetach } from "../../ffi/loop.ts";
 import { type ImageConfig, type LayerRef, parseImageConfig, resolveLayerPath } from "../storage/image_config.ts";
 import { WRITABLE_DATA, WRITABLE_INDEX, WritableLayer } from "../storage/lsmt/writable_layer.ts";
@@ -254,12 +254,9 @@ export class Blockd {
     d.rec.state = "failed";
     d.rec.reason = failure.message;
     try {
+      // FUSE: the worker's own fds are closed by its handle once its thread has ended (FdLedger).
       if (d.ublk) await d.ublk.stop();
-      else {
-        await this.keeper.drop(d.rec.id);
-        for (const fd of d.handle.fuseFds) close(fd);
-        d.handle.fuseFds = [];
-      }
+      else await this.keeper.drop(d.rec.id);
     } catch (e) {
       console.error(`blockd: ending ${d.rec.id}'s connection: ${(e as Error).message}`);
     }
@@ -353,7 +350,14 @@ export class Blockd {
     try {
       handle = await this.startWorker(rec);
     } catch (e) {
-      await rm(rec.path, { force: true }).catch(() => {}); // a new device's file: a failed start leaves nothing
+      // A new device's mount (a worker that mounted, then failed or missed its start bound) and
+      // file: a failed start leaves nothing.
+      try {
+        unmountDead(rec.path);
+      } catch (u) {
+        console.error(`blockd: unmounting ${rec.path} after a failed start: ${(u as Error).message}`);
+      }
+      await rm(rec.path, { force: true }).catch(() => {});
       throw e;
     }
     this.register({ rec, handle });

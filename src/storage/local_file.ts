@@ -192,6 +192,7 @@ class Engine {
     if (on && !this.deferred) {
       if (this.eventFd < 0) {
         this.eventFd = eventfd(0);
+        fdWatcher?.hold(this.eventFd);
         ring.register(IORING_REGISTER_EVENTFD, addressOf(new Int32Array([this.eventFd])), 1);
       }
       this.free = Array.from({ length: this.slots.length }, (_, i) => this.slots.length - 1 - i);
@@ -237,6 +238,7 @@ class Engine {
     if (this.ring === undefined) {
       try {
         this.ring = new IoUring(RING_ENTRIES);
+        fdWatcher?.hold(this.ring.fd);
         this.slots = new Array(this.ring.sqEntries).fill(null);
       } catch (e) {
         // io_uring_setup refused (seccomp EPERM, io_uring_disabled, ENOSYS): use synchronous libc calls.
@@ -413,6 +415,7 @@ class Engine {
     this.queue.length = 0;
     this.qHead = 0;
     if (this.ring) {
+      fdWatcher?.release(this.ring.fd);
       this.ring.close();
       this.ring = undefined; // probe again on the next request
     }
@@ -483,6 +486,18 @@ function runSync(op: Op): void {
 // Module state is per JS thread (each Worker loads its own copy), so this is a per-thread ring.
 const engine = new Engine();
 
+/** Told of each fd this thread's local I/O opens (hold) and of each before it is closed (release). */
+export interface LocalFdWatcher {
+  hold(fd: number): void;
+  release(fd: number): void;
+}
+let fdWatcher: LocalFdWatcher | undefined;
+
+/** A thread whose fds must be closed by another if it dies (a blockd device worker) watches them here. */
+export function watchLocalFds(w: LocalFdWatcher | undefined): void {
+  fdWatcher = w;
+}
+
 /** Which engine this thread's local files use ("sync" when io_uring_setup was refused). */
 export function localIoEngine(): IoEngineKind {
   return engine.kind();
@@ -546,6 +561,7 @@ export class LocalFile implements WritableFile {
       libc.close(fd);
       throw e;
     }
+    fdWatcher?.hold(fd);
     return new LocalFile(path, fd, !!opts.direct, writable, size);
   }
 
@@ -608,6 +624,7 @@ export class LocalFile implements WritableFile {
   close(): Promise<void> {
     if (this.closed) return Promise.resolve();
     this.closed = true;
+    fdWatcher?.release(this.fd);
     return this.submit(OP_CLOSE, null, 0, 0);
   }
 

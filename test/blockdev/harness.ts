@@ -1,7 +1,7 @@
 // A real blockd for a test: its own state dir, started through the client as the node does,
 // shut down (devices flushed, mounts and loops gone) when the test file ends.
 import { afterAll } from "bun:test";
-import { closeSync, existsSync, openSync, readFileSync, readSync, renameSync, rmSync } from "node:fs";
+import { closeSync, existsSync, mkdirSync, openSync, readFileSync, readSync, renameSync, rmSync } from "node:fs";
 import { join } from "node:path";
 import { BlockdClient } from "../../src/blockdev/client.ts";
 import { WritableLayer } from "../../src/storage/lsmt/writable_layer.ts";
@@ -10,31 +10,72 @@ import { scratchDir } from "../helpers/tmp.ts";
 export const haveFuse = existsSync("/dev/fuse") && process.getuid?.() === 0;
 export const haveLoop = existsSync("/dev/loop-control");
 
-export async function startBlockd(label: string, opts: { pool?: number } = {}) {
+/** How long cleanup gives blockd's shutdown (every device flushed and stopped, on a loaded machine). */
+const SHUTDOWN_BOUND_MS = 120_000;
+/** How long a keeper has to follow a blockd that shut down (it is told to go before blockd exits). */
+const KEEPER_GRACE_MS = 10_000;
+
+/** env: set for the blockd started here (AENV_BLOCKD_FAULT, AENV_BLOCKD_DEVICE_TIMEOUT_MS, ...), and only for it. */
+export async function startBlockd(label: string, opts: { pool?: number; env?: Record<string, string> } = {}) {
   const dir = scratchDir(label, { keep: true }); // removed below, after the mounts are gone
   const state = join(dir, "state");
-  const { mkdirSync } = await import("node:fs");
   mkdirSync(state, { recursive: true });
-  const client = await BlockdClient.ensure(state, opts);
+  const env = Object.entries(opts.env ?? {});
+  for (const [k, v] of env) process.env[k] = v;
+  const client = await BlockdClient.ensure(state, opts).finally(() => {
+    for (const [k] of env) delete process.env[k];
+  });
   afterAll(async () => {
-    try {
-      const c = await BlockdClient.connect(join(state, "blockd.sock"));
-      await c.call("shutdown");
-      await Bun.sleep(300);
-    } catch {}
-    for (const name of ["blockd.pid", "keeper.pid"]) {
-      const pidFile = join(state, name);
-      if (!existsSync(pidFile)) continue;
-      try {
-        process.kill(Number(readFileSync(pidFile, "utf8")), "SIGKILL");
-      } catch {}
-    }
+    await stopBlockd(state);
     // Nothing of this blockd may outlive it: no mount under its state dir, no loop on its files.
     const leaked = readFileSync("/proc/mounts", "utf8").split("\n").filter((l) => l.includes(state));
     rmSync(dir, { recursive: true, force: true });
     if (leaked.length) throw new Error(`blockd left mounts behind: ${leaked.join("; ")}`);
-  });
+  }, SHUTDOWN_BOUND_MS + KEEPER_GRACE_MS + 30_000); // the hook's own bound: past stopBlockd's
   return { dir, state, client };
+}
+
+/**
+ * Shut the blockd of `state` down as the node would, wait for it and then its fd keeper to exit,
+ * and only then kill -9 what is left. Returns the names ("blockd", "keeper") it had to kill.
+ */
+export async function stopBlockd(state: string, boundMs = SHUTDOWN_BOUND_MS): Promise<string[]> {
+  const procs = (["blockd", "keeper"] as const).map((name) => ({ name, pid: ownPid(state, `${name}.pid`) }));
+  let asked = false;
+  try {
+    const c = await BlockdClient.connect(join(state, "blockd.sock"));
+    await c.call("shutdown", {}, { timeoutMs: 10_000 });
+    c.close();
+    asked = true;
+  } catch {} // not serving: nothing to wait for
+  const live = () => procs.filter((p) => p.pid !== undefined && !processGone(p.pid));
+  if (asked) {
+    const deadline = Date.now() + boundMs;
+    let blockdGoneAt: number | undefined;
+    while (live().length && Date.now() < deadline) {
+      if (!live().some((p) => p.name === "blockd")) {
+        blockdGoneAt ??= Date.now();
+        if (Date.now() - blockdGoneAt > KEEPER_GRACE_MS) break; // the keeper still holds something: it stays
+      }
+      await Bun.sleep(50);
+    }
+  }
+  return live().map((p) => {
+    try {
+      process.kill(p.pid!, "SIGKILL");
+    } catch {}
+    return p.name;
+  });
+}
+
+/** The pid in <state>/<file>, if that process is still one of this state dir's (not a reused pid). */
+function ownPid(state: string, file: string): number | undefined {
+  try {
+    const pid = Number(readFileSync(join(state, file), "utf8"));
+    return readFileSync(`/proc/${pid}/cmdline`, "utf8").includes(state) ? pid : undefined;
+  } catch {
+    return undefined;
+  }
 }
 
 export function sh(cmd: string[], input?: Uint8Array): string {

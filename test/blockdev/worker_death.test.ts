@@ -3,23 +3,16 @@
 // a named error, its users get I/O errors instead of a wait, and the other devices serve on. A
 // FUSE reader thread that dies holding a request leaves the device serving, nothing lost.
 import { expect, test } from "bun:test";
-import { readFileSync } from "node:fs";
+import { closeSync, openSync, readdirSync, readFileSync, readlinkSync, writeSync } from "node:fs";
 import { join } from "node:path";
 import { BlockdError } from "../../src/blockdev/protocol.ts";
 import { firstBadChunk } from "./patterns.ts";
-import { haveFuse, mountsAt, readAll, spawnFixture, startBlockd, until } from "./harness.ts";
+import { blockdPid, haveFuse, mountsAt, readAll, spawnFixture, startBlockd, until } from "./harness.ts";
 
 const MiB = 1 << 20;
 
 /** A blockd started with fault `fault` armed (its threads read AENV_BLOCKD_FAULT). */
-async function blockdWithFault(label: string, fault: string) {
-  process.env.AENV_BLOCKD_FAULT = fault;
-  try {
-    return await startBlockd(label);
-  } finally {
-    delete process.env.AENV_BLOCKD_FAULT;
-  }
-}
+const blockdWithFault = (label: string, fault: string) => startBlockd(label, { env: { AENV_BLOCKD_FAULT: fault } });
 
 test.skipIf(!haveFuse)(
   "a device worker dies: its pending call fails with DeviceFailed, the device is failed, its reader gets an error, the other device serves on",
@@ -93,6 +86,58 @@ test.skipIf(!haveFuse)(
     expect(firstBadChunk(back, 3)).toBe(-1);
     expect((await client.call("list"))[0].state).toBe("live");
     await client.call("delete", { id: dev.id });
+  },
+  120_000,
+);
+
+/** What blockd's open fds are (socket:[n], anon_inode:[io_uring], /dev/fuse, files), sorted. */
+function openFds(pid: number): string[] {
+  const out: string[] = [];
+  for (const fd of readdirSync(`/proc/${pid}/fd`)) {
+    try {
+      out.push(readlinkSync(`/proc/${pid}/fd/${fd}`));
+    } catch {} // closed while we listed
+  }
+  return out.sort();
+}
+
+/** blockd's fds once they match `want` (they settle as dead threads are reaped), or as they are after 10 s. */
+async function fdsSettled(pid: number, want: string[]): Promise<string[]> {
+  const deadline = Date.now() + 10_000;
+  let now = openFds(pid);
+  while (JSON.stringify(now) !== JSON.stringify(want) && Date.now() < deadline) {
+    await Bun.sleep(50);
+    now = openFds(pid);
+  }
+  return now;
+}
+
+test.skipIf(!haveFuse)(
+  "a worker's fds (eventfds, I/O ring, layer files, /dev/fuse, its reader's) are closed when its thread ends: after a crash and a delete blockd holds what it held before",
+  async () => {
+    const { dir, state, client } = await blockdWithFault("blockd-worker-fds", "worker-exit:victim:stats");
+    const pid = blockdPid(state);
+    // A first device: what blockd's main thread keeps for good (its own I/O ring) is made here.
+    await client.call("create", { id: "warm", upperDir: join(dir, "w"), size: 4 * MiB });
+    await client.call("delete", { id: "warm" });
+    const base = await fdsSettled(pid, openFds(pid));
+
+    // A clean stop leaves nothing either (the worker's I/O ring outlived it before).
+    await client.call("create", { id: "clean", upperDir: join(dir, "c"), size: 4 * MiB });
+    await client.call("delete", { id: "clean" });
+    expect(await fdsSettled(pid, base)).toEqual(base);
+
+    // A crash with the reader thread running: every fd of both threads goes.
+    const victim = await client.call("create", { id: "victim", upperDir: join(dir, "v"), size: 4 * MiB });
+    const fd = openSync(victim.path, "r+");
+    writeSync(fd, new Uint8Array(256 << 10), 0, 256 << 10, 0); // a large write starts the reader
+    closeSync(fd);
+    const held = openFds(pid);
+    expect(held.filter((f) => f === "/dev/fuse").length - base.filter((f) => f === "/dev/fuse").length).toBe(2);
+    expect(held.length).toBeGreaterThan(base.length + 5); // eventfds, ring, upper files: what must go
+    expect((await client.call("stats", { id: "victim" }).catch((e) => e)).code).toBe("DeviceFailed");
+    await client.call("delete", { id: "victim" });
+    expect(await fdsSettled(pid, base)).toEqual(base);
   },
   120_000,
 );

@@ -1,8 +1,9 @@
 // The device worker's side of a FuseReader (reader.ts): the cloned fd, the hand-off rings, the
 // Worker. Requests the reader takes are served by the device worker and replied on the clone.
 
-import { close, eventfd, eventfdSignal, ioctl, open, O_CLOEXEC, O_NONBLOCK, O_RDWR } from "../../../ffi/libc.ts";
+import { eventfd, eventfdSignal, ioctl, open, O_CLOEXEC, O_NONBLOCK, O_RDWR } from "../../../ffi/libc.ts";
 import { FUSE_DEV_IOC_CLONE } from "../../../ffi/fuse.ts";
+import { closeHeldFd, heldFd } from "../fd_ledger.ts";
 
 /** Int32 fields of the hand-off buffer; the two rings follow. */
 export const RING = { takenHead: 0, takenTail: 1, freeHead: 2, freeTail: 3, stop: 4, exited: 5, header: 8 } as const;
@@ -33,8 +34,8 @@ export function ringBytes(slots: number): number {
 /** The device worker's handle on one reader: slots it lends out, slots it gets back taken. */
 export class ReaderLink {
   readonly ctl: Int32Array;
-  readonly takenFd = eventfd(0);
-  private readonly stopFd = eventfd(0);
+  readonly takenFd = heldFd(eventfd(0));
+  private readonly stopFd = heldFd(eventfd(0));
   private readonly worker: Worker;
   private readonly n: number;
   exitReason: string | undefined;
@@ -83,11 +84,11 @@ export class ReaderLink {
 
   /** A new fd on the connection of `fuseFd` (FUSE_DEV_IOC_CLONE), non-blocking like it. */
   static cloneFd(fuseFd: number): number {
-    const fd = open("/dev/fuse", O_RDWR | O_CLOEXEC | O_NONBLOCK);
+    const fd = heldFd(open("/dev/fuse", O_RDWR | O_CLOEXEC | O_NONBLOCK));
     try {
       ioctl(fd, FUSE_DEV_IOC_CLONE, new Uint32Array([fuseFd]), "FUSE_DEV_IOC_CLONE");
     } catch (e) {
-      close(fd);
+      closeHeldFd(fd);
       throw e;
     }
     return fd;
@@ -128,7 +129,7 @@ export class ReaderLink {
   /** After `exited`: release the worker and the eventfds (the clone fd is the caller's). */
   close(): void {
     void this.worker.terminate();
-    close(this.takenFd);
-    close(this.stopFd);
+    closeHeldFd(this.takenFd);
+    closeHeldFd(this.stopFd);
   }
 }

@@ -3,7 +3,6 @@
 // thread that owns the device's image is the thread that answers its requests (as with ublk).
 
 import {
-  close,
   mount,
   open,
   poll,
@@ -29,6 +28,7 @@ import * as F from "../../../ffi/fuse.ts";
 import type { DeviceIo, WakeSource } from "../device_io.ts";
 import { deferLocalIoCompletions, reapLocalIo } from "../../storage/local_file.ts";
 import { ReaderLink } from "./reader_link.ts";
+import { closeHeldFd, heldFd } from "../fd_ledger.ts";
 
 /** Largest request payload: 1 MiB measured no faster for 1 MiB writes, with twice the slot memory. */
 const MAX_WRITE = 512 << 10;
@@ -116,12 +116,12 @@ export class FuseDisk {
   /** Open /dev/fuse and mount it over opts.path. INIT is queued at once; serve() answers it. */
   static mount(opts: FuseDiskOptions): FuseDisk {
     // Non-blocking: after poll says readable, we take every queued request (up to MAX_SLOTS).
-    const fd = open("/dev/fuse", O_RDWR | O_CLOEXEC | O_NONBLOCK);
+    const fd = heldFd(open("/dev/fuse", O_RDWR | O_CLOEXEC | O_NONBLOCK));
     try {
       const data = F.mountOptions(fd, F.S_IFREG, process.getuid?.() ?? 0, process.getgid?.() ?? 0, ["allow_other", "max_read=" + MAX_WRITE]);
       mount("agentenv", opts.path, "fuse.agentenv", MS_NOSUID | MS_NODEV, data);
     } catch (e) {
-      close(fd);
+      closeHeldFd(fd);
       throw e;
     }
     return new FuseDisk(fd, opts, READER_SLOTS > 0 ? ReaderLink.cloneFd(fd) : -1);
@@ -334,8 +334,8 @@ export class FuseDisk {
   }
 
   close(): void {
-    if (this.cloneFd >= 0) close(this.cloneFd);
-    close(this.fd);
+    if (this.cloneFd >= 0) closeHeldFd(this.cloneFd);
+    closeHeldFd(this.fd);
   }
 }
 

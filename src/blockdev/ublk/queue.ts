@@ -18,6 +18,7 @@ import {
   encodeSqe,
   type CqeCallback,
 } from "../../../ffi/io_uring.ts";
+import { closeHeldFd, forgetHeldFd, heldFd } from "../fd_ledger.ts";
 import {
   E,
   MAP_POPULATE,
@@ -29,7 +30,6 @@ import {
   SYS_prctl,
   SyscallError,
   allocAligned,
-  close as closeFd,
   errno,
   libc,
   mmap,
@@ -112,6 +112,7 @@ export class UringQueueRing implements UblkQueueRing {
   private readonly waitDv: DataView;
 
   constructor(readonly ring: IoUring) {
+    heldFd(ring.fd);
     this.sqes = ring.sqes;
     this.taskrunFlag = (ring.setupFlags & IORING_SETUP_TASKRUN_FLAG) !== 0;
     this.waitMem = allocAligned(64);
@@ -179,6 +180,7 @@ export class UringQueueRing implements UblkQueueRing {
   }
 
   close(): void {
+    forgetHeldFd(this.ring.fd);
     this.ring.close();
     this.waitMem.free();
   }
@@ -330,7 +332,7 @@ export class UblkQueue {
     checkOpt("qId", opts.qId, 0, UBLK_MAX_NR_QUEUES - 1);
     checkOpt("queueDepth", opts.queueDepth, 1, UBLK_MAX_QUEUE_DEPTH);
     const ownFd = opts.charFd === undefined;
-    const charFd = ownFd ? open(`/dev/ublkc${opts.devId}`, O_RDWR | O_CLOEXEC) : opts.charFd!;
+    const charFd = ownFd ? heldFd(open(`/dev/ublkc${opts.devId}`, O_RDWR | O_CLOEXEC)) : opts.charFd!;
     let descAddr = 0;
     const descLen = ublkQueueDescLength(opts.queueDepth);
     let ring: UringQueueRing | null = null;
@@ -346,7 +348,7 @@ export class UblkQueue {
         charFd,
         release: () => {
           munmap(addr, descLen);
-          if (ownFd) closeFd(charFd);
+          if (ownFd) closeHeldFd(charFd);
         },
       });
       if (opts.ioFlusher) {
@@ -360,7 +362,7 @@ export class UblkQueue {
     } catch (e) {
       ring?.close();
       if (descAddr) munmap(descAddr, descLen);
-      if (ownFd) closeFd(charFd);
+      if (ownFd) closeHeldFd(charFd);
       throw e;
     }
   }
