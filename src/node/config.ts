@@ -45,6 +45,9 @@ export const SETTINGS = {
   slotCidr: setting("AENV_SLOT_CIDR", "slot_cidr", "10.200.0.0/16", str, "host-side addresses of network slots, cut into /31s; on this machine's veths only"),
   devicePool: setting("AENV_DEVICE_POOL", "device_pool", "4", int(0, 256), "blockd devices kept ready for sandbox root filesystems"),
   slotPool: setting("AENV_SLOT_POOL", "slot_pool", "4", int(0, 256), "network slots kept ready"),
+  templateCache: setting("AENV_TEMPLATE_CACHE", "template_cache", "$AENV_HOME/templates", str, "built templates (base), keyed by their definition's hash"),
+  runDir: setting("AENV_RUN_DIR", "run_dir", "/run/aenv", str, "VM run directories (sockets, consoles, a cold boot's RAM): tmpfs"),
+  slotPrefix: setting("AENV_SLOT_PREFIX", "slot_prefix", "aenv-", str, "names of this node's network namespaces and host veths"),
   snapshotStore: setting("AENV_SNAPSHOT_STORE", "snapshot_store", "$AENV_HOME/snapshots", str, "where snapshots live: a directory (local or shared FS) or s3://bucket/prefix"),
 };
 

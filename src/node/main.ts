@@ -69,8 +69,9 @@ async function start(): Promise<void> {
   progress("blockd");
   const blockd = await BlockdClient.ensure(join(cfg.home, "blockd"), { pool: cfg.devicePool });
   progress("network slots");
-  const slots = new SlotPool({ size: cfg.slotPool, hostCidr: cfg.slotCidr });
-  await slots.start();
+  const slots = new SlotPool({ size: cfg.slotPool, hostCidr: cfg.slotCidr, prefix: cfg.slotPrefix, hostTable: `${cfg.slotPrefix.replace(/[^A-Za-z0-9]/g, "_")}host` });
+  // Slots of sandboxes that kept running while the node was down are kept; the rest rebuilt.
+  await slots.start({ adopt: Orchestrator.slotsInUse(store) });
   progress("VMM");
   const { driver, reason } = selectDriver({ vmm: cfg.vmm });
   console.log(`  VMM: ${reason}`);
@@ -80,7 +81,7 @@ async function start(): Promise<void> {
   if (!templates.resolve("base")) {
     progress("template base");
     const built = await buildBaseTemplate({
-      cacheDir: join(cfg.home, "templates"),
+      cacheDir: cfg.templateCache,
       onProgress: (p) => progress(`template base: ${p.step}${p.bytes ? ` ${(p.bytes / 2 ** 20).toFixed(0)} MiB` : ""}`),
     });
     templates.insert({
@@ -91,13 +92,17 @@ async function start(): Promise<void> {
   }
   const o = new Orchestrator(store, templates, blockd, slots, driver, {
     kernel: kernel.vmlinux, initrd: kernel.initrd, toolsLayer,
-    cmdline: (s) => guestCmdline({ ip: `${s.guestIp}/${s.guestPrefixLen}`, gw: s.gatewayIp }),
-  }, { home: cfg.home, runRoot: "/run/aenv/vms", defaultTimeoutS: cfg.defaultTimeoutS, maxSandboxes: cfg.maxSandboxes });
+    // The base image maps the hostname `sandbox` in /etc/hosts (sudo looks its host up).
+    cmdline: (s) => guestCmdline({ ip: `${s.guestIp}/${s.guestPrefixLen}`, gw: s.gatewayIp, hostname: "sandbox" }),
+  }, { home: cfg.home, runRoot: join(cfg.runDir, "vms"), defaultTimeoutS: cfg.defaultTimeoutS, maxSandboxes: cfg.maxSandboxes });
   const base = templates.resolve("base")!;
   if (!base.checkpoint) {
     progress("template base: boot and checkpoint");
     await o.prepareTemplate(base);
   }
+  const recovered = await o.recover();
+  if (recovered.adopted.length + recovered.lost.length + recovered.paused.length > 0)
+    console.log(`  recovered: ${recovered.adopted.length} running, ${recovered.paused.length} paused, ${recovered.lost.length} lost`);
   o.startReaper(cfg.reaperIntervalMs);
   proxy = new SandboxProxy(o, { domain: cfg.domain });
   orch = o;

@@ -281,6 +281,7 @@ export class Orchestrator {
         await vm?.stop().catch(() => {});
         await this.giveBackDevices(devices[1] ?? null, devices[0] ?? null);
         rmSync(join(this.opts.home, "sandboxes", id), { recursive: true, force: true });
+        rmSync(join(this.opts.runRoot, id), { recursive: true, force: true });
         if (slot) await this.slots.release(slot).catch(() => {});
         this.preparing.delete(tpl.id);
       }
@@ -629,7 +630,9 @@ export class Orchestrator {
     }
     const rt = this.store.get(id)?.runtime as SandboxRuntime | null | undefined;
     if (rt) {
-      if (!live && rt.vmPid) try { process.kill(rt.vmPid, "SIGKILL"); } catch { /* gone */ }
+      // A VM this process does not hold (started before a restart): stopped only if it is still
+      // the one recorded in its run directory (pids are reused).
+      if (!live && rt.runDir) await this.driver.adopt(rt.runDir).then((vm) => vm.stop()).catch(() => {});
       await this.release(rt);
       if (rt.upperDir) rmSync(rt.upperDir, { recursive: true, force: true });
     }
@@ -659,6 +662,57 @@ export class Orchestrator {
     const name = dir.slice(dir.lastIndexOf("/") + 1);
     for (const id of this.inflight.keys()) if (name.startsWith(`${id}-`)) return true;
     return false;
+  }
+
+  // ─── restart ───────────────────────────────────────────────────────────────
+
+  /**
+   * Network slots that sandboxes may still use after a node restart: the pool keeps these
+   * (SlotPool.start({adopt})) and rebuilds every other slot.
+   */
+  static slotsInUse(store: SandboxStore): string[] {
+    return store.all().map((r) => (r.runtime as SandboxRuntime | null)?.slot?.netns).filter((n): n is string => !!n);
+  }
+
+  /**
+   * After a node restart: takes back the VMs of running sandboxes (they kept running under blockd
+   * and their VMMs), and settles operations the old process left half done. A sandbox whose VM is
+   * gone is given back and dropped; paused sandboxes stay paused.
+   */
+  async recover(): Promise<{ adopted: string[]; lost: string[]; paused: string[] }> {
+    const out = { adopted: [] as string[], lost: [] as string[], paused: [] as string[] };
+    for (const r of this.store.all()) {
+      const rt = r.runtime as SandboxRuntime | null;
+      if (r.state === "paused") { out.paused.push(r.id); continue; }
+      if (r.state === "resuming" && rt?.paused) {
+        // The restore never finished: give back what it took and stay paused.
+        await this.teardown(r.id, { keepPaused: true });
+        this.store.transition(r.id, ["resuming"], "paused", { runtime: { ...rt, slot: null, toolsDevice: null, rootfsDevice: null, upperDir: null, vmPid: null, runDir: null } });
+        out.paused.push(r.id);
+        continue;
+      }
+      const wasLive = r.state === "running" || r.state === "pausing" || r.state === "forking" || r.state === "snapshotting";
+      if (wasLive && rt?.runDir && rt.slot) {
+        try {
+          const vm = await this.driver.adopt(rt.runDir);
+          if (vm.state === "snapshotted") throw new OrchestratorError(500, "the VM gave its memory to a checkpoint that was never recorded");
+          // An interrupted checkpoint left the VM paused; the half-written checkpoint is collected below.
+          if (vm.state === "paused") await vm.resume();
+          this.live.set(r.id, { vm, slot: rt.slot });
+          this.store.transition(r.id, [r.state], "running", { runtime: { ...rt, vmPid: vm.pid } });
+          out.adopted.push(r.id);
+          continue;
+        } catch (e) {
+          console.error(`recover: sandbox ${r.id} (${r.state}) is lost: ${(e as Error).message}`);
+        }
+      }
+      // creating, killing, or a VM that is gone: give everything back.
+      await this.teardown(r.id);
+      this.store.delete(r.id);
+      out.lost.push(r.id);
+    }
+    this.collectCheckpoints();
+    return out;
   }
 
   // ─── reaper ────────────────────────────────────────────────────────────────

@@ -5,6 +5,7 @@
 import { existsSync } from "node:fs";
 import { mkdir, rm } from "node:fs/promises";
 import { basename, join, resolve } from "node:path";
+import { readAdoptRecord, writeAdoptRecord } from "./adopt.ts";
 import { probeKvm } from "./qemu.ts";
 import {
   type BalloonInfo,
@@ -12,8 +13,10 @@ import {
   type SnapshotInfo,
   type SnapshotOptions,
   type VmSpec,
+  type VmState,
   type Vmm,
   type VmmDriver,
+  type VmmProcess,
   VmmError,
   VmProcess,
   netnsArgv,
@@ -523,11 +526,13 @@ class FirecrackerVm extends VmProcess implements Vmm {
 
   constructor(
     spec: VmSpec,
-    proc: ReturnType<typeof Bun.spawn>,
+    proc: VmmProcess,
     readonly api: FirecrackerApi,
     readonly consoleLog: string,
+    state: VmState = "running",
   ) {
     super(spec, proc);
+    this._state = state;
   }
 
   async pause(): Promise<void> {
@@ -575,6 +580,13 @@ class FirecrackerVm extends VmProcess implements Vmm {
   }
 }
 
+/** Firecracker's part of the adoption record. */
+interface FirecrackerAdoptRecord {
+  spec: VmSpec;
+  socketPath: string;
+  consoleLog: string;
+}
+
 export class FirecrackerDriver implements VmmDriver {
   readonly kind = "firecracker" as const;
   constructor(private opts: FirecrackerOptions = {}) {}
@@ -617,7 +629,18 @@ export class FirecrackerDriver implements VmmDriver {
       }
       await Bun.sleep(2);
     }
+    await writeAdoptRecord<FirecrackerAdoptRecord>(spec.runDir, proc.pid, { spec, socketPath: sock, consoleLog });
     return { proc, api: new FirecrackerApi(sock), consoleLog };
+  }
+
+  async adopt(runDir: string): Promise<Vmm> {
+    const { proc, driver: rec } = await readAdoptRecord<FirecrackerAdoptRecord>(runDir);
+    const api = new FirecrackerApi(rec.socketPath);
+    // GET / answers the instance info; its state is "Running", "Paused" or "Not started".
+    const info = await api.send<{ state?: string }>({ method: "GET", path: "/" }).catch((e) => {
+      throw new VmmError("BadState", `the VM of ${runDir} does not answer on its API socket: ${(e as Error).message}`);
+    });
+    return new FirecrackerVm(rec.spec, proc, api, rec.consoleLog, info?.state === "Paused" ? "paused" : "running");
   }
 
   async boot(spec: VmSpec): Promise<Vmm> {

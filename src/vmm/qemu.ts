@@ -7,6 +7,7 @@ import { accessSync, constants, existsSync, readFileSync } from "node:fs";
 import { link, mkdir, rm } from "node:fs/promises";
 import { dirname, join, resolve } from "node:path";
 import { QmpClient } from "./qmp.ts";
+import { readAdoptRecord, writeAdoptRecord } from "./adopt.ts";
 import {
   type BalloonInfo,
   type NetSpec,
@@ -14,8 +15,10 @@ import {
   type SnapshotInfo,
   type SnapshotOptions,
   type VmSpec,
+  type VmState,
   type Vmm,
   type VmmDriver,
+  type VmmProcess,
   VmmError,
   VmProcess,
   netnsArgv,
@@ -194,13 +197,15 @@ class QemuVm extends VmProcess implements Vmm {
 
   constructor(
     spec: VmSpec,
-    proc: ReturnType<typeof Bun.spawn>,
+    proc: VmmProcess,
     private qmp: QmpClient,
     private launch: QemuLaunch,
     /** The RAM file is ours to delete on stop (not a snapshot's image mapped private). */
     private ownsRam: boolean,
+    state: VmState = "running",
   ) {
     super(spec, proc);
+    this._state = state;
   }
 
   get consoleLog(): string {
@@ -368,7 +373,21 @@ export class QemuDriver implements VmmDriver {
     await rm(ram.path, { force: true }); // a fresh VM starts from zeroed memory
     const launch: QemuLaunch = { spec, accel: this.accel, ram, ...p, tscKhz: this.tscKhz };
     const { proc, qmp } = await this.start(launch, p.qemuLog);
+    await writeAdoptRecord<QemuAdoptRecord>(spec.runDir, proc.pid, { launch, ownsRam: true });
     return new QemuVm(spec, proc, qmp, launch, true);
+  }
+
+  async adopt(runDir: string): Promise<Vmm> {
+    const { proc, driver: rec } = await readAdoptRecord<QemuAdoptRecord>(runDir);
+    let qmp: QmpClient;
+    try {
+      qmp = await QmpClient.connect(rec.launch.qmpSocket, ADOPT_QMP_TIMEOUT_MS);
+    } catch (e) {
+      throw new VmmError("BadState", `the VM of ${runDir} does not answer on QMP: ${(e as Error).message}`);
+    }
+    const st = await qmp.execute<{ status: string }>("query-status");
+    const state: VmState = st.status === "running" ? "running" : st.status === "postmigrate" ? "snapshotted" : "paused";
+    return new QemuVm(rec.launch.spec, proc, qmp, rec.launch, rec.ownsRam, state);
   }
 
   async restore(snap: SnapshotInfo, r: RestoreSpec): Promise<Vmm> {
@@ -395,6 +414,7 @@ export class QemuDriver implements VmmDriver {
     const tscKhz = (snap.extra?.tscKhz as number | undefined) ?? this.tscKhz;
     const launch: QemuLaunch = { spec, accel, ram, ...p, incoming: true, tscKhz };
     const { proc, qmp } = await this.start(launch, p.qemuLog);
+    await writeAdoptRecord<QemuAdoptRecord>(spec.runDir, proc.pid, { launch, ownsRam: ram.share });
     const vm = new QemuVm(spec, proc, qmp, launch, ram.share);
     try {
       await qmp.execute("migrate-set-capabilities", { capabilities: [{ capability: "x-ignore-shared", state: ignoreShared }] });
@@ -418,6 +438,13 @@ export class QemuDriver implements VmmDriver {
     return vm;
   }
 }
+
+/** QEMU's part of the adoption record: how it was launched (QMP socket, RAM file, spec). */
+interface QemuAdoptRecord {
+  launch: QemuLaunch;
+  ownsRam: boolean;
+}
+const ADOPT_QMP_TIMEOUT_MS = 5000;
 
 function checkSpec(spec: VmSpec): void {
   if (!/^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$/.test(spec.id)) throw new VmmError("BadSpec", `bad VM id ${JSON.stringify(spec.id)}`);

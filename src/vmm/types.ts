@@ -122,6 +122,11 @@ export interface Vmm {
 export interface VmmDriver {
   readonly kind: VmmKind;
   boot(spec: VmSpec): Promise<Vmm>;
+  /**
+   * Takes control again of a VM this driver started earlier (in another process of the node) in
+   * `runDir`; VmmError("BadState") when no VM of ours runs there any more.
+   */
+  adopt(runDir: string): Promise<Vmm>;
   /** Start a VM from a snapshot: memory mapped copy-on-write, device state loaded, running. */
   restore(snapshot: SnapshotInfo, spec: RestoreSpec): Promise<Vmm>;
 }
@@ -147,6 +152,15 @@ export function netnsArgv(netnsPath: string | undefined, argv: string[]): string
   return netnsPath === undefined ? argv : ["nsenter", `--net=${checkNetnsPath(netnsPath)}`, "--", ...argv];
 }
 
+/** The VMM process as a VM sees it: a child we spawned (Bun's Subprocess) or one we adopted. */
+export interface VmmProcess {
+  readonly pid: number;
+  readonly exited: Promise<number | null>;
+  readonly exitCode: number | null;
+  readonly killed: boolean;
+  kill(signal?: NodeJS.Signals | number): void;
+}
+
 /**
  * What every driver's VM shares: the VMM process, its exit, and the state checks around it.
  * The driver's class adds the VMM-specific control (QMP, Firecracker's API).
@@ -157,7 +171,7 @@ export abstract class VmProcess {
 
   constructor(
     readonly spec: VmSpec,
-    protected proc: ReturnType<typeof Bun.spawn>,
+    protected proc: VmmProcess,
   ) {
     this.exited = proc.exited.then((code) => {
       this._state = "stopped";

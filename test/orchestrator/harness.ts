@@ -1,0 +1,60 @@
+// One node's parts for orchestrator tests, built the way src/node/main.ts builds them, over a given
+// state directory, so a second process (or a second life of the node) can build them again.
+import { join } from "node:path";
+import { envdToolsDisk, guestCmdline, sealedLayer } from "../../guest/artifacts.ts";
+import { createApi } from "../../src/api/app.ts";
+import { SandboxProxy } from "../../src/api/proxy.ts";
+import { sandboxRoutes } from "../../src/api/sandboxes.ts";
+import { serveNode } from "../../src/api/server.ts";
+import type { BlockdClient } from "../../src/blockdev/client.ts";
+import { SlotPool } from "../../src/network/index.ts";
+import { Orchestrator } from "../../src/orchestrator/orchestrator.ts";
+import { SandboxStore } from "../../src/orchestrator/store.ts";
+import { TemplateStore } from "../../src/orchestrator/templates.ts";
+import { QemuDriver } from "../../src/vmm/qemu.ts";
+import { guestFixture } from "../vmm/harness.ts";
+
+export interface NodeDirs {
+  /** Holds node.db and home/. */
+  dir: string;
+  /** VM run directories (tmpfs). */
+  runRoot: string;
+  /** Slot names and addresses: unique per test file. */
+  slotPrefix: string;
+  slotCidr: string;
+}
+
+/** The busybox template with our envd (what the orchestrator tests start sandboxes from). */
+export async function busyboxTemplate(templates: TemplateStore): Promise<void> {
+  if (templates.resolve("busybox")) return;
+  const fx = await guestFixture();
+  templates.insert({
+    id: "busyboxtpl", alias: "busybox", kind: "template", names: ["busybox:default"], cpuCount: 1, memoryMB: 256,
+    diskSizeMB: 64, layers: [fx.rootfsLayer], checkpoint: null, sourceSandboxId: null, envdVersion: "0.6.13", createdAt: Date.now(),
+  });
+}
+
+/** Store, templates, slots (keeping those that sandboxes use) and an orchestrator over `blockd`. */
+export async function nodeParts(d: NodeDirs, blockd: BlockdClient, o: { slotPool?: number; maxSandboxes?: number } = {}) {
+  const fx = await guestFixture();
+  const toolsLayer = await sealedLayer(envdToolsDisk());
+  const store = new SandboxStore(join(d.dir, "node.db"));
+  const templates = new TemplateStore(store.db);
+  await busyboxTemplate(templates);
+  const pool = new SlotPool({ size: o.slotPool ?? 1, prefix: d.slotPrefix, hostCidr: d.slotCidr, hostTable: `${d.slotPrefix.replaceAll("-", "_")}host` });
+  await pool.start({ adopt: Orchestrator.slotsInUse(store) });
+  const orch = new Orchestrator(store, templates, blockd, pool, new QemuDriver(), {
+    kernel: fx.kernel.vmlinux, initrd: fx.kernel.initrd, toolsLayer,
+    cmdline: (s) => guestCmdline({ ip: `${s.guestIp}/${s.guestPrefixLen}`, gw: s.gatewayIp }),
+  }, { home: join(d.dir, "home"), runRoot: d.runRoot, defaultTimeoutS: 300, maxSandboxes: o.maxSandboxes ?? 12, forkParallelism: 2 });
+  return { store, templates, pool, orch };
+}
+
+/** The node's API and proxy over `orch` on a loopback port. */
+export function serveParts(orch: Orchestrator, apiKey: string) {
+  const proxy = new SandboxProxy(orch, { domain: "" });
+  const app = createApi({ apiKey, maxBodyBytes: 1 << 20, notReadyReason: () => undefined, version: "test" })
+    .use(sandboxRoutes(() => orch, { domain: null, defaultTimeoutS: 300 }));
+  const server = serveNode(app, { hostname: "127.0.0.1", port: 0, proxy: () => proxy });
+  return { base: `http://127.0.0.1:${server.port}`, stop: () => void server.stop(true) };
+}
