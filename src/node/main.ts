@@ -67,6 +67,7 @@ async function start(): Promise<void> {
     console.log(`  [${((performance.now() - t0) / 1000).toFixed(1)} s] ${s}`);
   };
   progress("blockd");
+  mkdirSync(join(cfg.home, "blockd"), { recursive: true });
   const blockd = await BlockdClient.ensure(join(cfg.home, "blockd"), { pool: cfg.devicePool });
   progress("network slots");
   const slots = new SlotPool({ size: cfg.slotPool, hostCidr: cfg.slotCidr, prefix: cfg.slotPrefix, hostTable: `${cfg.slotPrefix.replace(/[^A-Za-z0-9]/g, "_")}host` });
