@@ -62,9 +62,16 @@ function prometheus(): string {
 
 async function start(): Promise<void> {
   const t0 = performance.now();
-  const progress = (s: string) => {
-    step = s;
-    console.log(`  [${((performance.now() - t0) / 1000).toFixed(1)} s] ${s}`);
+  // /health always shows the latest step; the log gets a line per new step, or every 5 s within one.
+  let logged = "";
+  let loggedAt = 0;
+  const progress = (s: string, detail = "") => {
+    step = detail ? `${s} (${detail})` : s;
+    const now = performance.now();
+    if (s === logged && now - loggedAt < 5000) return;
+    logged = s;
+    loggedAt = now;
+    console.log(`  [${((now - t0) / 1000).toFixed(1)} s] ${step}`);
   };
   progress("blockd");
   mkdirSync(join(cfg.home, "blockd"), { recursive: true });
@@ -83,7 +90,7 @@ async function start(): Promise<void> {
     progress("template base");
     const built = await buildBaseTemplate({
       cacheDir: cfg.templateCache,
-      onProgress: (p) => progress(`template base: ${p.step}${p.bytes ? ` ${(p.bytes / 2 ** 20).toFixed(0)} MiB` : ""}`),
+      onProgress: (p) => progress(`template base: ${p.step}`, [p.bytes ? `${(p.bytes / 2 ** 20).toFixed(0)} MiB` : "", `${(p.elapsedMs / 1000).toFixed(0)} s`, p.detail ?? ""].filter(Boolean).join(", ")),
     });
     templates.insert({
       id: `base${built.key.slice(0, 12)}`, alias: "base", kind: "template", names: ["base:default"], cpuCount: built.cpuCount,

@@ -6,7 +6,7 @@ import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { existsSync, mkdirSync, readdirSync, rmSync } from "node:fs";
 import { join } from "node:path";
 import { CommandExitError, FilesystemEventType, Sandbox, SandboxNotFoundError } from "e2b";
-import { haveTool } from "../../src/network/index.ts";
+import { haveTool, SlotPool } from "../../src/network/index.ts";
 import { stopBlockd } from "../blockdev/harness.ts";
 import { scratchDir } from "../helpers/tmp.ts";
 import { qemuPids, vmSkipReason } from "../vmm/harness.ts";
@@ -112,6 +112,9 @@ describe.skipIf(!!skip)("bun run node with the stock e2b SDK", () => {
     await node?.proc.exited;
     for (const pid of qemuPids(runDir)) try { process.kill(pid, "SIGKILL"); } catch {}
     await stopBlockd(join(home, "blockd"));
+    // The node leaves its slots for sandboxes that outlive it; this run's are removed here.
+    const slots = new SlotPool({ size: 0, prefix: env.AENV_SLOT_PREFIX, hostCidr: env.AENV_SLOT_CIDR, hostTable: `${env.AENV_SLOT_PREFIX.replace(/[^A-Za-z0-9]/g, "_")}host` });
+    await slots.start().then(() => slots.destroy()).catch((e) => console.error(`slot cleanup: ${(e as Error).message}`));
     rmSync(home, { recursive: true, force: true });
     rmSync(runDir, { recursive: true, force: true });
   }, 180_000);
