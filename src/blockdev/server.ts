@@ -404,6 +404,8 @@ export class Blockd {
       /** "live", or "lost" / "failed" with the reason (DeviceRecord.state). */
       state: rec.state ?? "live",
       reason: rec.reason ?? null,
+      /** A pool device handed out by acquire (until release). */
+      acquired: rec.acquired ?? false,
     };
   }
 

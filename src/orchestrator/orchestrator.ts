@@ -24,6 +24,12 @@ export class OrchestratorError extends Error {
 }
 const notFound = (id: string) => new OrchestratorError(404, `sandbox ${id} not found`);
 
+/** A failure of a part (blockd, VMM, envd) as a 500 that says what failed and why. */
+function asOrchestratorError(e: unknown, what: string): OrchestratorError {
+  if (e instanceof OrchestratorError) return e;
+  return new OrchestratorError(500, `${what}: ${(e as Error).message ?? String(e)}`);
+}
+
 export interface GuestArtifacts {
   kernel: string;
   initrd?: string;
@@ -237,7 +243,7 @@ export class Orchestrator {
       } catch (e) {
         await this.teardown(rec.id);
         this.store.delete(rec.id);
-        throw e;
+        throw asOrchestratorError(e, `create from template '${tpl.alias ?? tpl.id}' failed`);
       }
     });
   }
@@ -459,7 +465,7 @@ export class Orchestrator {
       } catch (e) {
         await this.teardown(id, { keepPaused: true });
         this.store.transition(id, ["resuming"], "paused", { runtime: rt });
-        throw e;
+        throw asOrchestratorError(e, `resume of ${id} failed`);
       }
     });
     return { rec: out, resumed: true };
@@ -531,7 +537,7 @@ export class Orchestrator {
       } catch (e) {
         await this.teardown(rec.id);
         this.store.delete(rec.id);
-        throw e;
+        throw asOrchestratorError(e, `fork of ${src.id} failed`);
       }
     });
   }

@@ -1,0 +1,137 @@
+// Two callers racing on one sandbox both get a correct answer, a client that goes away does not
+// stop an operation half way, and a run of failures and kills leaves nothing behind: no VMM, no
+// acquired device, no leased slot, no row, no checkpoint.
+import { afterAll, beforeAll, describe, expect, test } from "bun:test";
+import { existsSync, readdirSync } from "node:fs";
+import { join } from "node:path";
+import { Sandbox } from "e2b";
+import { haveTool } from "../../src/network/index.ts";
+import type { Orchestrator } from "../../src/orchestrator/orchestrator.ts";
+import type { SandboxStore } from "../../src/orchestrator/store.ts";
+import type { TemplateStore } from "../../src/orchestrator/templates.ts";
+import { startBlockd } from "../blockdev/harness.ts";
+import { qemuPids, rmrf, runRoot, vmSkipReason } from "../vmm/harness.ts";
+import { nodeParts, serveParts } from "./harness.ts";
+
+function skipReason(): string | undefined {
+  const vm = vmSkipReason();
+  if (vm) return vm;
+  if (!existsSync("/dev/net/tun")) return "no /dev/net/tun for the slot's TAP";
+  for (const t of ["ip", "nft", "sysctl", "conntrack"] as const) if (!haveTool(t)) return `${t} is missing (see .ci/run)`;
+  return undefined;
+}
+const skip = skipReason();
+const KEY = "e2b_" + "7b".repeat(20);
+const tag = ((process.pid + 13) % 46656).toString(36).padStart(3, "0");
+
+describe.skipIf(!!skip)("races, disconnects and leaks on the node API", async () => {
+  if (skip) return void test.skip(skip!, () => {});
+  const { dir, client } = await startBlockd("races", { pool: 2 });
+  const root = runRoot("races");
+  let orch: Orchestrator;
+  let store: SandboxStore;
+  let templates: TemplateStore;
+  let leasedSlots = () => -1;
+  let base = "";
+  const cleanup: (() => Promise<unknown> | void)[] = [];
+  const opts = () => ({ apiKey: KEY, apiUrl: base, sandboxUrl: base, requestTimeoutMs: 120_000 });
+  const api = (path: string, method = "POST", body: unknown = {}) =>
+    fetch(base + path, { method, headers: { "x-api-key": KEY, "content-type": "application/json" }, body: method === "GET" || method === "DELETE" ? undefined : JSON.stringify(body) });
+
+  beforeAll(async () => {
+    const parts = await nodeParts({ dir, runRoot: root, slotPrefix: `arr${tag}-`, slotCidr: `10.220.${process.pid % 250}.0/24` }, client, { maxSandboxes: 8 });
+    ({ orch, store, templates } = parts);
+    leasedSlots = () => parts.pool.stats().leased;
+    const served = serveParts(orch, KEY);
+    base = served.base;
+    cleanup.push(served.stop, async () => { await orch.killAll(); orch.close(); await parts.pool.destroy().catch(() => {}); });
+    // Checkpoint the template once, so the races below are about sandboxes.
+    await (await Sandbox.create("busybox", opts())).kill();
+  }, 300_000);
+
+  afterAll(async () => {
+    for (const c of cleanup.reverse()) await c();
+    rmrf(root);
+  });
+
+  test("two pauses at once join one operation: both 204; two connects at once resume it once", async () => {
+    const s = await Sandbox.create("busybox", opts());
+    await s.files.write("/tmp/x", "kept");
+    const [a, b] = await Promise.all([api(`/sandboxes/${s.sandboxId}/pause`), api(`/sandboxes/${s.sandboxId}/pause`)]);
+    expect([a.status, b.status]).toEqual([204, 204]);
+    expect((await api(`/sandboxes/${s.sandboxId}/pause`)).status).toBe(409);
+    const [c, d] = await Promise.all([api(`/v2/sandboxes/${s.sandboxId}/connect`), api(`/v2/sandboxes/${s.sandboxId}/connect`)]);
+    expect(c.status).toBe(201);
+    expect([200, 201]).toContain(d.status);
+    const [bc, bd] = (await Promise.all([c.json(), d.json()])) as { envdAccessToken: string }[];
+    expect(bc!.envdAccessToken).toBe(bd!.envdAccessToken);
+    expect(orch.timings.recent("resume").filter((t) => t.id === s.sandboxId).length).toBe(1);
+    const back = await Sandbox.connect(s.sandboxId, opts());
+    expect(await back.files.read("/tmp/x")).toBe("kept");
+    expect(qemuPids(root).length).toBe(1);
+    await back.kill();
+  }, 180_000);
+
+  test("two kills at once: one true, one false; a kill racing a pause waits for it and wins", async () => {
+    const s = await Sandbox.create("busybox", opts());
+    const answers = await Promise.all([Sandbox.kill(s.sandboxId, opts()), Sandbox.kill(s.sandboxId, opts())]);
+    expect(answers.sort()).toEqual([false, true]);
+    const t = await Sandbox.create("busybox", opts());
+    const [p, k] = await Promise.all([api(`/sandboxes/${t.sandboxId}/pause`), api(`/sandboxes/${t.sandboxId}`, "DELETE")]);
+    expect(p.status).toBe(204);
+    expect(k.status).toBe(204);
+    expect(store.get(t.sandboxId)).toBeUndefined();
+    expect(qemuPids(root)).toEqual([]);
+  }, 180_000);
+
+  test("a client that goes away mid-create does not stop the create: the sandbox runs", async () => {
+    const before = new Set(store.all().map((r) => r.id));
+    const ctl = new AbortController();
+    const req = fetch(`${base}/v2/sandboxes`, { method: "POST", signal: ctl.signal, headers: { "x-api-key": KEY, "content-type": "application/json" }, body: JSON.stringify({ templateID: "busybox" }) }).catch((e) => e);
+    await Bun.sleep(50);
+    ctl.abort();
+    expect(await req).toBeInstanceOf(Error);
+    let made: string | undefined;
+    const end = Date.now() + 60_000;
+    while (Date.now() < end) {
+      made = store.all().find((r) => !before.has(r.id) && r.state === "running")?.id;
+      if (made) break;
+      await Bun.sleep(100);
+    }
+    expect(made).toBeDefined();
+    const s = await Sandbox.connect(made!, opts());
+    expect((await s.commands.run("echo alive")).stdout).toBe("alive\n");
+    await s.kill();
+  }, 120_000);
+
+  test("a create that fails (a template whose layer is gone) says why and leaves nothing behind", async () => {
+    templates.insert({
+      id: "brokentpl", alias: "broken", kind: "template", names: ["broken:default"], cpuCount: 1, memoryMB: 128, diskSizeMB: 64,
+      layers: [join(dir, "no-such-layer")], checkpoint: null, sourceSandboxId: null, envdVersion: "0.6.13", createdAt: Date.now(),
+    });
+    const rows = store.count();
+    const devicesBefore = (await client.call<{ acquired?: boolean; kind?: string }[]>("list")).filter((d) => d.acquired).length;
+    for (let i = 0; i < 3; i++) {
+      const r = await api("/v2/sandboxes", "POST", { templateID: "broken" });
+      const body = (await r.json()) as { code: number; message: string };
+      expect(r.status).toBe(500);
+      expect(body.code).toBe(500);
+      expect(body.message).toContain("no-such-layer");
+    }
+    expect(store.count()).toBe(rows);
+    expect((await client.call<{ acquired?: boolean }[]>("list")).filter((d) => d.acquired).length).toBe(devicesBefore);
+    expect(qemuPids(root)).toEqual([]);
+    templates.delete("brokentpl");
+  }, 120_000);
+
+  test("after all of it: no rows, no VMs, no acquired devices, no leased slots, no sandbox checkpoints", async () => {
+    await orch.killAll();
+    expect(store.count()).toBe(0);
+    expect(qemuPids(root)).toEqual([]);
+    expect((await client.call<{ acquired?: boolean }[]>("list")).filter((d) => d.acquired)).toEqual([]);
+    orch.collectCheckpoints();
+    expect(readdirSync(join(dir, "home", "checkpoints")).filter((c) => !c.startsWith("template-"))).toEqual([]);
+    expect(readdirSync(join(dir, "home", "sandboxes"))).toEqual([]);
+    expect(leasedSlots()).toBe(0);
+  }, 60_000);
+});
