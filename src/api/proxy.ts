@@ -165,9 +165,6 @@ export class SandboxProxy {
         redirect: "manual",
         signal: abort.signal,
         decompress: false, // Bun: pass encoded bodies through as they are
-        // No pooled connections: a slot's address is reused by its next tenant, whose namespace
-        // resets any connection of the previous one (docs/network.md).
-        keepalive: false,
         duplex: "half", // stream the request body as it arrives
       } as RequestInit);
     } catch (e) {

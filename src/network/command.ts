@@ -14,9 +14,9 @@ export class NetworkError extends Error {
 }
 
 /** The tools this module runs; sbin directories are added because non-login PATHs often lack them. */
-export type ToolName = "ip" | "nft" | "conntrack" | "sysctl";
+export type ToolName = "ip" | "nft" | "conntrack" | "sysctl" | "ss";
 
-const PACKAGE_OF: Record<ToolName, string> = { ip: "iproute2", nft: "nftables", conntrack: "conntrack", sysctl: "procps" };
+const PACKAGE_OF: Record<ToolName, string> = { ip: "iproute2", nft: "nftables", conntrack: "conntrack", sysctl: "procps", ss: "iproute2" };
 const SBIN_PATH = "/usr/local/sbin:/usr/sbin:/sbin";
 const resolved = new Map<ToolName, string>();
 

@@ -187,8 +187,13 @@ async function foreignLinks(slot: Slot): Promise<string[]> {
   return links.map((l) => l.ifname).filter((n) => n !== "lo" && n !== NS_VETH);
 }
 
-/** Delete the host's conntrack entries to and from the slot's nsIp (its tenant's connections). */
+/**
+ * Forget the tenant's connections on the host: close the host's own TCP sockets to the slot's
+ * nsIp (a keep-alive pool would otherwise reuse one with the next tenant, who resets it) and
+ * delete the host's conntrack entries to and from nsIp.
+ */
 async function forgetHostConnections(slot: Pick<Slot, "nsIp">): Promise<void> {
+  await run(["ss", "-K", "-t", "dst", slot.nsIp]);
   // conntrack -D exits 1 when nothing matched, which is the common case.
   await run(["conntrack", "-D", "--orig-src", slot.nsIp], { alsoOk: [1] });
   await run(["conntrack", "-D", "--orig-dst", slot.nsIp], { alsoOk: [1] });

@@ -213,6 +213,28 @@ describe.skipIf(!canRun)("network slots", () => {
     }, 60_000);
   }
 
+  test("release closes the host's own sockets to the slot, so no keep-alive pool reuses one with the next tenant", async () => {
+    const pool = t.newPool({ size: 1, maxSlots: 1 });
+    await pool.start();
+    const a = await pool.acquire();
+    const guestA = t.keep(await startGuest(a, RECORDER));
+    const events: string[] = [];
+    const idle = await Bun.connect({
+      hostname: a.nsIp,
+      port: GUEST_PORT,
+      socket: { data() {}, close: () => void events.push("close"), error: (_s, e) => void events.push(`error ${e.message}`), end: () => void events.push("end") },
+    });
+    idle.write("hello-A");
+    await eventually(() => guestA.output().includes("hello-A"), "tenant A receives its data");
+    await vanishGuest(a, guestA);
+    expect(events).toEqual([]); // the guest vanished without a word: the socket looks alive
+    await pool.release(a);
+    // Closed by the release itself, before anyone writes on it again.
+    await eventually(() => events.length > 0, "the idle host socket is closed by the release");
+    idle.terminate();
+    await pool.destroy();
+  }, 60_000);
+
   test("release rebuilds the namespace: a tenant's tables, sysctls, links and routes do not survive", async () => {
     const pool = t.newPool({ size: 1, maxSlots: 1 });
     await pool.start();

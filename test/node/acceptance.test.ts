@@ -210,6 +210,45 @@ describe.skipIf(!!skip)("bun run node with the stock e2b SDK", () => {
     expect(await viaPath.text()).toBe("served from the sandbox");
   }, 90_000);
 
+  test("WebSocket through the proxy: a python echo server in the sandbox", async () => {
+    // RFC 6455 handshake and unmasked text echo, standard library only.
+    await sbx.files.write("/tmp/ws.py", [
+      "import socket, hashlib, base64, struct",
+      "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('0.0.0.0', 8765)); s.listen(4)",
+      "while True:",
+      "    c, _ = s.accept(); req = b''",
+      "    while b'\\r\\n\\r\\n' not in req: req += c.recv(4096)",
+      "    key = [l.split(b': ')[1] for l in req.split(b'\\r\\n') if l.lower().startswith(b'sec-websocket-key')][0]",
+      "    acc = base64.b64encode(hashlib.sha1(key + b'258EAFA5-E914-47DA-95CA-C5AB0DC85B11').digest())",
+      "    c.sendall(b'HTTP/1.1 101 Switching Protocols\\r\\nUpgrade: websocket\\r\\nConnection: Upgrade\\r\\nSec-WebSocket-Accept: ' + acc + b'\\r\\n\\r\\n')",
+      "    while True:",
+      "        h = c.recv(2)",
+      "        if len(h) < 2 or h[0] & 0x0f == 8: break",
+      "        n = h[1] & 0x7f",
+      "        if n == 126: n = struct.unpack('>H', c.recv(2))[0]",
+      "        mask = c.recv(4); data = b''",
+      "        while len(data) < n: data += c.recv(n - len(data))",
+      "        data = bytes(b ^ mask[i % 4] for i, b in enumerate(data))",
+      "        out = b'echo:' + data",
+      "        c.sendall(bytes([0x81, len(out)]) + out if len(out) < 126 else bytes([0x81, 126]) + struct.pack('>H', len(out)) + out)",
+      "    c.close()",
+    ].join("\n"));
+    await sbx.commands.run("python3 /tmp/ws.py", { background: true, timeoutMs: 0 });
+    const url = node.base.replace("http://", "ws://") + `/proxy/${sbx.sandboxId}/8765/`;
+    let reply = "";
+    await until(async () => {
+      reply = await new Promise<string>((resolve) => {
+        const ws = new WebSocket(url);
+        const t = setTimeout(() => { ws.close(); resolve(""); }, 5000);
+        ws.onopen = () => ws.send("hi from the host");
+        ws.onmessage = (e) => { clearTimeout(t); resolve(String(e.data)); ws.close(); };
+        ws.onerror = () => { clearTimeout(t); resolve(""); };
+      });
+      return reply !== "";
+    }, 30_000, "WebSocket echo through the proxy");
+    expect(reply).toBe("echo:hi from the host");
+  }, 90_000);
+
   test("pause → not running → connect: files and the background process survive", async () => {
     expect(await sbx.pause()).toBe(true);
     expect(await sbx.isRunning()).toBe(false);
@@ -266,8 +305,13 @@ describe.skipIf(!!skip)("bun run node with the stock e2b SDK", () => {
     expect(await again.kill()).toBe(true);
   }, 600_000);
 
-  test("setTimeout: expiry kills; then kill → false and getInfo → not found", async () => {
+  test("setTimeout: expiry kills and cuts open streams; then kill → false and getInfo → not found", async () => {
+    let ticks = 0;
+    const streaming = await sbx.commands.run("while true; do echo tick; sleep 0.2; done", { background: true, timeoutMs: 0, onStdout: () => void ticks++ });
+    await until(() => ticks > 0, 30_000, "the stream runs");
     await sbx.setTimeout(2000);
+    const ended = await Promise.race([streaming.wait().then(() => "ended", () => "cut"), Bun.sleep(60_000).then(() => "hung")]);
+    expect(ended).toBe("cut");
     await until(async () => !(await Sandbox.getInfo(sbx.sandboxId, opts()).then(() => true, () => false)), 60_000, "reaper kills");
     await expect(Sandbox.getInfo(sbx.sandboxId, opts())).rejects.toBeInstanceOf(SandboxNotFoundError);
     expect(await Sandbox.kill(sbx.sandboxId, opts())).toBe(false);
