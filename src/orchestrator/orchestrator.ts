@@ -221,7 +221,8 @@ export class Orchestrator {
       diskSizeMB: tpl.diskSizeMB,
       envdVersion: ENVD_VERSION,
       envdAccessToken: token(),
-      trafficAccessToken: null,
+      // E2B: a sandbox closed to public traffic wants this token on every non-envd port.
+      trafficAccessToken: (o.network as { allowPublicTraffic?: unknown } | undefined)?.allowPublicTraffic === false ? token() : null,
       autoPause: o.autoPause ?? false,
       autoResume: o.autoResume ?? false,
       allowInternetAccess: o.allowInternetAccess ?? null,

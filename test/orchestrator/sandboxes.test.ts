@@ -149,6 +149,50 @@ describe.skipIf(!!skip)("node API + orchestrator with the e2b SDK (QEMU, blockd,
     await expect(Sandbox.connect(sbx.sandboxId, opts())).rejects.toBeInstanceOf(SandboxNotFoundError);
   }, 60_000);
 
+  test("E2B details: connect only extends the TTL; metrics carry timestamp; envd's internal paths and a traffic token guard the proxy", async () => {
+    const s = await Sandbox.create("busybox", { ...opts(), timeoutMs: 600_000 });
+    const end0 = Date.parse((await Sandbox.getInfo(s.sandboxId, opts())).endAt.toISOString());
+    await Sandbox.connect(s.sandboxId, { ...opts(), timeoutMs: 60_000 });
+    expect(Date.parse((await Sandbox.getInfo(s.sandboxId, opts())).endAt.toISOString())).toBe(end0);
+    await Sandbox.connect(s.sandboxId, { ...opts(), timeoutMs: 1_200_000 });
+    expect(Date.parse((await Sandbox.getInfo(s.sandboxId, opts())).endAt.toISOString())).toBeGreaterThan(end0);
+    const m = await fetch(`${base}/sandboxes/${s.sandboxId}/metrics`, { headers: { "x-api-key": KEY } });
+    const metrics = (await m.json()) as { timestamp: string; memTotal: number }[];
+    expect(metrics.length).toBe(1);
+    expect(Number.isNaN(Date.parse(metrics[0]!.timestamp))).toBe(false);
+    expect(metrics[0]!.memTotal).toBeGreaterThan(0);
+    for (const path of ["/init", "/upgrade"]) {
+      const r = await fetch(`${base}${path}`, { method: "POST", headers: { "e2b-sandbox-id": s.sandboxId }, body: "{}" });
+      expect(r.status).toBe(403);
+    }
+    await s.kill();
+    // allowPublicTraffic: false → non-envd ports want e2b-traffic-access-token.
+    const r = await fetch(`${base}/v2/sandboxes`, { method: "POST", headers: { "x-api-key": KEY, "content-type": "application/json" }, body: JSON.stringify({ templateID: "busybox", network: { allowPublicTraffic: false } }) });
+    const made = (await r.json()) as { sandboxID: string; trafficAccessToken: string | null };
+    expect(typeof made.trafficAccessToken).toBe("string");
+    const denied = await fetch(`${base}/proxy/${made.sandboxID}/8080/`);
+    expect(denied.status).toBe(403);
+    expect(((await denied.json()) as { message: string }).message).toContain("e2b-traffic-access-token");
+    const wrong = await fetch(`${base}/proxy/${made.sandboxID}/8080/`, { headers: { "e2b-traffic-access-token": "nope" } });
+    expect(wrong.status).toBe(403);
+    // With the token the proxy lets it through (nothing listens on 8080: the port-not-open 502).
+    const allowed = await fetch(`${base}/proxy/${made.sandboxID}/8080/`, { headers: { "e2b-traffic-access-token": made.trafficAccessToken! } });
+    expect(allowed.status).toBe(502);
+    expect(((await allowed.json()) as { message: string }).message).toContain("port is not open");
+    expect(await Sandbox.kill(made.sandboxID, opts())).toBe(true);
+  }, 180_000);
+
+  test("autoPause: at expiry the sandbox is paused, not killed, and connect brings it back", async () => {
+    const r = await fetch(`${base}/v2/sandboxes`, { method: "POST", headers: { "x-api-key": KEY, "content-type": "application/json" }, body: JSON.stringify({ templateID: "busybox", timeout: 1, autoPause: true }) });
+    const id = ((await r.json()) as { sandboxID: string }).sandboxID;
+    const end = Date.now() + 60_000;
+    while (Date.now() < end && (await Sandbox.getInfo(id, opts())).state !== "paused") await Bun.sleep(200);
+    expect((await Sandbox.getInfo(id, opts())).state).toBe("paused");
+    const back = await Sandbox.connect(id, opts());
+    expect(await back.isRunning()).toBe(true);
+    expect(await back.kill()).toBe(true);
+  }, 120_000);
+
   test("bad input: unknown template 404, wrong types 400, bad key 401, unknown sandbox 404 — all {code, message}", async () => {
     const post = (path: string, body: string, key = KEY) => fetch(base + path, { method: "POST", headers: { "x-api-key": key, "content-type": "application/json" }, body });
     for (const [r, status] of [
