@@ -1,7 +1,8 @@
 // The guest's built pieces (kernel, initramfs, tools disk, a test rootfs) as paths, built by the
 // scripts beside this file when missing or stale. Tests, benchmarks and the node call this.
 
-import { existsSync, mkdirSync, openSync, readdirSync, readSync, closeSync, renameSync, rmSync, statSync } from "node:fs";
+import { existsSync, mkdirSync, readdirSync, renameSync, rmSync, statSync } from "node:fs";
+import { open } from "node:fs/promises";
 import { join } from "node:path";
 import { WritableLayer } from "../src/storage/lsmt/writable_layer.ts";
 
@@ -20,24 +21,31 @@ export interface GuestKernel {
   vmlinuz: string;
 }
 
-function run(script: string, args: string[] = []): string[] {
-  const r = Bun.spawnSync(["bash", join(GUEST_DIR, script), ...args], { stdout: "pipe", stderr: "pipe" });
-  if (r.exitCode !== 0) throw new Error(`guest/${script} failed (${r.exitCode}): ${r.stderr.toString().trim()}`);
-  return r.stdout.toString().trim().split("\n").filter(Boolean);
+/** A build script's stdout lines; asynchronous, so a node building its guest keeps serving. */
+async function run(script: string, args: string[] = []): Promise<string[]> {
+  const p = Bun.spawn(["bash", join(GUEST_DIR, script), ...args], { stdout: "pipe", stderr: "pipe" });
+  const timer = setTimeout(() => p.kill("SIGKILL"), BUILD_TIMEOUT_MS);
+  const [out, err, code] = await Promise.all([new Response(p.stdout).text(), new Response(p.stderr).text(), p.exited]);
+  clearTimeout(timer);
+  if (code !== 0) throw new Error(`guest/${script} failed (${code}${p.signalCode ? `, ${p.signalCode}` : ""}): ${err.trim().slice(-4000)}`);
+  return out.trim().split("\n").filter(Boolean);
 }
 
+/** One build script or envd compile: a kernel download and unpack, or a tools disk, take seconds. */
+const BUILD_TIMEOUT_MS = 10 * 60_000;
+
 /** Debian's stock cloud kernel with our initramfs. */
-export function debianKernel(): GuestKernel {
-  const [vmlinux, initrd, vmlinuz] = run("kernel/fetch-debian-kernel.sh");
+export async function debianKernel(): Promise<GuestKernel> {
+  const [vmlinux, initrd, vmlinuz] = await run("kernel/fetch-debian-kernel.sh");
   return { vmlinux: vmlinux!, initrd: initrd!, vmlinuz: vmlinuz! };
 }
 
 /** The read-only tools disk; with envd, the binary goes in at /agentenv/envd. */
-export function toolsDisk(opts: { envd?: string; out?: string } = {}): string {
+export async function toolsDisk(opts: { envd?: string; out?: string } = {}): Promise<string> {
   const args: string[] = [];
   if (opts.envd) args.push("--envd", opts.envd);
   if (opts.out) args.push("--out", opts.out);
-  return run("build-tools-disk.sh", args).at(-1)!;
+  return (await run("build-tools-disk.sh", args)).at(-1)!;
 }
 
 /**
@@ -45,29 +53,32 @@ export function toolsDisk(opts: { envd?: string; out?: string } = {}): string {
  * code; rebuilt when any source file is newer. Still linked against the host's glibc: the tools
  * disk build points it at its own copy of the loader and libraries.
  */
-export function envdBinary(out = join(guestCache(), "envd", "envd")): string {
+export async function envdBinary(out = join(guestCache(), "envd", "envd")): Promise<string> {
   const srcDir = join(GUEST_DIR, "envd");
   const newest = Math.max(...readdirSync(srcDir).filter((f) => f.endsWith(".ts")).map((f) => statSync(join(srcDir, f)).mtimeMs));
   if (existsSync(out) && statSync(out).mtimeMs >= newest) return out;
   mkdirSync(join(out, ".."), { recursive: true });
   const tmp = `${out}.tmp`;
-  const r = Bun.spawnSync([process.execPath, "build", "--compile", join(srcDir, "main.ts"), "--outfile", tmp], { stdout: "pipe", stderr: "pipe" });
-  if (r.exitCode !== 0) throw new Error(`bun build --compile envd failed (${r.exitCode}): ${r.stderr.toString().trim()}`);
+  const p = Bun.spawn([process.execPath, "build", "--compile", join(srcDir, "main.ts"), "--outfile", tmp], { stdout: "pipe", stderr: "pipe" });
+  const timer = setTimeout(() => p.kill("SIGKILL"), BUILD_TIMEOUT_MS);
+  const [err, code] = await Promise.all([new Response(p.stderr).text(), p.exited]);
+  clearTimeout(timer);
+  if (code !== 0) throw new Error(`bun build --compile envd failed (${code}): ${err.trim()}`);
   renameSync(tmp, out);
   return out;
 }
 
 /** The tools disk with the real envd on it (a separate image, so the envd-less default stays). */
-export function envdToolsDisk(): string {
-  return toolsDisk({ envd: envdBinary(), out: join(guestCache(), "tools-envd.img") });
+export async function envdToolsDisk(): Promise<string> {
+  return toolsDisk({ envd: await envdBinary(), out: join(guestCache(), "tools-envd.img") });
 }
 
 /** A busybox-only root filesystem image (raw ext4), standing in for a user's image. */
-export function testRootfs(opts: { out?: string; sizeMiB?: number } = {}): string {
+export async function testRootfs(opts: { out?: string; sizeMiB?: number } = {}): Promise<string> {
   const args: string[] = [];
   if (opts.out) args.push("--out", opts.out);
   if (opts.sizeMiB) args.push("--size", String(opts.sizeMiB));
-  return run("build-test-rootfs.sh", args).at(-1)!;
+  return (await run("build-test-rootfs.sh", args)).at(-1)!;
 }
 
 export interface GuestCmdline {
@@ -120,11 +131,12 @@ export async function sealedLayer(image: string, out = `${image}.sealed`): Promi
   const size = Math.ceil(statSync(image).size / 512) * 512;
   const tmp = `${out}.tmp`;
   const layer = await WritableLayer.create(`${tmp}.data`, `${tmp}.index`, { virtualSize: size });
-  const fd = openSync(image, "r");
+  // Asynchronous reads: a 2 GiB image must not hold the event loop of whoever builds it.
+  const fh = await open(image, "r");
   try {
     const block = new Uint8Array(64 << 10);
     for (let pos = 0; pos < size; pos += block.length) {
-      const n = readSync(fd, block, 0, Math.min(block.length, size - pos), pos);
+      const { bytesRead: n } = await fh.read(block, 0, Math.min(block.length, size - pos), pos);
       if (n <= 0) break;
       const len = Math.ceil(n / 512) * 512;
       block.fill(0, n, len);
@@ -133,7 +145,7 @@ export async function sealedLayer(image: string, out = `${image}.sealed`): Promi
     }
     await layer.seal();
   } finally {
-    closeSync(fd);
+    await fh.close();
     await layer.close();
   }
   renameSync(`${tmp}.data`, out);

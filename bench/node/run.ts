@@ -49,9 +49,9 @@ function split(ts: OpTiming[]) {
 }
 
 // ---- setup ----------------------------------------------------------------------------------------
-const kernel = debianKernel();
-const rootfsLayer = await sealedLayer(testRootfs());
-const toolsLayer = await sealedLayer(envdToolsDisk());
+const kernel = await debianKernel();
+const rootfsLayer = await sealedLayer(await testRootfs());
+const toolsLayer = await sealedLayer(await envdToolsDisk());
 mkdirSync("/var/tmp/aenv-bench", { recursive: true });
 const work = mkdtempSync("/var/tmp/aenv-bench/node-");
 const runRoot = mkdtempSync("/dev/shm/aenv-bench-node-");

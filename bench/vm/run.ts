@@ -59,12 +59,12 @@ const ms = (x: number) => `${Math.round(x)} ms`;
 
 // ---- setup ----------------------------------------------------------------------------------------
 
-const kernel = debianKernel();
-const toolsImage = toolsDisk();
-const rootfsImage = testRootfs();
+const kernel = await debianKernel();
+const toolsImage = await toolsDisk();
+const rootfsImage = await testRootfs();
 const toolsLayer = await sealedLayer(toolsImage);
 const rootfsLayer = await sealedLayer(rootfsImage);
-const envdToolsLayer = await sealedLayer(envdToolsDisk());
+const envdToolsLayer = await sealedLayer(await envdToolsDisk());
 mkdirSync("/var/tmp/aenv-bench", { recursive: true });
 const work = mkdtempSync("/var/tmp/aenv-bench/vm-");
 const runRoot = mkdtempSync("/dev/shm/aenv-bench-vm-");

@@ -37,7 +37,7 @@ export async function busyboxTemplate(templates: TemplateStore): Promise<void> {
 /** Store, templates, slots (keeping those that sandboxes use) and an orchestrator over `blockd`. */
 export async function nodeParts(d: NodeDirs, blockd: BlockdClient, o: { slotPool?: number; maxSandboxes?: number } = {}) {
   const fx = await guestFixture();
-  const toolsLayer = await sealedLayer(envdToolsDisk());
+  const toolsLayer = await sealedLayer(await envdToolsDisk());
   const store = new SandboxStore(join(d.dir, "node.db"));
   const templates = new TemplateStore(store.db);
   await busyboxTemplate(templates);

@@ -45,7 +45,7 @@ describe.skipIf(!!skip)("node API + orchestrator with the e2b SDK (QEMU, blockd,
 
   beforeAll(async () => {
     const fx = await guestFixture();
-    const toolsLayer = await sealedLayer(envdToolsDisk());
+    const toolsLayer = await sealedLayer(await envdToolsDisk());
     await pool.start();
     orch = new Orchestrator(store, templates, client, pool, new QemuDriver(), {
       kernel: fx.kernel.vmlinux, initrd: fx.kernel.initrd, toolsLayer,

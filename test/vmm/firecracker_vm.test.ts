@@ -45,7 +45,7 @@ describe.skipIf(!!skip)("Firecracker microVMs", async () => {
 
   beforeAll(async () => {
     fx = await guestFixture();
-    toolsLayer = await sealedLayer(envdToolsDisk());
+    toolsLayer = await sealedLayer(await envdToolsDisk());
     await pool.start();
   }, 240_000);
   afterAll(async () => {

@@ -26,9 +26,9 @@ export interface GuestFixture {
 
 /** Kernel, initramfs, tools disk and test rootfs, built on first use (cached under guest/.cache). */
 export async function guestFixture(): Promise<GuestFixture> {
-  const kernel = debianKernel();
-  const toolsImage = toolsDisk();
-  const rootfsImage = testRootfs();
+  const kernel = await debianKernel();
+  const toolsImage = await toolsDisk();
+  const rootfsImage = await testRootfs();
   return { kernel, toolsImage, toolsLayer: await sealedLayer(toolsImage), rootfsImage, rootfsLayer: await sealedLayer(rootfsImage) };
 }
 

@@ -286,7 +286,7 @@ describe.skipIf(!!skip)("QEMU microVMs", async () => {
     "envd on the tools disk: started by init, restarted by the supervisor when it dies",
     async () => {
       // A shell stand-in for envd; the real binary goes in the same way (toolsDisk({ envd })).
-      const tools = toolsDisk({ envd: join(import.meta.dir, "fake-envd.sh"), out: join(dirname(fx.toolsImage), "tools-test-envd.img") });
+      const tools = await toolsDisk({ envd: join(import.meta.dir, "fake-envd.sh"), out: join(dirname(fx.toolsImage), "tools-test-envd.img") });
       const port = freePort();
       const envdPort = freePort();
       const rootfs = await rootfsDrive(client, [fx.rootfsLayer], "envd1");

@@ -59,7 +59,7 @@ describe.skipIf(!!skip)("sandbox VMs: envd in the guest, VM in a network slot, t
     before.devices = (await client.call<unknown[]>("list")).length;
     fx = await guestFixture();
     const t0 = performance.now();
-    toolsLayer = await sealedLayer(envdToolsDisk()); // compiles envd when its sources changed
+    toolsLayer = await sealedLayer(await envdToolsDisk()); // compiles envd when its sources changed
     console.log(`  envd binary + tools disk layer: ${Math.round(performance.now() - t0)} ms`);
     await pool.start();
   }, 240_000);
