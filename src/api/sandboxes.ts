@@ -259,8 +259,14 @@ export function sandboxRoutes(getOrch: () => Orchestrator, o: SandboxRoutesOptio
     }), { params: idParams, ...tags("sandboxes") })
     .get("/sandboxes/:sandboxID/logs", ({ params }) => call(async () => {
       orch().get(params.sandboxID);
-      return { logs: await orch().logs(params.sandboxID), logEntries: [] };
+      const lines = await orch().logs(params.sandboxID);
+      return { logs: lines, logEntries: lines.map((l) => ({ timestamp: l.timestamp, level: "info", message: l.line, fields: {} })) };
     }), { params: idParams, detail: { tags: ["sandboxes"], summary: "The guest console, line by line" } })
+    .get("/v2/sandboxes/:sandboxID/logs", ({ params }) => call(async () => {
+      orch().get(params.sandboxID);
+      const lines = await orch().logs(params.sandboxID);
+      return { logs: lines.map((l) => ({ timestamp: l.timestamp, level: "info", message: l.line, fields: {} })) };
+    }), { params: idParams, detail: { tags: ["sandboxes"], summary: "The guest console as E2B v2 log entries" } })
     .post("/sandboxes/:sandboxID/fork", async ({ params, body, set }) => {
       const count = body.count ?? 1;
       const results = await call(() => orch().fork(params.sandboxID, count, body.timeout));
