@@ -6,20 +6,13 @@ import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { existsSync, mkdirSync, readdirSync, rmSync } from "node:fs";
 import { join } from "node:path";
 import { CommandExitError, FilesystemEventType, Sandbox, SandboxNotFoundError } from "e2b";
-import { haveTool, SlotPool } from "../../src/network/index.ts";
+import { SlotPool } from "../../src/network/index.ts";
 import { stopBlockd } from "../blockdev/harness.ts";
 import { scratchDir } from "../helpers/tmp.ts";
-import { qemuPids, vmSkipReason } from "../vmm/harness.ts";
+import { sandboxSkipReason } from "../orchestrator/harness.ts";
+import { qemuPids } from "../vmm/harness.ts";
 
-function skipReason(): string | undefined {
-  const vm = vmSkipReason();
-  if (vm) return vm;
-  if (!existsSync("/dev/net/tun")) return "no /dev/net/tun for the slot's TAP";
-  for (const t of ["ip", "nft", "sysctl", "conntrack"] as const) if (!haveTool(t)) return `${t} is missing (see .ci/run)`;
-  if (!Bun.which("mmdebstrap")) return "mmdebstrap is missing: the base template cannot be built (see .ci/run)";
-  return undefined;
-}
-const skip = skipReason();
+const skip = sandboxSkipReason() ?? (Bun.which("mmdebstrap") ? undefined : "mmdebstrap is missing: the base template cannot be built (see .ci/deps)");
 const ROOT = join(import.meta.dir, "../..");
 const KEY = "e2b_" + "5e".repeat(20);
 const tag = ((process.pid + 3) % 46656).toString(36).padStart(3, "0");

@@ -7,12 +7,22 @@ import { SandboxProxy } from "../../src/api/proxy.ts";
 import { sandboxRoutes } from "../../src/api/sandboxes.ts";
 import { serveNode } from "../../src/api/server.ts";
 import type { BlockdClient } from "../../src/blockdev/client.ts";
-import { SlotPool } from "../../src/network/index.ts";
+import { existsSync } from "node:fs";
+import { haveTool, SlotPool } from "../../src/network/index.ts";
 import { Orchestrator } from "../../src/orchestrator/orchestrator.ts";
 import { SandboxStore } from "../../src/orchestrator/store.ts";
 import { TemplateStore } from "../../src/orchestrator/templates.ts";
 import { QemuDriver } from "../../src/vmm/qemu.ts";
-import { guestFixture } from "../vmm/harness.ts";
+import { guestFixture, vmSkipReason } from "../vmm/harness.ts";
+
+/** Why sandboxes (VMs in network slots) cannot run here, or undefined when they can. */
+export function sandboxSkipReason(): string | undefined {
+  const vm = vmSkipReason();
+  if (vm) return vm;
+  if (!existsSync("/dev/net/tun")) return "no /dev/net/tun for the slot's TAP";
+  for (const t of ["ip", "nft", "sysctl", "conntrack"] as const) if (!haveTool(t)) return `${t} is missing (see .ci/deps)`;
+  return undefined;
+}
 
 export interface NodeDirs {
   /** Holds node.db and home/. */

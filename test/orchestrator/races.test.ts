@@ -2,25 +2,17 @@
 // stop an operation half way, and a run of failures and kills leaves nothing behind: no VMM, no
 // acquired device, no leased slot, no row, no checkpoint.
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
-import { existsSync, readdirSync } from "node:fs";
+import { readdirSync } from "node:fs";
 import { join } from "node:path";
 import { Sandbox } from "e2b";
-import { haveTool } from "../../src/network/index.ts";
 import type { Orchestrator } from "../../src/orchestrator/orchestrator.ts";
 import type { SandboxStore } from "../../src/orchestrator/store.ts";
 import type { TemplateStore } from "../../src/orchestrator/templates.ts";
 import { startBlockd } from "../blockdev/harness.ts";
-import { qemuPids, rmrf, runRoot, vmSkipReason } from "../vmm/harness.ts";
-import { nodeParts, serveParts } from "./harness.ts";
+import { qemuPids, rmrf, runRoot } from "../vmm/harness.ts";
+import { nodeParts, serveParts, sandboxSkipReason } from "./harness.ts";
 
-function skipReason(): string | undefined {
-  const vm = vmSkipReason();
-  if (vm) return vm;
-  if (!existsSync("/dev/net/tun")) return "no /dev/net/tun for the slot's TAP";
-  for (const t of ["ip", "nft", "sysctl", "conntrack"] as const) if (!haveTool(t)) return `${t} is missing (see .ci/run)`;
-  return undefined;
-}
-const skip = skipReason();
+const skip = sandboxSkipReason();
 const KEY = "e2b_" + "7b".repeat(20);
 const tag = ((process.pid + 13) % 46656).toString(36).padStart(3, "0");
 

@@ -1,22 +1,13 @@
 // A node killed with -9 while a sandbox runs: blockd and the VM outlive it; the next node process
 // takes the VM back (recover), and the sandbox still answers with its files and processes.
 import { afterAll, describe, expect, test } from "bun:test";
-import { existsSync } from "node:fs";
 import { join } from "node:path";
 import { Sandbox } from "e2b";
-import { haveTool } from "../../src/network/index.ts";
 import { startBlockd } from "../blockdev/harness.ts";
-import { qemuPids, rmrf, runRoot, vmSkipReason } from "../vmm/harness.ts";
-import { nodeParts, serveParts } from "./harness.ts";
+import { qemuPids, rmrf, runRoot } from "../vmm/harness.ts";
+import { nodeParts, serveParts, sandboxSkipReason } from "./harness.ts";
 
-function skipReason(): string | undefined {
-  const vm = vmSkipReason();
-  if (vm) return vm;
-  if (!existsSync("/dev/net/tun")) return "no /dev/net/tun for the slot's TAP";
-  for (const t of ["ip", "nft", "sysctl", "conntrack"] as const) if (!haveTool(t)) return `${t} is missing (see .ci/run)`;
-  return undefined;
-}
-const skip = skipReason();
+const skip = sandboxSkipReason();
 const KEY = "e2b_" + "9a".repeat(20);
 const tag = ((process.pid + 11) % 46656).toString(36).padStart(3, "0");
 

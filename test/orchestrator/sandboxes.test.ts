@@ -3,30 +3,17 @@
 // through the node's API and proxy. create → commands/files → pause → connect → fork → snapshot →
 // create from the snapshot → list/filter → setTimeout expiry → kill → 404; bad input; no leaks.
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
-import { existsSync, readdirSync } from "node:fs";
+import { readdirSync } from "node:fs";
 import { join } from "node:path";
 import { Sandbox, SandboxNotFoundError } from "e2b";
-import { envdToolsDisk, guestCmdline, sealedLayer } from "../../guest/artifacts.ts";
-import { createApi } from "../../src/api/app.ts";
-import { SandboxProxy } from "../../src/api/proxy.ts";
-import { serveNode } from "../../src/api/server.ts";
-import { sandboxRoutes } from "../../src/api/sandboxes.ts";
-import { haveTool, SlotPool } from "../../src/network/index.ts";
-import { Orchestrator } from "../../src/orchestrator/orchestrator.ts";
-import { SandboxStore } from "../../src/orchestrator/store.ts";
-import { TemplateStore } from "../../src/orchestrator/templates.ts";
-import { QemuDriver } from "../../src/vmm/qemu.ts";
+import type { SlotPool } from "../../src/network/index.ts";
+import type { Orchestrator } from "../../src/orchestrator/orchestrator.ts";
+import type { SandboxStore } from "../../src/orchestrator/store.ts";
 import { startBlockd } from "../blockdev/harness.ts";
-import { guestFixture, qemuPids, rmrf, runRoot, vmSkipReason } from "../vmm/harness.ts";
+import { nodeParts, sandboxSkipReason, serveParts } from "./harness.ts";
+import { qemuPids, rmrf, runRoot } from "../vmm/harness.ts";
 
-function skipReason(): string | undefined {
-  const vm = vmSkipReason();
-  if (vm) return vm;
-  if (!existsSync("/dev/net/tun")) return "no /dev/net/tun for the slot's TAP";
-  for (const t of ["ip", "nft", "sysctl", "conntrack"] as const) if (!haveTool(t)) return `${t} is missing (see .ci/run)`;
-  return undefined;
-}
-const skip = skipReason();
+const skip = sandboxSkipReason();
 const KEY = "e2b_" + "cd".repeat(20);
 const tag = ((process.pid + 7) % 46656).toString(36).padStart(3, "0");
 
@@ -35,32 +22,19 @@ describe.skipIf(!!skip)("node API + orchestrator with the e2b SDK (QEMU, blockd,
   const { dir, client } = await startBlockd("orch", { pool: 2 });
   const root = runRoot("orch");
   const home = join(dir, "home");
-  const store = new SandboxStore(join(dir, "node.db"));
-  const templates = new TemplateStore(store.db);
-  const pool = new SlotPool({ size: 1, prefix: `aor${tag}-`, hostCidr: `10.215.${process.pid % 250}.0/24`, hostTable: `aenv_orch_${tag}` });
   let orch: Orchestrator;
+  let store: SandboxStore;
+  let pool: SlotPool;
   let stopServer = () => {};
   let base = "";
   const opts = () => ({ apiKey: KEY, apiUrl: base, sandboxUrl: base, requestTimeoutMs: 120_000 });
 
   beforeAll(async () => {
-    const fx = await guestFixture();
-    const toolsLayer = await sealedLayer(await envdToolsDisk());
-    await pool.start();
-    orch = new Orchestrator(store, templates, client, pool, new QemuDriver(), {
-      kernel: fx.kernel.vmlinux, initrd: fx.kernel.initrd, toolsLayer,
-      cmdline: (s) => guestCmdline({ ip: `${s.guestIp}/${s.guestPrefixLen}`, gw: s.gatewayIp }),
-    }, { home, runRoot: root, defaultTimeoutS: 300, maxSandboxes: 12, forkParallelism: 2 });
-    templates.insert({
-      id: "busyboxtpl", alias: "busybox", kind: "template", names: ["busybox:default"], cpuCount: 1, memoryMB: 256,
-      diskSizeMB: 64, layers: [fx.rootfsLayer], checkpoint: null, sourceSandboxId: null, envdVersion: "0.6.13", createdAt: Date.now(),
-    });
-    const proxy = new SandboxProxy(orch, { domain: "" });
-    const app = createApi({ apiKey: KEY, maxBodyBytes: 1 << 20, notReadyReason: () => undefined, version: "test" })
-      .use(sandboxRoutes(() => orch, { domain: null, defaultTimeoutS: 300 }));
-    const server = serveNode(app, { hostname: "127.0.0.1", port: 0, proxy: () => proxy });
-    base = `http://127.0.0.1:${server.port}`;
-    stopServer = () => void server.stop();
+    const parts = await nodeParts({ dir, runRoot: root, slotPrefix: `aor${tag}-`, slotCidr: `10.215.${process.pid % 250}.0/24` }, client);
+    ({ orch, store, pool } = parts);
+    const served = serveParts(orch, KEY);
+    base = served.base;
+    stopServer = served.stop;
     orch.startReaper(200);
   }, 300_000);
 
@@ -68,7 +42,7 @@ describe.skipIf(!!skip)("node API + orchestrator with the e2b SDK (QEMU, blockd,
     await orch?.killAll();
     orch?.close();
     stopServer();
-    await pool.destroy().catch(() => {});
+    await pool?.destroy().catch(() => {});
     rmrf(root);
   });
 
