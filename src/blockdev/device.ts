@@ -4,7 +4,7 @@
 // with as a dead one: ended, its device failed, its fds closed.
 
 import { eventfdSignal } from "../../ffi/libc.ts";
-import type { ImageConfig } from "../storage/image_config.ts";
+import type { ImageConfig, UpperRef } from "../storage/image_config.ts";
 import type { ControlOp, WorkerInit } from "./device_worker.ts";
 import { FdLedger } from "./fd_ledger.ts";
 import { BlockdError } from "./protocol.ts";
@@ -13,14 +13,16 @@ export type DeviceCall = ControlOp["op"] | "start";
 
 /**
  * How long a worker has to answer each call (ms). stats and resize are bookkeeping; start and swap
- * open an image, stop flushes and closes one, restack and flush seal or sync what the upper holds,
- * which grows with its index and the disk. Each stays under the client's bound of the RPC that
- * makes it (30 s; 120 s for create, acquire, restack, delete, ...: client.ts), with a cold acquire's
- * start + swap in one RPC, so the caller hears which device and call, not its own timeout.
+ * open an image, attach an upper, stop flushes and closes one, restack and flush seal or sync what
+ * the upper holds, which grows with its index and the disk. Each stays under the client's bound of
+ * the RPC that makes it (30 s; 120 s for create, acquire, restack, delete, ...: client.ts), with a
+ * cold acquire's start + swap in one RPC, so the caller hears which device and call, not its own
+ * timeout.
  */
 export const DEVICE_CALL_TIMEOUT_MS: Readonly<Record<DeviceCall, number>> = {
   start: 45_000,
   swap: 45_000,
+  attach: 45_000,
   stop: 60_000,
   restack: 90_000,
   flush: 90_000,
@@ -193,6 +195,11 @@ export class DeviceHandle {
   }
   async swap(config: ImageConfig | null, readOnly: boolean): Promise<void> {
     const r = await this.call<{ size: number }>({ op: "swap", config, readOnly });
+    this.size = r.size;
+  }
+  /** The image's lowers stay open and `upper` goes on top (a prepared pool device being acquired). */
+  async attach(upper: UpperRef): Promise<void> {
+    const r = await this.call<{ size: number }>({ op: "attach", upper });
     this.size = r.size;
   }
   async resize(size: number): Promise<void> {

@@ -4,7 +4,8 @@
 
 import { eventfd } from "../../ffi/libc.ts";
 import { Image } from "../storage/image.ts";
-import type { ImageConfig } from "../storage/image_config.ts";
+import type { ImageConfig, UpperRef } from "../storage/image_config.ts";
+import { WritableLayer } from "../storage/lsmt/writable_layer.ts";
 import type { DeviceIo, WakeSource } from "./device_io.ts";
 import { FuseDisk } from "./fuse/server.ts";
 import { UblkQueue } from "./ublk/queue.ts";
@@ -39,6 +40,7 @@ export interface WorkerInit {
 export type ControlOp =
   | { op: "restack"; layerPath: string }
   | { op: "swap"; config: ImageConfig | null; readOnly: boolean }
+  | { op: "attach"; upper: UpperRef }
   | { op: "resize"; size: number }
   | { op: "flush" }
   | { op: "stats" }
@@ -93,6 +95,21 @@ async function runControl(body: ControlOp): Promise<unknown> {
       disk?.invalidate();
       return { size: io.size() };
     }
+    case "attach": {
+      // A prepared pool device: its lowers stay open, the upper goes on top. A failure leaves the image as it was.
+      const lowersOnly = io.image;
+      if (!lowersOnly || lowersOnly.upper) throw new IoRangeError("attach needs an image of lowers only", init.id);
+      const upper = await WritableLayer.open(body.upper.data, body.upper.index);
+      try {
+        lowersOnly.attachUpper(upper);
+      } catch (e) {
+        await upper.close();
+        throw e;
+      }
+      io.readOnly = false;
+      disk?.invalidate();
+      return { size: io.size() };
+    }
     case "resize":
       if (!io.image || io.readOnly) throw new IoRangeError("device is read-only", init.id);
       await io.image.resize(body.size);
@@ -112,9 +129,11 @@ async function runControl(body: ControlOp): Promise<unknown> {
 }
 
 async function drainControl(): Promise<void> {
-  // Messages posted before the eventfd write may still be on their way to onmessage.
+  // Messages posted before the eventfd write may still be on their way to onmessage. One turn of
+  // the event loop delivers them; a timer would also wait out the serve loop's 1 ms poll on every
+  // control call (a stats round trip: 0.07 ms this way, 1.16 ms with Bun.sleep(0)).
   const posted = new Int32Array(init.posted);
-  while (received < Atomics.load(posted, 0)) await Bun.sleep(0);
+  while (received < Atomics.load(posted, 0)) await new Promise<void>((r) => setImmediate(r));
   while (queue.length) {
     const { seq, body } = queue.shift()!;
     if (faultArg("worker-exit") === `${init.id}:${body.op}`) crashThread(`device ${init.id}'s worker, asked for ${body.op}`);

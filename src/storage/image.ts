@@ -53,6 +53,17 @@ export class Image {
   get upper(): WritableLayer | undefined {
     return this.upperLayer;
   }
+
+  /**
+   * A fresh upper on top of an image of lowers only; the lowers and their merged index stay (a
+   * rebuild is ~0.5 ms for a 9k-segment base). Fresh: it maps nothing, so no read in flight sees
+   * the stack change.
+   */
+  attachUpper(upper: WritableLayer): void {
+    if (this.upperLayer) throw new ConfigError("the image already has a writable layer");
+    if (upper.index.size) throw new ConfigError("only a fresh upper (one that maps nothing) can be attached", upper.dataPath);
+    this.upperLayer = upper;
+  }
   get readOnly(): boolean {
     return !this.upperLayer;
   }
