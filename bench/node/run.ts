@@ -150,7 +150,7 @@ await src.commands.run(`truncate -s ${DOWNLOAD_MIB}M /root/big`, { user: "root" 
     straight.push(await download(direct, {}));
     viaProxy.push(await download(base, { "e2b-sandbox-id": src.sandboxId }));
   }
-  results.proxyDownload = { mib: DOWNLOAD_MIB, directMiBs: r1(median(straight)), proxyMiBs: r1(median(viaProxy)), ratio: r1(median(viaProxy) / median(straight) * 100) / 100, target: "≥ 0.9×" };
+  results.proxyDownload = { mib: DOWNLOAD_MIB, directMiBs: r1(median(straight)), proxyMiBs: r1(median(viaProxy)), ratio: Math.round((median(viaProxy) / median(straight)) * 100) / 100, target: "≥ 0.9×" };
   const lat = async (url: string, headers: Record<string, string>) => {
     const xs: number[] = [];
     for (let i = 0; i < 300; i++) {
