@@ -41,6 +41,8 @@ export const FUSE_PARALLEL_DIROPS = 1 << 18;
 export const FUSE_MAX_PAGES = 1 << 22;
 export const FUSE_INIT_EXT = 1 << 30;
 export const FUSE2_HAS_RESEND = 1 << (39 - 32); // flags2 bit 7
+/** Requests and replies over io_uring (FUSE_OVER_IO_URING, protocol 7.42): flags2 bit 9. */
+export const FUSE2_OVER_IO_URING = 1 << (41 - 32);
 
 export const FOPEN_DIRECT_IO = 1;
 export const FOPEN_KEEP_CACHE = 2;
@@ -53,6 +55,27 @@ export const FUSE_NOTIFY_RESEND = 7;
 export const FUSE_UNIQUE_RESEND = 1n << 63n;
 
 export const FUSE_DEV_IOC_CLONE = 0x8004e500;
+
+// FUSE over io_uring (include/uapi/linux/fuse.h, fs/fuse/dev_uring.c): IORING_OP_URING_CMD on
+// /dev/fuse with 128-byte SQEs. REGISTER lends the kernel one entry (a header buffer and a payload
+// buffer, as a 2-iovec array in sqe.addr/len) on queue `qid` and completes when a request is in it;
+// COMMIT_AND_FETCH answers the entry's request and lends it again. One queue per possible CPU; a
+// request goes to the queue of the CPU its caller runs on, and the connection switches from
+// read/write of /dev/fuse to the ring once every queue has an entry.
+export const FUSE_IO_URING_CMD_REGISTER = 1;
+export const FUSE_IO_URING_CMD_COMMIT_AND_FETCH = 2;
+/** struct fuse_uring_req_header: in_out[128] (fuse_in_header / fuse_out_header), op_in[128], ring_ent_in_out. */
+export const FUSE_URING_OP_IN = 128;
+export const FUSE_URING_ENT_IN_OUT = 256;
+export const FUSE_URING_HEADER_SIZE = 288;
+/** struct fuse_uring_ent_in_out: flags u64 @0, commit_id u64 @8, payload_sz u32 @16. */
+export const FUSE_URING_COMMIT_ID = FUSE_URING_ENT_IN_OUT + 8;
+export const FUSE_URING_PAYLOAD_SZ = FUSE_URING_ENT_IN_OUT + 16;
+/** struct fuse_uring_cmd_req in the SQE's command area: flags u64 @0, commit_id u64 @8, qid u16 @16. */
+export const FUSE_URING_CMD_COMMIT_ID = 8;
+export const FUSE_URING_CMD_QID = 16;
+/** The module parameter that lets connections use the ring (off by default; root may set it). */
+export const FUSE_ENABLE_URING_PARAM = "/sys/module/fuse/parameters/enable_uring";
 
 /** Each read of /dev/fuse returns one request; the buffer must hold max_write + headers. */
 export const FUSE_MIN_READ_BUFFER = 8192;

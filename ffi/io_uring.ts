@@ -12,6 +12,8 @@ import {
   SYS_io_uring_register,
   SYS_io_uring_setup,
   SyscallError,
+  allocAligned,
+  type AlignedBuffer,
   close as closeFd,
   errno,
   libc,
@@ -409,6 +411,18 @@ export interface IoUringOptions {
   wqFd?: number;
   /** madvise(MADV_DONTFORK) the ring mappings, for processes that fork. */
   dontFork?: boolean;
+  /**
+   * Rings and SQEs in memory of ours (IORING_SETUP_NO_MMAP, Linux 6.5) instead of mappings of the
+   * ring's fd: closing the fd then releases the ring even when its memory stays mapped (a thread
+   * that died without close()), which cancels the commands it had in flight.
+   */
+  userMemory?: boolean;
+}
+
+/** Bytes of user memory for the rings region (io_rings + CQEs + SQ array) of a NO_MMAP ring. */
+function userRingsBytes(sqEntries: number, cqEntries: number, cqeSize: number): number {
+  const bytes = 4096 + cqEntries * cqeSize + sqEntries * 4; // struct io_rings is well under a page
+  return Math.ceil(bytes / 4096) * 4096;
 }
 
 /** Called once per reaped CQE. userData is exact in its low 53 bits. */
@@ -455,10 +469,32 @@ export class IoUring {
 
     const pbuf = new Uint8Array(IO_URING_PARAMS_SIZE);
     const pdv = new DataView(pbuf.buffer);
+    let user: { rings: AlignedBuffer; sqes: AlignedBuffer } | undefined;
+    if (opts.userMemory) {
+      // The kernel rounds entries up to a power of two; size for that, and for the CQ it will make.
+      let sq = 1;
+      while (sq < entries) sq *= 2;
+      const cq = opts.cqEntries ?? 2 * sq;
+      flags |= IORING_SETUP_NO_MMAP;
+      user = {
+        rings: allocAligned(userRingsBytes(sq, cq, flags & IORING_SETUP_CQE32 ? IO_URING_CQE32_SIZE : IO_URING_CQE_SIZE)),
+        sqes: allocAligned(sq * (flags & IORING_SETUP_SQE128 ? IO_URING_SQE128_SIZE : IO_URING_SQE_SIZE)),
+      };
+    }
     encodeParams(pdv, { ...opts, flags });
+    if (user) {
+      setU64(pdv, PARAMS_SQ_OFF + SQ_OFF_USER_ADDR, user.sqes.ptr);
+      setU64(pdv, PARAMS_CQ_OFF + CQ_OFF_USER_ADDR, user.rings.ptr);
+    }
     const fd = Number(libc.syscall(SYS_io_uring_setup, entries, ptr(pbuf), 0, 0, 0, 0));
-    if (fd < 0) throw new SyscallError("io_uring_setup", errno());
+    if (fd < 0) {
+      const e = errno();
+      user?.rings.free();
+      user?.sqes.free();
+      throw new SyscallError("io_uring_setup", e);
+    }
     this.fd = fd;
+    this.userMem = user;
 
     try {
       const p = decodeParams(pdv);
@@ -472,11 +508,19 @@ export class IoUring {
 
       const sqLen = p.sqOff.array + p.sqEntries * 4;
       const cqLen = p.cqOff.cqes + p.cqEntries * this.cqeSize;
-      const single = (p.features & IORING_FEAT_SINGLE_MMAP) !== 0;
-      const sqRing = this.map(single ? Math.max(sqLen, cqLen) : sqLen, IORING_OFF_SQ_RING, opts.dontFork);
-      // With FEAT_SINGLE_MMAP both rings live in one mapping and the CQ offsets refer to it.
-      const cqRing = single ? sqRing : this.map(cqLen, IORING_OFF_CQ_RING, opts.dontFork);
-      const sqesMap = this.map(p.sqEntries * this.sqeSize, IORING_OFF_SQES, opts.dontFork);
+      let sqRing: ArrayBuffer, cqRing: ArrayBuffer, sqesMap: ArrayBuffer;
+      if (user) {
+        // NO_MMAP: both rings are in the one region we gave, the SQEs in the other.
+        if (Math.max(sqLen, cqLen) > user.rings.length) throw new RangeError(`io_uring: rings need ${Math.max(sqLen, cqLen)} bytes, ${user.rings.length} given`);
+        sqRing = cqRing = user.rings.bytes.buffer as ArrayBuffer;
+        sqesMap = user.sqes.bytes.buffer as ArrayBuffer;
+      } else {
+        const single = (p.features & IORING_FEAT_SINGLE_MMAP) !== 0;
+        sqRing = this.map(single ? Math.max(sqLen, cqLen) : sqLen, IORING_OFF_SQ_RING, opts.dontFork);
+        // With FEAT_SINGLE_MMAP both rings live in one mapping and the CQ offsets refer to it.
+        cqRing = single ? sqRing : this.map(cqLen, IORING_OFF_CQ_RING, opts.dontFork);
+        sqesMap = this.map(p.sqEntries * this.sqeSize, IORING_OFF_SQES, opts.dontFork);
+      }
 
       this.sq = new Uint32Array(sqRing);
       this.cq = new Uint32Array(cqRing);
@@ -505,8 +549,17 @@ export class IoUring {
     } catch (e) {
       this.unmapAll();
       closeFd(fd);
+      this.freeUserMem();
       throw e;
     }
+  }
+
+  /** NO_MMAP memory: freed after the fd is closed (the kernel keeps its own pin until it lets go). */
+  private readonly userMem: { rings: AlignedBuffer; sqes: AlignedBuffer } | undefined;
+
+  private freeUserMem(): void {
+    this.userMem?.rings.free();
+    this.userMem?.sqes.free();
   }
 
   private map(len: number, offset: number, dontFork?: boolean): ArrayBuffer {
@@ -737,5 +790,6 @@ export class IoUring {
     this.closed = true;
     this.unmapAll();
     closeFd(this.fd);
+    this.freeUserMem();
   }
 }

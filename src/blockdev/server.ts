@@ -166,6 +166,7 @@ export class Blockd {
       return { rec, handle, ublk };
     }
     const live = await this.keeper.take(rec.id);
+    let ended: string | undefined;
     if (live?.length) {
       try {
         const handle = await this.startWorker(rec, live);
@@ -175,7 +176,9 @@ export class Blockd {
         // Nobody will serve this connection: end it, so its users get errors instead of a wait
         // (the worker that failed closed our copies of its fds).
         await this.keeper.drop(rec.id);
-        throw e;
+        // A connection served over io_uring cannot be taken over (fuse/server.ts): ended, it is mounted afresh below.
+        if (!(e as Error).message.includes("FuseRingAdoptError")) throw e;
+        ended = "its FUSE connection was served over io_uring, which a restarted blockd cannot take over";
       }
     }
     // The connection died with blockd and the keeper (or with its worker). A mount still there is
@@ -197,7 +200,7 @@ export class Blockd {
     }
     const idlePool = rec.kind === "pool" && !rec.acquired; // nobody had it: nothing was lost
     if ((wasMounted && !idlePool) || wasFailed || loopLost)
-      this.markLost(rec, `${wasFailed ?? "its FUSE connection died with blockd and the fd keeper"}; mounted afresh at ${rec.path}${loopLost}`);
+      this.markLost(rec, `${wasFailed ?? ended ?? "its FUSE connection died with blockd and the fd keeper"}; mounted afresh at ${rec.path}${loopLost}`);
     return { rec, handle };
   }
 

@@ -45,6 +45,11 @@ function run(init: ReaderInit): string {
   pv.setInt16(12, POLLIN, true);
   for (;;) {
     if (Atomics.load(ctl, RING.stop)) return "stopped";
+    // Paused (no large WRITE lately): small requests are cheaper read by the device worker itself.
+    if (Atomics.load(ctl, RING.paused)) {
+      Atomics.wait(ctl, RING.paused, 1, 1000);
+      continue;
+    }
     // A free slot first: with none, wait for the device worker to hand one back.
     const head = Atomics.load(ctl, RING.freeHead);
     if (head === Atomics.load(ctl, RING.freeTail)) {
@@ -56,6 +61,7 @@ function run(init: ReaderInit): string {
     pv.setInt16(14, 0, true);
     if (poll(pollfds, 2, -1) <= 0) continue;
     if (pv.getInt16(14, true) !== 0) return "stopped";
+    if (Atomics.load(ctl, RING.paused)) continue; // paused while it waited: the request is the device worker's
     let got: number;
     try {
       got = read(init.fd, reqs[slot]!);

@@ -6,7 +6,7 @@ import { FUSE_DEV_IOC_CLONE } from "../../../ffi/fuse.ts";
 import { closeHeldFd, heldFd } from "../fd_ledger.ts";
 
 /** Int32 fields of the hand-off buffer; the two rings follow. */
-export const RING = { takenHead: 0, takenTail: 1, freeHead: 2, freeTail: 3, stop: 4, exited: 5, header: 8 } as const;
+export const RING = { takenHead: 0, takenTail: 1, freeHead: 2, freeTail: 3, stop: 4, exited: 5, paused: 6, header: 8 } as const;
 
 /** Ring positions run modulo 2 × slots: equal = empty, and a ring never holds more than every slot. */
 export const ringNext = (i: number, slots: number) => (i + 1) % (2 * slots);
@@ -115,6 +115,16 @@ export class ReaderLink {
     Atomics.notify(ctl, RING.freeTail);
   }
 
+  /** Ask the reader to take no request until resume() (it leaves the rest to the device worker). */
+  pause(): void {
+    Atomics.store(this.ctl, RING.paused, 1);
+  }
+
+  resume(): void {
+    Atomics.store(this.ctl, RING.paused, 0);
+    Atomics.notify(this.ctl, RING.paused);
+  }
+
   get exited(): boolean {
     return Atomics.load(this.ctl, RING.exited) === 1;
   }
@@ -123,6 +133,7 @@ export class ReaderLink {
   stop(): void {
     Atomics.store(this.ctl, RING.stop, 1);
     Atomics.notify(this.ctl, RING.freeTail);
+    Atomics.notify(this.ctl, RING.paused);
     eventfdSignal(this.stopFd);
   }
 

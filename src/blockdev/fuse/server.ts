@@ -1,8 +1,11 @@
 // FuseDisk: one device as one FUSE-mounted regular file (the mount's root *is* the file), served
-// from a DeviceIo by the raw /dev/fuse protocol. One instance per device worker thread, so the
-// thread that owns the device's image is the thread that answers its requests (as with ublk).
+// from a DeviceIo by the raw FUSE protocol. One instance per device worker thread, so the thread
+// that owns the device's image is the thread that answers its requests (as with ublk). Requests
+// come from read(2) of /dev/fuse, or, in ring mode, as io_uring completions (fuse/uring.ts); both
+// are served by the same handler.
 
 import {
+  libc,
   mount,
   open,
   poll,
@@ -10,12 +13,15 @@ import {
   read,
   umount2,
   write,
+  errno,
+  E,
   O_RDWR,
   O_CLOEXEC,
   O_NONBLOCK,
   MS_NOSUID,
   MS_NODEV,
   MNT_DETACH,
+  MNT_FORCE,
   SyscallError,
   prctl,
   PR_SET_IO_FLUSHER,
@@ -23,16 +29,19 @@ import {
   FALLOC_FL_KEEP_SIZE,
   FALLOC_FL_PUNCH_HOLE,
   FALLOC_FL_ZERO_RANGE,
+  type AlignedBuffer,
 } from "../../../ffi/libc.ts";
 import * as F from "../../../ffi/fuse.ts";
+import { IoUring } from "../../../ffi/io_uring.ts";
 import type { DeviceIo, WakeSource } from "../device_io.ts";
 import { deferLocalIoCompletions, reapLocalIo } from "../../storage/local_file.ts";
 import { ReaderLink } from "./reader_link.ts";
-import { closeHeldFd, heldFd } from "../fd_ledger.ts";
+import { FuseRing, possibleCpus, ringLayout, uringUnavailable, type RingEntry, type RingLayout } from "./uring.ts";
+import { closeHeldFd, forgetHeldFd, heldFd } from "../fd_ledger.ts";
 
 /** Largest request payload: 1 MiB measured no faster for 1 MiB writes, with twice the slot memory. */
 const MAX_WRITE = 512 << 10;
-/** Requests taken from the kernel per wakeup and served concurrently (their I/O batches). */
+/** Requests taken from /dev/fuse per wakeup and served concurrently (their I/O batches). */
 const MAX_SLOTS = 32;
 /** Slots lent to the reader thread (fuse/reader.ts); 0 turns the reader off. */
 const READER_SLOTS = readerSlots(process.env.AENV_FUSE_READER_SLOTS);
@@ -43,8 +52,33 @@ function readerSlots(v: string | undefined): number {
   console.error(`blockd: AENV_FUSE_READER_SLOTS=${v} is not an integer 0..64; using 8`);
   return 8;
 }
-/** A WRITE request at least this long (header included) starts the reader thread. */
+
+/**
+ * Ring mode (FUSE over io_uring) for devices mounted from now on: AENV_FUSE_URING=1. Off by
+ * default: the kernel does not resend requests a dead server held in ring entries
+ * (FUSE_NOTIFY_RESEND covers /dev/fuse only), so a ring connection cannot outlive a blockd crash
+ * the way a /dev/fuse one does; a restart ends it and serves the device afresh (lost).
+ */
+const URING_WANTED = process.env.AENV_FUSE_URING === "1";
+let uringChecked: string | undefined;
+
+/** "" when ring mode is on and usable; otherwise why not (said once per thread, in one line). */
+function uringRefusal(): string {
+  if (!URING_WANTED) return "off";
+  if (uringChecked === undefined) {
+    uringChecked = uringUnavailable();
+    if (uringChecked) console.error(`blockd: FUSE over io_uring unavailable (${uringChecked}); serving /dev/fuse by read and write`);
+  }
+  return uringChecked;
+}
+
+/** A WRITE request at least this long (header included) starts the reader thread, or wakes it. */
 const READER_FROM = 128 << 10;
+/**
+ * Requests after the last large WRITE before the reader is paused: a reader takes small requests
+ * too, and handing one over costs more than reading it here (4 KiB random reads: ~2× the CPU).
+ */
+const READER_IDLE_REQUESTS = 512;
 /**
  * While a reader runs, the serve loop's poll wakes at least this often, so the reader's end (a
  * Worker event) is heard even on an idle device, where a request it stranded would wait forever.
@@ -52,6 +86,7 @@ const READER_FROM = 128 << 10;
 const READER_WATCH_MS = 1000;
 const ATTR_VALID_SEC = 1;
 const SECTOR = 512;
+const TWO32 = 0x1_0000_0000;
 // Linux errno values sent back as −errno.
 const ENOENT = 2;
 const EIO = 5;
@@ -60,6 +95,9 @@ const EROFS = 30;
 const ENOSYS = 38;
 const EINVAL = 22;
 const ENOTSUP = 95;
+const EFBIG = 27;
+/** handle()'s answer for requests that get no reply (FORGET, INTERRUPT). */
+const NO_REPLY = -1_000_000;
 
 export interface FuseDiskOptions {
   /** A regular file to mount over; it becomes the device. */
@@ -74,17 +112,45 @@ export interface FuseDiskOptions {
   directIo?: boolean;
 }
 
+/** Thrown by adopt(): the connection was served over io_uring, which no new server can take over. */
+export class FuseRingAdoptError extends Error {
+  override name = "FuseRingAdoptError";
+}
+
+/**
+ * One request being served and where its reply goes, however it came: read from /dev/fuse into a
+ * Slot, or a ring entry (RingEntry has the same fields). Offsets are 0 in every view.
+ */
+interface Request {
+  /** fuse_in_header. */
+  readonly head: DataView;
+  /** The opcode's argument struct (fuse_read_in, fuse_write_in, ...). */
+  readonly args: DataView;
+  /** WRITE payload. */
+  readonly data: Uint8Array;
+  /** Where the reply's fuse_out_header goes. */
+  readonly outHead: DataView;
+  /** Reply arguments, READ data. */
+  readonly out: Uint8Array;
+  readonly outView: DataView;
+}
+
 /** Bytes of one slot: a page before each buffer so the payload after the header is page-aligned. */
 const SLOT_BYTES = 2 * (4096 + MAX_WRITE);
 
-/** Buffers for one request in flight: the request as read, and its reply. */
-class Slot {
+/** Buffers for one request read from /dev/fuse, and its reply. */
+class Slot implements Request {
   /** The /dev/fuse fd the request in this slot came from; its reply goes back there. */
   fd = -1;
   readonly req: Uint8Array;
-  readonly reqView: DataView;
+  readonly head: DataView;
+  readonly args: DataView;
+  readonly data: Uint8Array;
+  readonly outHead: DataView;
   readonly out: Uint8Array;
   readonly outView: DataView;
+  /** The reply buffer: fuse_out_header, then `out`. */
+  readonly reply: Uint8Array;
   constructor(
     mem: Uint8Array,
     at: number,
@@ -93,30 +159,44 @@ class Slot {
   ) {
     // WRITE data starts 80 bytes into a request and READ data 16 bytes into a reply: both land
     // page-aligned, so O_DIRECT I/O of the layers takes them without a bounce copy.
+    const ab = mem.buffer;
     this.req = mem.subarray(at + 4096 - F.FUSE_WRITE_DATA_OFFSET, at + 4096 + MAX_WRITE);
-    this.reqView = new DataView(this.req.buffer, this.req.byteOffset, this.req.byteLength);
+    this.head = new DataView(ab, this.req.byteOffset, F.FUSE_IN_HEADER);
+    this.args = new DataView(ab, this.req.byteOffset + F.FUSE_IN_HEADER, this.req.byteLength - F.FUSE_IN_HEADER);
+    this.data = this.req.subarray(F.FUSE_WRITE_DATA_OFFSET);
     const o = at + 4096 + MAX_WRITE;
-    this.out = mem.subarray(o + 4096 - F.FUSE_OUT_HEADER, o + 4096 + MAX_WRITE);
-    this.outView = new DataView(this.out.buffer, this.out.byteOffset, this.out.byteLength);
+    this.reply = mem.subarray(o + 4096 - F.FUSE_OUT_HEADER, o + 4096 + MAX_WRITE);
+    this.outHead = new DataView(ab, this.reply.byteOffset, F.FUSE_OUT_HEADER);
+    this.out = this.reply.subarray(F.FUSE_OUT_HEADER);
+    this.outView = new DataView(ab, this.out.byteOffset, this.out.byteLength);
   }
 }
 
 export class FuseDisk {
-
   private initialized = false;
-  readonly stats = { requests: 0, reads: 0, writes: 0, fsyncs: 0, discards: 0, takenByReader: 0 };
+  /** INIT was answered with FUSE_OVER_IO_URING: the serve loop lends the ring its entries. */
+  ringAccepted = false;
+  /** The ring, once it has been set up (then the memory its entries use is freed only by close()). */
+  private ring: FuseRing | undefined;
+  private arena: AlignedBuffer | undefined;
+  /** The connection was aborted (unmount in ring mode): nothing can write into the entries any more. */
+  private aborted = false;
+  readonly stats = { requests: 0, reads: 0, writes: 0, fsyncs: 0, discards: 0, takenByReader: 0, overRing: 0, readerPauses: 0 };
 
   private constructor(
     readonly fd: number,
     readonly opts: FuseDiskOptions,
     /** A second fd on the connection, served by a reader thread; -1 when there is none. */
     readonly cloneFd: number,
+    /** Offer FUSE_OVER_IO_URING at INIT. */
+    private readonly ringWanted: boolean,
   ) {}
 
   /** Open /dev/fuse and mount it over opts.path. INIT is queued at once; serve() answers it. */
   static mount(opts: FuseDiskOptions): FuseDisk {
     // Non-blocking: after poll says readable, we take every queued request (up to MAX_SLOTS).
     const fd = heldFd(open("/dev/fuse", O_RDWR | O_CLOEXEC | O_NONBLOCK));
+    const ringWanted = uringRefusal() === "";
     try {
       const data = F.mountOptions(fd, F.S_IFREG, process.getuid?.() ?? 0, process.getgid?.() ?? 0, ["allow_other", "max_read=" + MAX_WRITE]);
       mount("agentenv", opts.path, "fuse.agentenv", MS_NOSUID | MS_NODEV, data);
@@ -124,21 +204,36 @@ export class FuseDisk {
       closeHeldFd(fd);
       throw e;
     }
-    return new FuseDisk(fd, opts, READER_SLOTS > 0 ? ReaderLink.cloneFd(fd) : -1);
+    return new FuseDisk(fd, opts, READER_SLOTS > 0 && !ringWanted ? ReaderLink.cloneFd(fd) : -1, ringWanted);
   }
 
   /**
    * Adopt the fds of a live connection (after a blockd restart) instead of mounting: the
-   * connection's own and, when the dead server had one, its reader's clone.
+   * connection's own and, when the dead server had one, its reader's clone. A connection that was
+   * served over io_uring is refused (FuseRingAdoptError): the requests the dead server held in its
+   * ring entries are never resent, so their callers would wait forever.
    */
   static adopt(fd: number, opts: FuseDiskOptions, cloneFd?: number): FuseDisk {
+    const why = ringInUse(fd);
+    if (why) throw new FuseRingAdoptError(`${opts.path}: ${why}`);
     if (cloneFd === undefined && READER_SLOTS > 0) cloneFd = ReaderLink.cloneFd(fd);
-    const d = new FuseDisk(fd, opts, cloneFd ?? -1);
+    const d = new FuseDisk(fd, opts, cloneFd ?? -1, false);
     d.initialized = true;
     return d;
   }
 
   unmount(): void {
+    if (this.ring) {
+      // Ring mode: abort the connection first (MNT_FORCE: fuse_umount_begin), so the kernel ends
+      // the entries it holds and writes no request into their memory after close() frees it.
+      try {
+        umount2(this.opts.path, MNT_FORCE);
+        this.aborted = true;
+      } catch (e) {
+        const code = (e as SyscallError).code;
+        if (code === "EBUSY") this.aborted = true; // aborted, still in use: the detach below ends it
+      }
+    }
     try {
       umount2(this.opts.path, MNT_DETACH);
     } catch (e) {
@@ -148,19 +243,40 @@ export class FuseDisk {
 
   /**
    * Serve requests until the mount goes away or wake.stopping(). One poll(2) watches /dev/fuse,
-   * the control eventfd and the eventfd of this thread's I/O ring: requests are taken while
-   * earlier ones wait on the disk, and control work (a restack, which drains requests) runs
-   * beside them, since their I/O completes only while this loop keeps polling.
+   * the control eventfd, the eventfd of this thread's I/O ring (and the FUSE ring in ring mode):
+   * requests are taken while earlier ones wait on the disk, and control work (a restack, which
+   * drains requests) runs beside them, since their I/O completes only while this loop keeps polling.
    */
   async serve(io: DeviceIo, wake: WakeSource): Promise<void> {
     try {
       prctl(PR_SET_IO_FLUSHER, 1); // page reclaim may write back through us: do not recurse
     } catch {}
     const ioFd = deferLocalIoCompletions();
+    const layout = this.ringWanted ? ringLayout(possibleCpus(), MAX_WRITE) : undefined;
+    const slotBytes = (MAX_SLOTS + (this.cloneFd >= 0 ? READER_SLOTS : 0)) * SLOT_BYTES;
+    this.arena = allocAligned(slotBytes + (layout?.bytes ?? 0), true);
     try {
-      await new ServeLoop(this, io, wake, ioFd).run();
+      await new ServeLoop(this, io, wake, ioFd, this.arena, slotBytes, layout).run();
     } finally {
       deferLocalIoCompletions(false);
+      // Without a ring nothing but this loop wrote into the arena; with one, close() frees it.
+      if (!this.ring) {
+        this.arena.free();
+        this.arena = undefined;
+      }
+    }
+  }
+
+  /** Set up the ring (after INIT was answered with it) and lend the kernel its entries. */
+  startRing(arena: AlignedBuffer, at: number, layout: RingLayout): FuseRing | undefined {
+    try {
+      this.ring = new FuseRing(this.fd, layout, arena, at, MAX_WRITE);
+      this.ring.registerAll();
+      return this.ring;
+    } catch (e) {
+      // The connection goes on over /dev/fuse (the kernel uses the ring only once every queue has an entry).
+      console.error(`fuse ${this.opts.path}: FUSE over io_uring not started (${(e as Error).message}); serving /dev/fuse by read and write`);
+      return undefined;
     }
   }
 
@@ -179,16 +295,30 @@ export class FuseDisk {
     return n >= F.FUSE_IN_HEADER;
   }
 
-  private reply(slot: Slot, unique: bigint, error: number, payloadLen = 0): void {
-    const len = F.FUSE_OUT_HEADER + (error ? 0 : payloadLen);
-    F.encodeOutHeader(slot.outView, len, error ? -error : 0, unique);
-    try {
-      write(slot.fd, slot.out.subarray(0, len));
-    } catch (e) {
-      const code = (e as SyscallError).code;
+  /** Send a slot's reply (fuse_out_header + `len` bytes of `out`) on the fd its request came from. */
+  sendSlot(slot: Slot, error: number, len: number): void {
+    const total = F.FUSE_OUT_HEADER + (error ? 0 : len);
+    const h = slot.outHead;
+    h.setUint32(0, total, true);
+    h.setInt32(4, -error, true);
+    h.setUint32(8, slot.head.getUint32(8, true), true); // unique, as two words (no BigInt)
+    h.setUint32(12, slot.head.getUint32(12, true), true);
+    for (;;) {
+      if (Number(libc.write(slot.fd, slot.reply, total)) >= 0) return;
+      const e = errno();
+      if (e === E.EINTR) continue;
       // ENOENT: the request was interrupted; ENODEV: unmounted while it ran (nobody waits for it).
-      if (code !== "ENOENT" && code !== "ENODEV" && code !== "ECONNABORTED") throw e;
+      if (e !== E.ENOENT && e !== E.ENODEV && e !== E.ECONNABORTED) throw new SyscallError("write", e);
+      return;
     }
+  }
+
+  /** Put an entry's reply in place and queue its COMMIT_AND_FETCH (sent at the ring's next submit). */
+  sendEntry(e: RingEntry, error: number, len: number): void {
+    e.head.setUint32(0, F.FUSE_OUT_HEADER + (error ? 0 : len), true);
+    e.head.setInt32(4, -error, true); // unique stays where the request had it (same offset in both headers)
+    e.inOut.setUint32(16, error ? 0 : len, true); // payload_sz
+    this.ring!.commit(e, e.inOut.getUint32(8, true), e.inOut.getUint32(12, true));
   }
 
   private attr(io: DeviceIo): F.FuseAttr {
@@ -227,143 +357,202 @@ export class FuseDisk {
     dv.setBigInt64(24, 0n, true);
     dv.setBigInt64(32, 0n, true); // len 0 = to the end of the file
     try {
-      write(this.fd, b);
+      write(this.fd, b); // notifications go through /dev/fuse in ring mode too
     } catch (e) {
       if ((e as SyscallError).code !== "ENOENT") throw e; // nothing cached yet
     }
   }
 
-  async handle(io: DeviceIo, slot: Slot): Promise<void> {
-    const h = F.decodeInHeader(slot.reqView);
-    const dv = slot.reqView;
-    const out = slot.outView;
-    const P = F.FUSE_IN_HEADER;
+  /**
+   * Serve one request: returns the reply at once (bytes of reply arguments, or −errno, or
+   * NO_REPLY), or a promise of it once the image I/O is done.
+   */
+  handle(io: DeviceIo, r: Request): number | Promise<number> {
+    const opcode = r.head.getUint32(4, true);
+    const a = r.args;
     this.stats.requests++;
-    try {
-      switch (h.opcode) {
-        case F.FUSE_INIT: {
-          const init = F.decodeInitIn(dv, P);
-          if (init.major < 7) return this.reply(slot, h.unique, 71 /* EPROTO */);
-          const want = F.FUSE_ASYNC_READ | F.FUSE_BIG_WRITES | F.FUSE_ASYNC_DIO | F.FUSE_MAX_PAGES | F.FUSE_PARALLEL_DIROPS | F.FUSE_INIT_EXT;
-          F.encodeInitOut(out, F.FUSE_OUT_HEADER, {
-            major: F.FUSE_KERNEL_VERSION,
-            minor: Math.min(init.minor, F.FUSE_KERNEL_MINOR_VERSION),
-            maxReadahead: init.maxReadahead,
-            flags: want & init.flags,
-            maxBackground: 64,
-            congestionThreshold: 48,
-            maxWrite: MAX_WRITE,
-            timeGran: 1,
-            maxPages: MAX_WRITE / 4096,
-            // Echoed so resent requests (after a blockd restart) are marked, as the kernel offers.
-            flags2: init.flags & F.FUSE_INIT_EXT ? init.flags2 & F.FUSE2_HAS_RESEND : 0,
-          });
-          this.initialized = true;
-          return this.reply(slot, h.unique, 0, F.FUSE_INIT_OUT_SIZE);
-        }
-        case F.FUSE_GETATTR:
-          F.encodeAttrOut(out, F.FUSE_OUT_HEADER, ATTR_VALID_SEC, this.attr(io));
-          return this.reply(slot, h.unique, 0, F.FUSE_ATTR_OUT_SIZE);
-        case F.FUSE_SETATTR: {
-          const s = F.decodeSetattrIn(dv, P);
-          if (s.valid & F.FATTR_SIZE && s.size !== io.size()) return this.reply(slot, h.unique, EPERM); // resize goes through blockd
-          F.encodeAttrOut(out, F.FUSE_OUT_HEADER, ATTR_VALID_SEC, this.attr(io));
-          return this.reply(slot, h.unique, 0, F.FUSE_ATTR_OUT_SIZE);
-        }
-        case F.FUSE_OPEN: {
-          const flags = dv.getUint32(P, true);
-          if (io.readOnly && (flags & 3) !== 0) return this.reply(slot, h.unique, EROFS);
-          const direct = this.opts.directIo ?? !io.readOnly;
-          F.encodeOpenOut(out, F.FUSE_OUT_HEADER, 1, direct ? F.FOPEN_DIRECT_IO | F.FOPEN_PARALLEL_DIRECT_WRITES : F.FOPEN_KEEP_CACHE);
-          return this.reply(slot, h.unique, 0, F.FUSE_OPEN_OUT_SIZE);
-        }
-        case F.FUSE_READ: {
-          const r = F.decodeRwIn(dv, P);
-          const size = io.size();
-          const len = Math.max(0, Math.min(r.size, size - r.offset, MAX_WRITE));
-          this.stats.reads++;
-          if (len > 0) await readAny(io, slot.out.subarray(F.FUSE_OUT_HEADER, F.FUSE_OUT_HEADER + len), r.offset);
-          return this.reply(slot, h.unique, 0, len);
-        }
-        case F.FUSE_WRITE: {
-          const r = F.decodeRwIn(dv, P);
-          if (io.readOnly) return this.reply(slot, h.unique, EROFS);
-          if (r.offset + r.size > io.size()) return this.reply(slot, h.unique, 27 /* EFBIG */);
-          this.stats.writes++;
-          await writeAny(io, slot.req.subarray(F.FUSE_WRITE_DATA_OFFSET, F.FUSE_WRITE_DATA_OFFSET + r.size), r.offset);
-          out.setUint32(F.FUSE_OUT_HEADER, r.size, true);
-          out.setUint32(F.FUSE_OUT_HEADER + 4, 0, true);
-          return this.reply(slot, h.unique, 0, F.FUSE_WRITE_OUT_SIZE);
-        }
-        case F.FUSE_FSYNC:
-          this.stats.fsyncs++;
-          if (!io.readOnly) await io.flush();
-          return this.reply(slot, h.unique, 0);
-        case F.FUSE_FALLOCATE: {
-          const f = F.decodeFallocateIn(dv, P);
-          if (io.readOnly) return this.reply(slot, h.unique, EROFS);
-          const mode = f.mode & ~FALLOC_FL_KEEP_SIZE;
-          if (mode === 0) return this.reply(slot, h.unique, f.offset + f.length <= io.size() ? 0 : EPERM); // preallocation: nothing to do
-          if (mode !== FALLOC_FL_PUNCH_HOLE && mode !== FALLOC_FL_ZERO_RANGE) return this.reply(slot, h.unique, ENOTSUP);
-          // Both become zero segments; unaligned edges are zeroed by writing.
-          this.stats.discards++;
-          await zeroAny(io, f.offset, Math.min(f.length, io.size() - f.offset));
-          return this.reply(slot, h.unique, 0);
-        }
-        case F.FUSE_STATFS:
-          F.encodeStatfs(out, F.FUSE_OUT_HEADER, Math.ceil(io.size() / 4096), 4096);
-          return this.reply(slot, h.unique, 0, F.FUSE_KSTATFS_SIZE);
-        case F.FUSE_FLUSH:
-        case F.FUSE_RELEASE:
-        case F.FUSE_ACCESS:
-          return this.reply(slot, h.unique, 0);
-        case F.FUSE_FORGET:
-        case F.FUSE_BATCH_FORGET:
-        case F.FUSE_INTERRUPT:
-          return; // no reply expected
-        case F.FUSE_LOOKUP:
-          return this.reply(slot, h.unique, ENOENT); // the root is the only node
-        default:
-          return this.reply(slot, h.unique, ENOSYS);
+    switch (opcode) {
+      case F.FUSE_READ: {
+        const offset = u64(a, 8);
+        const len = Math.max(0, Math.min(a.getUint32(16, true), io.size() - offset, MAX_WRITE));
+        this.stats.reads++;
+        if (len === 0) return 0;
+        return readAny(io, r.out.subarray(0, len), offset).then(() => len);
       }
-    } catch (e) {
-      // A failed image I/O is the guest's EIO, never a dead server.
-      console.error(`fuse ${this.opts.path}: opcode ${h.opcode}: ${(e as Error).message}`);
-      return this.reply(slot, h.unique, (e as { errno?: number }).errno === EINVAL ? EINVAL : EIO);
+      case F.FUSE_WRITE: {
+        const offset = u64(a, 8);
+        const size = a.getUint32(16, true);
+        if (io.readOnly) return -EROFS;
+        if (size > MAX_WRITE || offset + size > io.size()) return -EFBIG;
+        this.stats.writes++;
+        return writeAny(io, r.data.subarray(0, size), offset).then(() => {
+          // After the write: in ring mode `out` is the payload the data came in.
+          r.outView.setUint32(0, size, true);
+          r.outView.setUint32(4, 0, true);
+          return F.FUSE_WRITE_OUT_SIZE;
+        });
+      }
+      case F.FUSE_INIT: {
+        const init = F.decodeInitIn(a, 0);
+        if (init.major < 7) return -71; // EPROTO
+        const want = F.FUSE_ASYNC_READ | F.FUSE_BIG_WRITES | F.FUSE_ASYNC_DIO | F.FUSE_MAX_PAGES | F.FUSE_PARALLEL_DIROPS | F.FUSE_INIT_EXT;
+        const ext = init.flags & F.FUSE_INIT_EXT ? init.flags2 : 0;
+        // Echoed so resent requests (after a blockd restart) are marked, as the kernel offers.
+        let flags2 = ext & F.FUSE2_HAS_RESEND;
+        if (this.ringWanted && ext & F.FUSE2_OVER_IO_URING) flags2 |= F.FUSE2_OVER_IO_URING;
+        else if (this.ringWanted) console.error(`fuse ${this.opts.path}: the kernel did not offer FUSE over io_uring at INIT; serving /dev/fuse by read and write`);
+        F.encodeInitOut(r.outView, 0, {
+          major: F.FUSE_KERNEL_VERSION,
+          minor: Math.min(init.minor, F.FUSE_KERNEL_MINOR_VERSION),
+          maxReadahead: init.maxReadahead,
+          flags: want & init.flags,
+          maxBackground: 64,
+          congestionThreshold: 48,
+          maxWrite: MAX_WRITE,
+          timeGran: 1,
+          maxPages: MAX_WRITE / 4096,
+          flags2,
+        });
+        this.initialized = true;
+        this.ringAccepted = (flags2 & F.FUSE2_OVER_IO_URING) !== 0;
+        return F.FUSE_INIT_OUT_SIZE;
+      }
+      case F.FUSE_GETATTR:
+        F.encodeAttrOut(r.outView, 0, ATTR_VALID_SEC, this.attr(io));
+        return F.FUSE_ATTR_OUT_SIZE;
+      case F.FUSE_SETATTR: {
+        const s = F.decodeSetattrIn(a, 0);
+        if (s.valid & F.FATTR_SIZE && s.size !== io.size()) return -EPERM; // resize goes through blockd
+        F.encodeAttrOut(r.outView, 0, ATTR_VALID_SEC, this.attr(io));
+        return F.FUSE_ATTR_OUT_SIZE;
+      }
+      case F.FUSE_OPEN: {
+        const flags = a.getUint32(0, true);
+        if (io.readOnly && (flags & 3) !== 0) return -EROFS;
+        const direct = this.opts.directIo ?? !io.readOnly;
+        F.encodeOpenOut(r.outView, 0, 1, direct ? F.FOPEN_DIRECT_IO | F.FOPEN_PARALLEL_DIRECT_WRITES : F.FOPEN_KEEP_CACHE);
+        return F.FUSE_OPEN_OUT_SIZE;
+      }
+      case F.FUSE_FSYNC:
+        this.stats.fsyncs++;
+        return io.readOnly ? 0 : io.flush().then(() => 0);
+      case F.FUSE_FALLOCATE: {
+        const f = F.decodeFallocateIn(a, 0);
+        if (io.readOnly) return -EROFS;
+        const mode = f.mode & ~FALLOC_FL_KEEP_SIZE;
+        if (mode === 0) return f.offset + f.length <= io.size() ? 0 : -EPERM; // preallocation: nothing to do
+        if (mode !== FALLOC_FL_PUNCH_HOLE && mode !== FALLOC_FL_ZERO_RANGE) return -ENOTSUP;
+        // Both become zero segments; unaligned edges are zeroed by writing.
+        this.stats.discards++;
+        return zeroAny(io, f.offset, Math.min(f.length, io.size() - f.offset)).then(() => 0);
+      }
+      case F.FUSE_STATFS:
+        F.encodeStatfs(r.outView, 0, Math.ceil(io.size() / 4096), 4096);
+        return F.FUSE_KSTATFS_SIZE;
+      case F.FUSE_FLUSH:
+      case F.FUSE_RELEASE:
+      case F.FUSE_ACCESS:
+        return 0;
+      case F.FUSE_FORGET:
+      case F.FUSE_BATCH_FORGET:
+      case F.FUSE_INTERRUPT:
+        return NO_REPLY;
+      case F.FUSE_LOOKUP:
+        return -ENOENT; // the root is the only node
+      default:
+        return -ENOSYS;
     }
   }
 
+  /** A failed image I/O is the guest's EIO (or EINVAL), never a dead server. */
+  failed(r: Request, e: unknown): number {
+    console.error(`fuse ${this.opts.path}: opcode ${r.head.getUint32(4, true)}: ${(e as Error).message}`);
+    return (e as { errno?: number }).errno === EINVAL ? -EINVAL : -EIO;
+  }
+
+  /**
+   * Close the connection's fds. The ring's entries are in the arena: it is freed only once the
+   * connection was aborted (unmount did), since until then the kernel may write a request into
+   * an entry it holds; otherwise the mapping is left for the process's life.
+   */
   close(): void {
+    if (this.ring) {
+      this.ring.close();
+      if (this.aborted) this.arena?.free();
+      else console.error(`fuse ${this.opts.path}: connection not aborted; the ring's ${this.arena?.length} bytes of buffers stay mapped`);
+      this.arena = undefined;
+    }
     if (this.cloneFd >= 0) closeHeldFd(this.cloneFd);
     closeHeldFd(this.fd);
   }
 }
 
-/** The state of one serve(): slots, requests in flight, control work in flight. */
+/** A u64 field that fits a double (offsets, sizes: < 2^53). */
+function u64(dv: DataView, at: number): number {
+  return dv.getUint32(at, true) + dv.getUint32(at + 4, true) * TWO32;
+}
+
+/**
+ * Whether the connection of `fd` has an io_uring ring (a dead server used FUSE over io_uring):
+ * a COMMIT_AND_FETCH of a request that does not exist finds a queue (ENOENT) only if it has.
+ */
+function ringInUse(fd: number): string {
+  let ring: IoUring;
+  try {
+    ring = new IoUring(8, { sqe128: true });
+  } catch {
+    return ""; // no io_uring here: nobody can have used the FUSE ring either
+  }
+  heldFd(ring.fd);
+  try {
+    const sqe = ring.getSqe();
+    const s = ring.sqes;
+    s.setUint8(sqe, 46); // IORING_OP_URING_CMD
+    s.setInt32(sqe + 4, fd, true);
+    s.setUint32(sqe + 8, F.FUSE_IO_URING_CMD_COMMIT_AND_FETCH, true);
+    ring.submitAndWait(1);
+    let res = 0;
+    ring.reap((_ud, r) => (res = r));
+    return res === -E.ENOENT ? "its requests were served over io_uring, and the kernel does not resend requests a dead server held in ring entries" : "";
+  } finally {
+    forgetHeldFd(ring.fd);
+    ring.close();
+  }
+}
+
+/** The state of one serve(): slots, ring entries and requests in flight, control work in flight. */
 class ServeLoop {
-  // pollfds: 0 /dev/fuse, 1 control eventfd, 2 ring eventfd, 3 reader's "taken" eventfd (-1: none).
-  private pollfds = new Uint8Array(32);
+  // pollfds: 0 /dev/fuse, 1 control eventfd, 2 I/O ring eventfd, 3 reader's "taken" eventfd, 4 FUSE ring (-1: none).
+  private pollfds = new Uint8Array(40);
   private pv = new DataView(this.pollfds.buffer);
   private counter = new Uint8Array(8);
   private idle: Slot[] = [];
-  /** Every slot's buffers in one huge-page mapping: the kernel pins and copies into them per request. */
-  private readonly arena = allocAligned((MAX_SLOTS + READER_SLOTS) * SLOT_BYTES, true);
   private made = 0;
+  /** Requests being served, and how many of them are in /dev/fuse slots of this thread. */
   private busy = 0;
+  private slotsBusy = 0;
   private control: Promise<void> | undefined;
   private controlAgain = false;
   private reader: ReaderLink | undefined;
   private readerSlots: Slot[] = [];
   /** Set once the reader's end has been dealt with; the device serves on without it. */
   private readerEnded = false;
+  private readerPaused = false;
+  /** Request count at the last large WRITE (stats.requests). */
+  private lastLargeWrite = 0;
+  private ring: FuseRing | undefined;
 
   constructor(
     private disk: FuseDisk,
     private io: DeviceIo,
     private wake: WakeSource,
     ioFd: number,
+    private arena: AlignedBuffer,
+    /** Where the ring's entries start in the arena (after the slots). */
+    private ringAt: number,
+    private layout: RingLayout | undefined,
   ) {
-    [disk.fd, wake.fd, ioFd, -1].forEach((fd, i) => {
+    [disk.fd, wake.fd, ioFd, -1, -1].forEach((fd, i) => {
       this.pv.setInt32(8 * i, fd, true);
       this.pv.setInt16(8 * i + 4, POLLIN, true);
     });
@@ -397,18 +586,73 @@ class ServeLoop {
 
   private readonly startTaken = (i: number) => {
     this.disk.stats.takenByReader++;
-    this.start(this.readerSlots[i]!);
+    this.startSlot(this.readerSlots[i]!);
   };
 
-  private start(slot: Slot): void {
-    if (!this.reader && slot.reqView.getUint32(4, true) === F.FUSE_WRITE && slot.reqView.getUint32(0, true) >= READER_FROM) this.startReader();
-    this.busy++;
-    void this.disk.handle(this.io, slot).finally(() => {
-      this.busy--;
-      if (slot.readerSlot >= 0) this.reader!.giveBack(slot.readerSlot);
-      else this.idle.push(slot);
-    });
+  /** A request read from /dev/fuse (by this thread or the reader). */
+  private startSlot(slot: Slot): void {
+    const h = slot.head;
+    if (h.getUint32(4, true) === F.FUSE_WRITE && h.getUint32(0, true) >= READER_FROM) {
+      this.lastLargeWrite = this.disk.stats.requests;
+      if (!this.reader) this.startReader();
+      else if (this.readerPaused) {
+        this.readerPaused = false;
+        this.reader.resume();
+      }
+    } else if (this.reader && !this.readerPaused && this.disk.stats.requests - this.lastLargeWrite > READER_IDLE_REQUESTS) {
+      this.readerPaused = true;
+      this.disk.stats.readerPauses++;
+      this.reader.pause();
+    }
+    if (slot.readerSlot < 0) this.slotsBusy++;
+    this.serve(slot, false);
   }
+
+  /** Serve r and send its reply; `entry`: r is a ring entry. */
+  private serve(r: Slot | RingEntry, entry: boolean): void {
+    this.busy++;
+    let res: number | Promise<number>;
+    try {
+      res = this.disk.handle(this.io, r);
+    } catch (e) {
+      res = this.disk.failed(r, e);
+    }
+    if (typeof res === "number") this.finish(r, entry, res);
+    else res.then(
+      (n) => this.finish(r, entry, n),
+      (e) => this.finish(r, entry, this.disk.failed(r, e)),
+    );
+  }
+
+  private finish(r: Slot | RingEntry, entry: boolean, res: number): void {
+    try {
+      if (entry) this.disk.sendEntry(r as RingEntry, res === NO_REPLY ? ENOSYS : res < 0 ? -res : 0, res < 0 ? 0 : res); // a ring entry comes back only with a commit
+      else if (res !== NO_REPLY) this.disk.sendSlot(r as Slot, res < 0 ? -res : 0, res < 0 ? 0 : res);
+    } finally {
+      this.busy--;
+      if (!entry) {
+        const slot = r as Slot;
+        if (slot.readerSlot >= 0) this.reader!.giveBack(slot.readerSlot);
+        else {
+          this.slotsBusy--;
+          this.idle.push(slot);
+        }
+      }
+    }
+    // INIT answered with the ring: lend the kernel the entries (it needs max_write first).
+    if (this.disk.ringAccepted && !this.ring && this.layout) this.startRing();
+  }
+
+  private startRing(): void {
+    this.ring = this.disk.startRing(this.arena, this.ringAt, this.layout!);
+    this.disk.ringAccepted = false;
+    if (this.ring) this.pv.setInt32(32, this.ring.fd, true);
+  }
+
+  private readonly startEntry = (e: RingEntry) => {
+    this.disk.stats.overRing++;
+    this.serve(e, true);
+  };
 
   /**
    * The reader ended while the device serves: the device worker reads every request itself from
@@ -422,13 +666,12 @@ class ServeLoop {
     if (reader.stranded) this.disk.resend();
   }
 
-  /** Serve until stopped or the connection is gone, then release the slots once none is in use. */
+  /** Serve until stopped or the connection is gone. */
   async run(): Promise<void> {
     try {
       await this.loop();
     } finally {
       this.reader?.close();
-      this.arena.free();
     }
   }
 
@@ -437,20 +680,25 @@ class ServeLoop {
     let gone = false;
     for (;;) {
       const reader = this.reader;
+      const ring = this.ring;
       const stopping = gone || this.wake.stopping();
       if (stopping && reader && !reader.exited) reader.stop();
       // Done once nothing is in flight: no request, no control work, no reader that may still take one.
       if (stopping && this.busy === 0 && !this.control && (!reader || reader.exited)) {
         if (reader) reader.drainTaken(this.startTaken); // taken as it stopped
+        ring?.submit(); // the last replies
         if (this.busy === 0) return;
       }
       if (gone) pv.setInt32(0, -1, true); // poll skips it: a dead connection reports POLLERR forever
       // No new request while every slot is busy (the kernel queues them) or while stopping.
-      pv.setInt16(4, this.busy < MAX_SLOTS && !stopping ? POLLIN : 0, true);
-      for (const at of [6, 14, 22, 30]) pv.setInt16(at, 0, true);
+      pv.setInt16(4, this.slotsBusy < MAX_SLOTS && !stopping ? POLLIN : 0, true);
+      pv.setInt16(36, stopping ? 0 : POLLIN, true);
+      for (const at of [6, 14, 22, 30, 38]) pv.setInt16(at, 0, true);
+      // Replies of this tick, and the entries they lend again, in one io_uring_enter.
+      ring?.submit();
       // Control work may wait on timers and messages: keep the event loop turning meanwhile.
       const timeout = this.control || gone ? 1 : reader && !reader.exited ? READER_WATCH_MS : -1;
-      if (poll(this.pollfds, 4, timeout) > 0) {
+      if (poll(this.pollfds, 5, timeout) > 0) {
         if (pv.getInt16(22, true) & POLLIN) {
           read(pv.getInt32(16, true), this.counter);
           reapLocalIo();
@@ -463,12 +711,13 @@ class ServeLoop {
           read(reader!.takenFd, this.counter);
           reader!.drainTaken(this.startTaken);
         }
+        if (pv.getInt16(38, true) & POLLIN) ring!.reap(this.startEntry);
         if (reader?.exited && !stopping && !this.readerEnded) this.readerLost(reader);
         if (pv.getInt16(6, true) !== 0) {
-          while (this.busy < MAX_SLOTS) {
+          while (this.slotsBusy < MAX_SLOTS) {
             const slot = this.idle.pop() ?? new Slot(this.arena.bytes, SLOT_BYTES * this.made++);
             const got = this.disk.take(slot);
-            if (got === true) this.start(slot);
+            if (got === true) this.startSlot(slot);
             else {
               this.idle.push(slot);
               if (got === "gone") gone = true; // requests in flight still finish into the slots
