@@ -10,7 +10,7 @@ import { BlockdConnectionError, BlockdError, ClientLink, FrameReader, PROTOCOL_V
 export const CALL_TIMEOUT_MS = 30_000;
 /** Calls that open, seal or flush images (their cost follows the layers' indexes and the disk). */
 export const SLOW_CALL_TIMEOUT_MS = 120_000;
-const SLOW_CALLS = new Set(["create", "createReadOnly", "restack", "acquire", "release", "delete"]);
+const SLOW_CALLS = new Set(["create", "createReadOnly", "restack", "acquire", "release", "delete", "prepare"]);
 
 export interface BlockdClientOptions {
   /** Timeout of a call (default CALL_TIMEOUT_MS). */

@@ -1,9 +1,9 @@
 // blockd: the one long-lived process that owns every block device on a node. It keeps a device
 // table on disk, runs one worker per device, and answers the node's RPCs on a unix socket.
 
-import { mkdirSync, readdirSync, rmSync, writeFileSync } from "node:fs";
-import { mkdir, rm, stat, writeFile } from "node:fs/promises";
-import { isAbsolute, join, resolve } from "node:path";
+import { existsSync, mkdirSync, readdirSync, readlinkSync, rmSync, writeFileSync } from "node:fs";
+import { mkdir, rename, rm, stat, symlink, writeFile } from "node:fs/promises";
+import { dirname, isAbsolute, join, resolve } from "node:path";
 import type { Socket } from "bun";
 import { umount2, MNT_DETACH, SyscallError } from "../../ffi/libc.ts";
 import { loopAttach, loopDetach } from "../../ffi/loop.ts";
@@ -65,6 +65,20 @@ interface Device {
   ublk?: UblkDevice;
   /** Pool devices: when it was last released (a count), so acquire hands out the latest first. */
   releasedAt?: number;
+  /** A prepared pool device: the key of the stack it holds (stackKey), ready for acquire. */
+  prepared?: string;
+  /** A prepared device just acquired: until its table entry is written and its crumb removed. */
+  committing?: Promise<void>;
+}
+
+/** What `prepare` keeps ready: `count` pool devices with this stack's lowers open and a fresh upper of `size`. */
+interface PrepareTarget {
+  lowers: LayerRef[];
+  size: number;
+  count: number;
+  /** The last refill of this target that failed, and why: it is not retried for PREPARE_RETRY_MS. */
+  failedAt?: number;
+  error?: Error;
 }
 
 export class Blockd {
@@ -75,6 +89,9 @@ export class Blockd {
   private roMaking = new Map<string, Promise<DeviceRecord>>(); // read-only devices being made, by key
   private releases = 0;
   private filling: Promise<void> | undefined;
+  private targets = new Map<string, PrepareTarget>(); // prepare's, by stackKey
+  private refilling: Promise<void> | undefined;
+  private refillQueued: Promise<void> | undefined;
   private running = new Set<Promise<unknown>>(); // RPCs under way, which shutdown lets finish
   private server: ReturnType<typeof Bun.listen> | undefined;
   private closing = false;
@@ -99,11 +116,16 @@ export class Blockd {
   private devPath(id: string): string {
     return fuseDevicePath(this.opts.stateDir, id);
   }
+  /** A prepared device's own folder: its fresh upper (`upper/`), then the crumb of its acquire. */
+  private preparedDir(id: string): string {
+    return join(this.opts.stateDir, "prepared", id);
+  }
 
   /** Start: re-export every device in the table, fill the pool, listen. */
   static async start(opts: BlockdOptions): Promise<Blockd> {
     const b = new Blockd({ ...opts, stateDir: resolve(opts.stateDir) });
     mkdirSync(join(b.opts.stateDir, "dev"), { recursive: true });
+    mkdirSync(join(b.opts.stateDir, "prepared"), { recursive: true });
     lockState(b.opts.stateDir); // held (its fd open) until this process ends; before the keeper, which only we start
     b.keeper = await KeeperClient.ensure(b.opts.stateDir);
     try {
@@ -139,6 +161,7 @@ export class Blockd {
     for (const rec of table.records) {
       const n = Number(/-(\d+)$/.exec(rec.id)?.[1] ?? 0);
       if (Number.isSafeInteger(n) && n > this.serial) this.serial = n;
+      this.settlePrepared(rec);
       let dev: Device;
       try {
         dev = await this.bringBack(rec);
@@ -154,6 +177,35 @@ export class Blockd {
     }
     await this.endUnnamed();
     await this.saveTable();
+    // Only now that the table names every acquired device: what prepared devices left is blockd's own scratch.
+    const prepared = join(this.opts.stateDir, "prepared");
+    for (const name of readdirSync(prepared)) rmSync(join(prepared, name), { recursive: true, force: true });
+  }
+
+  /**
+   * A pool entry that was prepared (lowers, no upper, not acquired) comes back as an idle device,
+   * unless an acquire had taken it before its table entry was written: its fresh upper is then gone
+   * from the device's prepared folder, renamed to the caller's upperDir, and the crumb there names
+   * where. The rename is what an acquire commits on, so such a device comes back acquired.
+   */
+  private settlePrepared(rec: DeviceRecord): void {
+    if (rec.kind !== "pool" || rec.acquired || !rec.config || rec.config.upper) return;
+    const dir = this.preparedDir(rec.id);
+    let upperDir: string | undefined;
+    if (!existsSync(join(dir, PREPARED_UPPER))) {
+      try {
+        upperDir = readlinkSync(join(dir, ACQUIRED_CRUMB));
+      } catch {}
+    }
+    if (upperDir !== undefined && isAbsolute(upperDir)) {
+      rec.config = { lowers: rec.config.lowers, upper: { data: join(upperDir, WRITABLE_DATA), index: join(upperDir, WRITABLE_INDEX) } };
+      rec.acquired = true;
+      rec.readOnly = false;
+      console.error(`blockd: prepared device ${rec.id} had been acquired with its upper in ${upperDir}; it comes back acquired`);
+    } else {
+      rec.config = null;
+      rec.readOnly = true;
+    }
   }
 
   /** One checked record served again (see recover). */
@@ -267,7 +319,9 @@ export class Blockd {
     if (d.rec.kind === "pool" && !d.rec.acquired && !this.busy.has(d.rec.id)) {
       await this.exclusive(d.rec.id, () => this.teardown(d)).catch((e) => console.error(`blockd: retiring ${d.rec.id}: ${e.message}`));
       this.devices.delete(d.rec.id);
+      if (d.prepared) await rm(this.preparedDir(d.rec.id), { recursive: true, force: true }).catch(() => {});
       void this.fillPool().catch((e) => console.error(`blockd: pool refill: ${e.message}`));
+      if (d.prepared) void this.refillPrepared();
     }
     await this.saveTable().catch((e) => console.error(`blockd: saving the device table: ${e.message}`));
   }
@@ -511,8 +565,13 @@ export class Blockd {
       await this.saveTable();
       return left;
     }
+    await d.committing;
     await this.exclusive(d.rec.id, () => this.teardown(d));
     this.devices.delete(d.rec.id);
+    if (d.prepared) {
+      await rm(this.preparedDir(d.rec.id), { recursive: true, force: true });
+      void this.refillPrepared();
+    }
     await this.saveTable();
     return { id: d.rec.id, refs: 0, freed: true };
   }
@@ -537,7 +596,7 @@ export class Blockd {
 
   /** Top the pool up to its size; one refill at a time (two would both fill the same gap). */
   private fillPool(): Promise<void> {
-    const idle = () => [...this.devices.values()].filter((d) => d.rec.kind === "pool" && !d.rec.acquired).length;
+    const idle = () => [...this.devices.values()].filter((d) => isPlainIdle(d)).length;
     this.filling ??= (async () => {
       while (!this.closing && idle() < (this.opts.pool ?? 0)) {
         const id = this.newId("pool");
@@ -548,13 +607,14 @@ export class Blockd {
   }
 
   /**
-   * An idle pool device, reserved for the caller (busy) before any await. The one released last
-   * goes first: a release then an acquire swaps under the same live file. None idle: a cold one.
+   * An idle pool device (not prepared, not failed), reserved for the caller (busy) before any await.
+   * The one released last goes first: a release then an acquire swaps under the same live file.
+   * None idle: a cold one.
    */
   private async reserveIdle(): Promise<{ dev: Device; cold: boolean }> {
     let best: Device | undefined;
     for (const d of this.devices.values())
-      if (d.rec.kind === "pool" && !d.rec.acquired && !this.busy.has(d.rec.id) && (d.releasedAt ?? 0) >= (best?.releasedAt ?? 0)) best = d;
+      if (isPlainIdle(d) && !d.handle.failure && !this.busy.has(d.rec.id) && (d.releasedAt ?? 0) >= (best?.releasedAt ?? 0)) best = d;
     if (best) {
       this.busy.add(best.rec.id);
       return { dev: best, cold: false };
@@ -571,14 +631,21 @@ export class Blockd {
     return { dev: this.devices.get(id)!, cold: true };
   }
 
-  /** Take a ready device and swap the image in under it (no mount, no worker start). */
-  private async acquire(p: Record<string, unknown>): Promise<ReturnType<Blockd["view"]>> {
+  /**
+   * Take a ready device and swap the image in under it (no mount, no worker start). A device
+   * prepared for the same lowers and size goes first: see acquirePrepared.
+   */
+  private async acquire(p: Record<string, unknown>): Promise<ReturnType<Blockd["view"]> & { prepared: boolean }> {
     const readOnly = p.upperDir === undefined;
     const config = readOnly ? checkConfig(p.lowers) : checkConfig(p.lowers, checkUpperDir(p.upperDir));
     const size = readOnly ? 0 : checkSize(p.size);
     if (readOnly && !config.lowers.length) throw new BlockdError("BadRequest", "a read-only device needs at least one layer");
     const unclaimUpper = config.upper ? this.claimUpper(config.upper.data) : () => {};
     try {
+      if (!readOnly) {
+        const fast = await this.acquirePrepared(config, checkUpperDir(p.upperDir), stackKey(config, size));
+        if (fast) return { ...this.view(fast.rec, fast.handle.size), prepared: true };
+      }
       const { dev, cold } = await this.reserveIdle();
       let removeUpper: (() => Promise<void>) | undefined;
       try {
@@ -597,9 +664,191 @@ export class Blockd {
         this.busy.delete(dev.rec.id);
       }
       void this.fillPool().catch((e) => console.error(`blockd: pool refill: ${e.message}`));
-      return this.view(dev.rec, dev.handle.size);
+      return { ...this.view(dev.rec, dev.handle.size), prepared: false };
     } finally {
       unclaimUpper();
+    }
+  }
+
+  /**
+   * A prepared device of this stack, acquired: its fresh upper is renamed to upperDir, the crumb
+   * in its prepared folder names upperDir, and the worker opens the upper over the lowers it holds.
+   * The rename commits: a blockd that dies after it finds the crumb (settlePrepared), so the reply
+   * does not wait for the table write, which follows. Undefined (nothing changed) when none is
+   * prepared or upperDir cannot take the rename (not empty, another filesystem): acquire goes on
+   * as without one.
+   */
+  private async acquirePrepared(config: ImageConfig, upperDir: string, key: string): Promise<Device | undefined> {
+    let dev: Device | undefined;
+    for (const d of this.devices.values())
+      if (d.prepared === key && !d.handle.failure && !this.busy.has(d.rec.id)) {
+        dev = d;
+        break;
+      }
+    if (!dev) return undefined;
+    const id = dev.rec.id;
+    this.busy.add(id);
+    const fresh = join(this.preparedDir(id), PREPARED_UPPER);
+    const crumb = join(this.preparedDir(id), ACQUIRED_CRUMB);
+    let retire = false; // the device cannot serve as prepared any more
+    try {
+      try {
+        await renameDir(fresh, upperDir);
+      } catch (e) {
+        const code = (e as NodeJS.ErrnoException).code;
+        if (code === "EXDEV") console.error(`blockd: ${upperDir} is not on the filesystem of ${this.opts.stateDir}: prepared devices cannot serve it`);
+        retire = !(await exists(fresh));
+        return undefined; // upperDir not empty or elsewhere: the device stays prepared
+      }
+      try {
+        await symlink(upperDir, crumb);
+        await dev.handle.attach(config.upper!);
+      } catch (e) {
+        // Back as it was: the upper in the prepared folder, no crumb. A worker that failed is retired.
+        await rm(crumb, { force: true }).catch(() => {});
+        const back = await rename(upperDir, fresh).then(
+          () => true,
+          () => false,
+        );
+        if (!back) await rm(upperDir, { recursive: true, force: true }).catch(() => {});
+        retire = !back || dev.handle.failure !== undefined;
+        console.error(`blockd: acquiring prepared device ${id}: ${(e as Error).message}; acquiring without it`);
+        return undefined;
+      }
+      dev.prepared = undefined;
+      dev.rec.acquired = true;
+      dev.rec.config = config;
+      dev.rec.readOnly = false;
+      const committing = this.saveTable()
+        .then(() => rm(this.preparedDir(id), { recursive: true, force: true }))
+        .catch((e) => console.error(`blockd: recording the acquire of ${id}: ${(e as Error).message}; its crumb stays`))
+        .finally(() => {
+          if (dev.committing === committing) dev.committing = undefined;
+        });
+      dev.committing = committing;
+      void this.refillPrepared();
+      return dev;
+    } finally {
+      this.busy.delete(id);
+      if (retire) void this.retireIdle(dev).then(() => this.refillPrepared());
+    }
+  }
+
+  /**
+   * Keep `count` pool devices ready for acquires of this stack (lowers and size): each has the
+   * lowers open and a fresh upper in its prepared folder under the state dir, so upperDirs must be
+   * on that filesystem. Replies once the devices are ready; count 0 retires them. All or nothing:
+   * a refill that fails restores the target it replaced.
+   */
+  private async prepare(p: Record<string, unknown>) {
+    const config = checkConfig(p.lowers);
+    if (!config.lowers.length) throw new BlockdError("BadRequest", "a prepared stack needs at least one layer");
+    const size = checkSize(p.size);
+    const count = p.count;
+    if (!Number.isSafeInteger(count) || (count as number) < 0 || (count as number) > MAX_PREPARED_PER_STACK)
+      throw new BlockdError("BadRequest", `"count" must be an integer 0..${MAX_PREPARED_PER_STACK}`);
+    const key = stackKey(config, size);
+    const before = this.targets.get(key);
+    const others = [...this.targets].filter(([k]) => k !== key);
+    if (count && !before && others.length >= MAX_PREPARED_STACKS) throw new BlockdError("BadRequest", `${MAX_PREPARED_STACKS} stacks are prepared already`);
+    const total = others.reduce((n, [, t]) => n + t.count, count as number);
+    if (total > MAX_PREPARED) throw new BlockdError("BadRequest", `${total} prepared devices would be over ${MAX_PREPARED}`);
+    const target: PrepareTarget = { lowers: config.lowers, size, count: count as number };
+    if (target.count) this.targets.set(key, target);
+    else this.targets.delete(key);
+    await this.refillPrepared();
+    const ready = this.preparedCount(key);
+    if (ready < target.count && this.targets.get(key) === target && target.error) {
+      if (before) this.targets.set(key, { ...before, failedAt: undefined, error: undefined });
+      else this.targets.delete(key);
+      await this.refillPrepared(); // retires what this call prepared
+      throw target.error;
+    }
+    return { lowers: config.lowers.map((l, i) => resolveLayerPath(l, i)), size, count: target.count, ready };
+  }
+
+  private preparedCount(key: string): number {
+    let n = 0;
+    for (const d of this.devices.values()) if (d.prepared === key) n++;
+    return n;
+  }
+
+  /** One refill at a time; a call during one is served by the next, which starts after it. */
+  private refillPrepared(): Promise<void> {
+    if (!this.refilling) {
+      this.refilling = this.refillPass().finally(() => (this.refilling = undefined));
+      return this.refilling;
+    }
+    return (this.refillQueued ??= this.refilling.then(() => {
+      this.refillQueued = undefined;
+      return this.refillPrepared();
+    }));
+  }
+
+  /** Every target topped up to its count (a failing one waits PREPARE_RETRY_MS), surplus retired, pool filled. */
+  private async refillPass(): Promise<void> {
+    for (const [key, t] of this.targets) {
+      if (t.failedAt !== undefined && Date.now() - t.failedAt < PREPARE_RETRY_MS) continue;
+      while (!this.closing && this.targets.get(key) === t && this.preparedCount(key) < t.count) {
+        try {
+          await this.prepareOne(key, t);
+          t.failedAt = t.error = undefined;
+        } catch (e) {
+          t.failedAt = Date.now();
+          t.error = e as Error;
+          console.error(`blockd: preparing a device for ${key}: ${t.error.message}`);
+          break;
+        }
+      }
+    }
+    const surplus = new Map<string, number>();
+    for (const d of this.devices.values()) {
+      if (!d.prepared || this.busy.has(d.rec.id)) continue;
+      const n = (surplus.get(d.prepared) ?? 0) + 1;
+      surplus.set(d.prepared, n);
+      if (n > (this.targets.get(d.prepared)?.count ?? 0)) await this.retireIdle(d);
+    }
+    await this.fillPool().catch((e) => console.error(`blockd: pool refill: ${e.message}`));
+  }
+
+  /**
+   * An idle device made ready for target `t`: a fresh upper in its prepared folder, the lowers
+   * opened by its worker, and the table naming it prepared (written before anyone may take it).
+   */
+  private async prepareOne(key: string, t: PrepareTarget): Promise<void> {
+    const { dev, cold } = await this.reserveIdle();
+    const dir = this.preparedDir(dev.rec.id);
+    let swapped = false;
+    try {
+      await rm(dir, { recursive: true, force: true });
+      await mkdir(dir, { recursive: true });
+      await makeUpper(join(dir, PREPARED_UPPER), t.size, false);
+      await dev.handle.swap({ lowers: t.lowers }, true);
+      swapped = true;
+      dev.rec.config = { lowers: t.lowers };
+      await this.saveTable();
+      dev.prepared = key;
+    } catch (e) {
+      dev.rec.config = null;
+      await rm(dir, { recursive: true, force: true }).catch(() => {});
+      if (cold) await this.dropCold(dev);
+      else if (swapped) await dev.handle.swap(null, true).catch(() => {});
+      throw e;
+    } finally {
+      this.busy.delete(dev.rec.id);
+      if (!cold && dev.handle.failure) void this.retireIdle(dev); // died while busy: workerDied left it to us
+    }
+  }
+
+  /** An idle device that is not wanted (a prepared one past its target, or one whose worker failed) goes: worker, mount, folder. */
+  private async retireIdle(d: Device): Promise<void> {
+    try {
+      await this.exclusive(d.rec.id, () => this.teardown(d));
+      this.devices.delete(d.rec.id);
+      await rm(this.preparedDir(d.rec.id), { recursive: true, force: true });
+      await this.saveTable();
+    } catch (e) {
+      console.error(`blockd: retiring idle device ${d.rec.id}: ${(e as Error).message}`);
     }
   }
 
@@ -617,6 +866,7 @@ export class Blockd {
   private async release(p: Record<string, unknown>) {
     const d = this.device(p.id);
     if (d.rec.kind !== "pool" || !d.rec.acquired) throw new BlockdError("BadRequest", `device ${d.rec.id} was not acquired from the pool`);
+    await d.committing; // its crumb is gone before it can be prepared again
     await this.exclusive(d.rec.id, () => d.handle.swap(null, true));
     d.rec.acquired = false;
     d.rec.config = null;
@@ -651,6 +901,8 @@ export class Blockd {
         return this.acquire(params);
       case "release":
         return this.release(params);
+      case "prepare":
+        return this.prepare(params);
       case "stats":
         return this.device(params.id).handle.stats();
       case "shutdown":
@@ -724,7 +976,7 @@ export class Blockd {
     this.server?.stop(true);
     // Calls under way (a pool refill included) finish first, so no device appears after the stop below.
     let timer: Timer | undefined;
-    await Promise.race([Promise.allSettled([...this.running, this.filling]), new Promise((r) => (timer = setTimeout(r, SHUTDOWN_WAIT_MS)))]);
+    await Promise.race([Promise.allSettled([...this.running, this.filling, this.refilling]), new Promise((r) => (timer = setTimeout(r, SHUTDOWN_WAIT_MS)))]);
     clearTimeout(timer);
     for (const d of this.devices.values()) {
       try {
@@ -760,6 +1012,15 @@ interface Conn {
 
 /** Requests one connection may have running at once; more are answered Busy. */
 const MAX_IN_FLIGHT = 64;
+/** prepare's bounds: devices per stack, stacks, devices in all (each is a worker and ~8 MiB). */
+const MAX_PREPARED_PER_STACK = 16;
+const MAX_PREPARED_STACKS = 16;
+const MAX_PREPARED = 64;
+/** A target whose refill failed (its layers gone, the disk full) is not tried again for this long. */
+const PREPARE_RETRY_MS = 5_000;
+/** In a prepared device's folder: its fresh upper, and (once acquired) the link to where it went. */
+const PREPARED_UPPER = "upper";
+const ACQUIRED_CRUMB = "acquired";
 /** How long shutdown lets calls under way finish (a restack's seal, a device start) before it stops devices. */
 const SHUTDOWN_WAIT_MS = 30_000;
 
@@ -812,6 +1073,27 @@ function checkConfig(lowers: unknown, upperDir?: string): ImageConfig {
   const config = parseImageConfig({ lowers: checkLowers(lowers), upper });
   config.lowers.forEach((l, i) => resolveLayerPath(l, i));
   return config;
+}
+
+/** A pool device that holds nothing: not acquired, not prepared, not being prepared. */
+function isPlainIdle(d: Device): boolean {
+  return d.rec.kind === "pool" && !d.rec.acquired && d.rec.config === null && !d.prepared;
+}
+
+/** Which prepared devices fit an acquire: the lowers' files and the upper's size. */
+function stackKey(config: ImageConfig, size: number): string {
+  return JSON.stringify([config.lowers.map((l, i) => resolveLayerPath(l, i)), size]);
+}
+
+/** Rename a directory to `to`, making to's parent when missing (makeUpper's mkdir -p). */
+async function renameDir(from: string, to: string): Promise<void> {
+  try {
+    await rename(from, to);
+  } catch (e) {
+    if ((e as NodeJS.ErrnoException).code !== "ENOENT" || !(await exists(from))) throw e;
+    await mkdir(dirname(to), { recursive: true });
+    await rename(from, to);
+  }
 }
 
 async function exists(path: string): Promise<boolean> {

@@ -1,7 +1,7 @@
 // A real blockd for a test: its own state dir, started through the client as the node does,
 // shut down (devices flushed, mounts and loops gone) when the test file ends.
 import { afterAll } from "bun:test";
-import { closeSync, existsSync, mkdirSync, openSync, readFileSync, readSync, renameSync, rmSync } from "node:fs";
+import { closeSync, existsSync, fsyncSync, mkdirSync, openSync, readFileSync, readSync, renameSync, rmSync, writeSync } from "node:fs";
 import { join } from "node:path";
 import { BlockdClient } from "../../src/blockdev/client.ts";
 import { WritableLayer } from "../../src/storage/lsmt/writable_layer.ts";
@@ -111,6 +111,24 @@ export function readAll(path: string, length: number, at = 0): Uint8Array {
   }
   closeSync(fd);
   return b;
+}
+
+/** Write `bytes` to a device file at `at` and fsync it: acknowledged data. */
+export function writeAt(path: string, bytes: Uint8Array, at: number): void {
+  const fd = openSync(path, "r+");
+  writeSync(fd, bytes, 0, bytes.length, at);
+  fsyncSync(fd);
+  closeSync(fd);
+}
+
+/** The error a promise rejects with (undefined when it resolves). */
+export async function failure(p: Promise<unknown>): Promise<Error | undefined> {
+  try {
+    await p;
+  } catch (e) {
+    return e as Error;
+  }
+  return undefined;
 }
 
 /** Wait for an eventual state: polls cond until it holds, failing with `what` after ms. */

@@ -2,33 +2,16 @@
 // stack; racing acquires and createReadOnlys get correct answers; failed creates leave nothing
 // behind; clients never wait forever on a blockd or fd keeper that stops answering or dies.
 import { afterAll, describe, expect, test } from "bun:test";
-import { closeSync, existsSync, fsyncSync, mkdirSync, openSync, readdirSync, readFileSync, rmSync, writeFileSync, writeSync } from "node:fs";
+import { existsSync, mkdirSync, readdirSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { BlockdClient } from "../../src/blockdev/client.ts";
 import { KeeperClient } from "../../src/blockdev/keeper_client.ts";
 import { BlockdConnectionError, BlockdTimeoutError } from "../../src/blockdev/protocol.ts";
 import { scratchDir } from "../helpers/tmp.ts";
-import { haveFuse, haveLoop, makeLayer, readAll, startBlockd } from "./harness.ts";
+import { failure, haveFuse, haveLoop, makeLayer, readAll, startBlockd, writeAt } from "./harness.ts";
 
 const canRun = haveFuse && haveLoop;
 const MiB = 1 << 20;
-
-/** The error a promise rejects with (undefined when it resolves). */
-async function failure(p: Promise<unknown>): Promise<Error | undefined> {
-  try {
-    await p;
-  } catch (e) {
-    return e as Error;
-  }
-  return undefined;
-}
-
-function writeAt(path: string, bytes: Uint8Array, at: number): void {
-  const fd = openSync(path, "r+");
-  writeSync(fd, bytes, 0, bytes.length, at);
-  fsyncSync(fd);
-  closeSync(fd);
-}
 
 /** Every path under dir (relative), to show that a failed call left nothing new. */
 function tree(dir: string): string[] {

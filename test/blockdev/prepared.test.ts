@@ -1,0 +1,240 @@
+// Prepared pool devices: `prepare` keeps devices with a stack's lowers open and a fresh upper in
+// blockd's state dir; an acquire of that stack renames the upper to its upperDir and replies
+// without waiting for the table write. The device serves the stack's bytes, its writes land in
+// upperDir, racing acquires get distinct devices, and a blockd killed with -9 (its table written
+// or not) comes back with every acquired device and no prepared leftovers.
+import { describe, expect, test } from "bun:test";
+import { existsSync, mkdirSync, readdirSync, readFileSync, rmSync, writeFileSync } from "node:fs";
+import { join } from "node:path";
+import { BlockdClient } from "../../src/blockdev/client.ts";
+import { Image } from "../../src/storage/image.ts";
+import { WRITABLE_DATA, WRITABLE_INDEX, WritableLayer } from "../../src/storage/lsmt/writable_layer.ts";
+import { scratchDir } from "../helpers/tmp.ts";
+import { blockdPid, failure, haveFuse, makeLayer, mountsAt, processGone, readAll, startBlockd, until, writeAt } from "./harness.ts";
+
+const MiB = 1 << 20;
+const SIZE = 8 * MiB;
+
+interface Dev {
+  id: string;
+  kind: string;
+  path: string;
+  acquired: boolean;
+  prepared?: boolean;
+  config: { lowers: { file: string }[]; upper?: { data: string; index: string } } | null;
+}
+
+/** Bytes of the stack `lowers` + the upper in upperDir, read from the files (not through blockd). */
+async function readUpper(lowers: string[], upperDir: string, at: number, length: number): Promise<Uint8Array> {
+  const image = await Image.open({ lowers: lowers.map((file) => ({ file })), upper: { data: join(upperDir, WRITABLE_DATA), index: join(upperDir, WRITABLE_INDEX) } });
+  try {
+    const b = new Uint8Array(length);
+    await image.read(b, at);
+    return b;
+  } finally {
+    await image.close();
+  }
+}
+
+/** Pool devices holding the stack but not handed out: what `prepare` keeps. */
+const preparedOf = (list: Dev[]) => list.filter((d) => d.kind === "pool" && !d.acquired && d.config !== null);
+const preparedFolders = (state: string) => readdirSync(join(state, "prepared")).sort();
+
+test("Image.attachUpper: a fresh upper goes on a lowers-only image (writes land in it, the lowers read as before); a used upper or a second one is refused", async () => {
+  const dir = scratchDir("attach-upper");
+  const base = await makeLayer(join(dir, "base.sealed"), SIZE, 0, new Uint8Array(4096).fill(0x3c));
+  const image = await Image.open({ lowers: [{ file: base }] });
+  const fresh = () => WritableLayer.create(join(dir, `u-${Math.random()}`), join(dir, `i-${Math.random()}`), { virtualSize: 2 * SIZE });
+  const used = await fresh();
+  await used.write(new Uint8Array(512).fill(1), 0);
+  expect(() => image.attachUpper(used)).toThrow("only a fresh upper");
+  expect(image.readOnly).toBe(true);
+  const upper = await fresh();
+  image.attachUpper(upper);
+  expect(image.virtualSize).toBe(2 * SIZE);
+  const b = new Uint8Array(4096);
+  await image.read(b, 0);
+  expect(b.every((x) => x === 0x3c)).toBe(true);
+  await image.write(new Uint8Array(4096).fill(0x55), 4096);
+  expect(upper.index.size).toBe(1);
+  const second = await fresh();
+  expect(() => image.attachUpper(second)).toThrow("already has a writable layer");
+  for (const l of [used, second]) await l.close();
+  await image.close();
+});
+
+describe.skipIf(!haveFuse)("prepared pool devices", async () => {
+  if (!haveFuse) return void test.skip("needs root and /dev/fuse", () => {});
+  const { dir, state, client } = await startBlockd("blockd-prepared", { pool: 1 });
+  const base = await makeLayer(join(dir, "base.sealed"), SIZE, 0, new Uint8Array(64 << 10).fill(0x3c));
+  const top = await makeLayer(join(dir, "top.sealed"), SIZE, 1 * MiB, new Uint8Array(4096).fill(0x7e));
+  const lowers = [base, top];
+  const list = async (): Promise<Dev[]> => client.call("list");
+  const settled = async (n: number) => until(async () => preparedOf(await list()).length === n && preparedFolders(state).length === n, `${n} prepared devices`);
+
+  test("an acquire of a prepared stack gets the stack's bytes, and its writes land in the requested upperDir", async () => {
+    const ready = await client.call("prepare", { lowers, size: SIZE, count: 2 });
+    expect(ready).toEqual({ lowers, size: SIZE, count: 2, ready: 2 });
+    const prepared = preparedOf(await list());
+    expect(prepared).toHaveLength(2);
+    for (const d of prepared) expect(existsSync(join(state, "prepared", d.id, "upper", WRITABLE_DATA))).toBe(true);
+
+    const upperDir = join(dir, "sandbox-1", "upper"); // its parent is made too, as makeUpper does
+    const dev: Dev = await client.call("acquire", { lowers, upperDir, size: SIZE });
+    expect(dev.prepared).toBe(true);
+    expect(prepared.map((d) => d.id)).toContain(dev.id);
+    expect(dev.config?.upper).toEqual({ data: join(upperDir, WRITABLE_DATA), index: join(upperDir, WRITABLE_INDEX) });
+    expect((await client.call("stats", { id: dev.id })).size).toBe(SIZE);
+    expect(readAll(dev.path, 64 << 10).every((b) => b === 0x3c)).toBe(true);
+    expect(readAll(dev.path, 4096, 1 * MiB).every((b) => b === 0x7e)).toBe(true);
+    expect(readAll(dev.path, 4096, 4 * MiB).every((b) => b === 0)).toBe(true);
+
+    const mark = crypto.getRandomValues(new Uint8Array(8192));
+    writeAt(dev.path, mark, 2 * MiB); // fsync'd: the upper's files hold it
+    expect(await readUpper(lowers, upperDir, 2 * MiB, 8192)).toEqual(mark);
+    expect(await readUpper(lowers, upperDir, 1 * MiB, 4096)).toEqual(new Uint8Array(4096).fill(0x7e));
+
+    // The table names it acquired over upperDir, its prepared folder goes, and a fresh one is made.
+    await until(() => {
+      const rec = JSON.parse(readFileSync(join(state, "devices.json"), "utf8")).find((r: Dev) => r.id === dev.id);
+      return rec?.acquired === true && rec.config?.upper?.data === join(upperDir, WRITABLE_DATA);
+    }, "the acquire in the table");
+    await settled(2);
+    expect(preparedFolders(state)).not.toContain(dev.id);
+
+    // Released, it holds nothing; the upper stays with its owner.
+    await client.call("release", { id: dev.id });
+    expect(await readUpper(lowers, upperDir, 2 * MiB, 8192)).toEqual(mark);
+  }, 60_000);
+
+  test("racing acquires of prepared devices each get a distinct device with its own upper", async () => {
+    await client.call("prepare", { lowers, size: SIZE, count: 4 });
+    await settled(4);
+    const dirs = [0, 1, 2, 3, 4, 5].map((i) => join(dir, `race-${i}`));
+    const got = await Promise.allSettled(dirs.map((upperDir) => client.call("acquire", { lowers, upperDir, size: SIZE })));
+    expect(got.map((r) => (r.status === "fulfilled" ? "ok" : (r.reason as Error).message))).toEqual(dirs.map(() => "ok"));
+    const devs = got.map((r) => (r as PromiseFulfilledResult<Dev>).value);
+    expect(new Set(devs.map((d) => d.id)).size).toBe(devs.length);
+    expect(devs.filter((d) => d.prepared).length).toBeGreaterThanOrEqual(4); // 4 were ready; the rest made their own
+    const marks = devs.map((d, i) => {
+      const m = new Uint8Array(4096).fill(0x10 + i);
+      writeAt(d.path, m, 3 * MiB);
+      return m;
+    });
+    for (const [i, d] of devs.entries()) {
+      expect(readAll(d.path, 4096, 3 * MiB)).toEqual(marks[i]!);
+      expect(readAll(d.path, 4096, 1 * MiB).every((b) => b === 0x7e)).toBe(true);
+      expect(await readUpper(lowers, dirs[i]!, 3 * MiB, 4096)).toEqual(marks[i]!);
+    }
+    for (const d of devs) await client.call("release", { id: d.id });
+    await settled(4);
+  }, 90_000);
+
+  test("an upperDir that is not empty, or another size, is acquired without a prepared device, which stays ready", async () => {
+    await settled(4);
+    const before = preparedOf(await list()).map((d) => d.id).sort();
+    const busyDir = join(dir, "not-empty");
+    mkdirSync(busyDir, { recursive: true });
+    writeFileSync(join(busyDir, "someone-elses"), "x");
+    const a: Dev = await client.call("acquire", { lowers, upperDir: busyDir, size: SIZE });
+    expect(a.prepared).toBe(false);
+    expect(before).not.toContain(a.id);
+    expect(readFileSync(join(busyDir, "someone-elses"), "utf8")).toBe("x");
+    const b: Dev = await client.call("acquire", { lowers, upperDir: join(dir, "other-size"), size: 2 * SIZE });
+    expect(b.prepared).toBe(false);
+    expect((await client.call("stats", { id: b.id })).size).toBe(2 * SIZE);
+    expect(preparedOf(await list()).map((d) => d.id).sort()).toEqual(before);
+    for (const d of [a, b]) await client.call("release", { id: d.id });
+  }, 60_000);
+
+  test("prepare refuses bad input and leaves the prepared devices as they were; count 0 retires them, folders and mounts", async () => {
+    await settled(4);
+    const before = preparedOf(await list()).map((d) => d.id).sort();
+    for (const params of [
+      { lowers, size: SIZE, count: 17 },
+      { lowers, size: SIZE, count: -1 },
+      { lowers, size: SIZE, count: 1.5 },
+      { lowers, size: SIZE },
+      { lowers, size: 1000, count: 1 },
+      { lowers: [], size: SIZE, count: 1 },
+      { lowers: "base", size: SIZE, count: 1 },
+    ])
+      expect((await failure(client.call("prepare", params)))?.name).toBe("BadRequest");
+    expect((await failure(client.call("prepare", { lowers: [join(dir, "missing.sealed")], size: SIZE, count: 1 })))?.name).toBe("ConfigError");
+    // A stack whose layer is no layer: the refill fails, prepare says why and keeps nothing of it.
+    const garbage = join(dir, "garbage.sealed");
+    writeFileSync(garbage, crypto.getRandomValues(new Uint8Array(64 << 10)));
+    expect((await failure(client.call("prepare", { lowers: [garbage], size: SIZE, count: 2 })))?.name).toBe("FormatError");
+    expect(preparedOf(await list()).map((d) => d.id).sort()).toEqual(before);
+    expect(preparedFolders(state)).toEqual(before);
+
+    expect(await client.call("prepare", { lowers, size: SIZE, count: 0 })).toMatchObject({ count: 0, ready: 0 });
+    expect(preparedOf(await list())).toEqual([]);
+    expect(preparedFolders(state)).toEqual([]);
+    for (const id of before) expect(mountsAt(join(state, "dev", id))).toEqual([]);
+  }, 60_000);
+});
+
+/** kill -9 blockd (the keeper lives on), run `meanwhile`, start it again; its new client. */
+async function killAndRestart(state: string, client: BlockdClient, meanwhile: () => void): Promise<BlockdClient> {
+  const pid = blockdPid(state);
+  process.kill(pid, "SIGKILL");
+  client.close();
+  await until(() => processGone(pid), "the killed blockd to be gone");
+  meanwhile();
+  return BlockdClient.ensure(state);
+}
+
+describe.skipIf(!haveFuse)("prepared devices across kill -9", () => {
+  for (const tableWritten of [true, false])
+    test(
+      tableWritten
+        ? "acquired, table written: it comes back acquired with its data; prepared ones come back idle; no prepared folder is left"
+        : "acquired, table not yet written: the rename is the commit, so it comes back acquired over its upperDir with its data",
+      async () => {
+        const label = tableWritten ? "blockd-prep-crash" : "blockd-prep-crash-nt";
+        const { dir, state, client } = await startBlockd(label, { pool: 1 });
+        const base = await makeLayer(join(dir, "base.sealed"), SIZE, 0, new Uint8Array(64 << 10).fill(0x3c));
+        await client.call("prepare", { lowers: [base], size: SIZE, count: 3 });
+        const tmp = join(state, "devices.json.tmp");
+        if (!tableWritten) mkdirSync(join(tmp, "in-the-way"), { recursive: true }); // every table write fails from here
+        const upperDir = join(dir, "vm", "upper");
+        const dev: Dev = await client.call("acquire", { lowers: [base], upperDir, size: SIZE });
+        expect(dev.prepared).toBe(true);
+        const mark = crypto.getRandomValues(new Uint8Array(16384));
+        writeAt(dev.path, mark, 5 * MiB);
+        const onDisk = () => JSON.parse(readFileSync(join(state, "devices.json"), "utf8")).find((r: Dev) => r.id === dev.id);
+        if (tableWritten) await until(() => onDisk()?.acquired === true, "the acquire in the table");
+        else {
+          await until(() => readFileSync(join(state, "blockd.log"), "utf8").includes(`recording the acquire of ${dev.id}`), "the failed table write");
+          expect(onDisk()).toMatchObject({ kind: "pool", config: { lowers: [{ file: base }] } }); // the table still says prepared
+          expect(onDisk().acquired).toBeFalsy();
+          expect(existsSync(join(state, "prepared", dev.id, "acquired"))).toBe(true);
+        }
+        mkdirSync(join(state, "prepared", "pool-999", "upper"), { recursive: true }); // an orphan, as a crash mid-prepare leaves
+        writeFileSync(join(state, "prepared", "pool-999", "upper", WRITABLE_DATA), "x");
+
+        const again = await killAndRestart(state, client, () => rmSync(tmp, { recursive: true, force: true }));
+        const back: Dev[] = await again.call("list");
+        const it = back.find((d) => d.id === dev.id)!;
+        expect(it).toMatchObject({ id: dev.id, path: dev.path, acquired: true, readOnly: false });
+        expect(it.config?.upper).toEqual({ data: join(upperDir, WRITABLE_DATA), index: join(upperDir, WRITABLE_INDEX) });
+        expect(readAll(dev.path, 16384, 5 * MiB)).toEqual(mark);
+        expect(readAll(dev.path, 4096).every((b) => b === 0x3c)).toBe(true);
+        // It still takes writes, into the same upper.
+        const more = crypto.getRandomValues(new Uint8Array(4096));
+        writeAt(dev.path, more, 6 * MiB);
+        expect(await readUpper([base], upperDir, 6 * MiB, 4096)).toEqual(more);
+        // No prepared device survives a restart (prepare is asked again), none of their folders, no orphan.
+        expect(preparedOf(back)).toEqual([]);
+        expect(preparedFolders(state)).toEqual([]);
+        const table: Dev[] = JSON.parse(readFileSync(join(state, "devices.json"), "utf8"));
+        expect(table.map((r) => r.id).sort()).toEqual(back.map((d) => d.id).sort());
+        expect(table.find((r) => r.id === dev.id)).toMatchObject({ acquired: true, config: { upper: { data: join(upperDir, WRITABLE_DATA) } } });
+        expect(preparedOf(table)).toEqual([]);
+        await again.call("release", { id: dev.id });
+        again.close();
+      },
+      90_000,
+    );
+});
