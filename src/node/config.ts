@@ -43,7 +43,7 @@ export const SETTINGS = {
   maxBodyBytes: setting("AENV_MAX_BODY_BYTES", "max_body_bytes", "1048576", int(1024, 64 << 20), "largest API request body (the proxy streams and has no such bound)"),
   vmm: setting("AENV_VMM", "vmm", "auto", oneOf("auto", "qemu", "firecracker"), "VMM: auto picks Firecracker when its binary and KVM exist, else QEMU"),
   slotCidr: setting("AENV_SLOT_CIDR", "slot_cidr", "10.200.0.0/16", str, "host-side addresses of network slots, cut into /31s; on this machine's veths only"),
-  devicePool: setting("AENV_DEVICE_POOL", "device_pool", "4", int(0, 256), "blockd devices kept ready for sandbox root filesystems"),
+  devicePool: setting("AENV_DEVICE_POOL", "device_pool", "4", int(0, 256), "rootfs devices kept ready: that many empty ones in blockd's pool, and per template that many with its layers open"),
   slotPool: setting("AENV_SLOT_POOL", "slot_pool", "4", int(0, 256), "network slots kept ready"),
   templateCache: setting("AENV_TEMPLATE_CACHE", "template_cache", "$AENV_HOME/templates", str, "built templates (base), keyed by their definition's hash"),
   runDir: setting("AENV_RUN_DIR", "run_dir", "/run/aenv", str, "VM run directories (sockets, consoles, a cold boot's RAM): tmpfs"),

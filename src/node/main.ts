@@ -102,7 +102,7 @@ async function start(): Promise<void> {
     kernel: kernel.vmlinux, initrd: kernel.initrd, toolsLayer,
     // The base image maps the hostname `sandbox` in /etc/hosts (sudo looks its host up).
     cmdline: (s) => guestCmdline({ ip: `${s.guestIp}/${s.guestPrefixLen}`, gw: s.gatewayIp, hostname: "sandbox" }),
-  }, { home: cfg.home, runRoot: join(cfg.runDir, "vms"), defaultTimeoutS: cfg.defaultTimeoutS, maxSandboxes: cfg.maxSandboxes });
+  }, { home: cfg.home, runRoot: join(cfg.runDir, "vms"), defaultTimeoutS: cfg.defaultTimeoutS, maxSandboxes: cfg.maxSandboxes, preparedDevices: cfg.devicePool });
   const base = templates.resolve("base")!;
   if (!base.checkpoint) {
     progress("template base: boot and checkpoint");
@@ -111,6 +111,7 @@ async function start(): Promise<void> {
   const recovered = await o.recover();
   if (recovered.adopted.length + recovered.lost.length + recovered.paused.length > 0)
     console.log(`  recovered: ${recovered.adopted.length} running, ${recovered.paused.length} paused, ${recovered.lost.length} lost`);
+  o.warmUp();
   o.startReaper(cfg.reaperIntervalMs);
   proxy = new SandboxProxy(o, { domain: cfg.domain });
   orch = o;

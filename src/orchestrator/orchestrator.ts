@@ -49,11 +49,14 @@ export interface OrchestratorOptions {
   envdReadyTimeoutMs?: number;
   /** Children of one fork started at once. */
   forkParallelism?: number;
+  /** Rootfs devices blockd keeps ready per template stack (its lowers open, a fresh upper). */
+  preparedDevices?: number;
 }
 
 /** What the store keeps of a sandbox's parts, to find them again (and to give them back). */
 export interface SandboxRuntime {
   slot: Slot | null;
+  /** Unused: the tools disk is one device per node, held by the orchestrator (kept for old rows). */
   toolsDevice: string | null;
   rootfsDevice: string | null;
   upperDir: string | null;
@@ -114,6 +117,8 @@ export class Orchestrator {
   private readonly live = new Map<string, Live>();
   /** One operation in flight per sandbox; others on it join or wait for it. */
   private readonly inflight = new Map<string, { op: string; done: Promise<unknown> }>();
+  /** The tools disk: one read-only device for every VM of this node, made on first use. */
+  private tools: Promise<{ id: string; path: string }> | undefined;
   /** One checkpointing boot per template at a time. */
   private readonly preparing = new Map<string, Promise<VmCheckpoint>>();
   private readonly envdTimeoutMs: number;
@@ -277,16 +282,17 @@ export class Orchestrator {
         await waitEnvdReady(`http://${slot.nsIp}:${ENVD_PORT}`, this.envdTimeoutMs, () => v.state !== "stopped");
         await vm.snapshot(cpDir, { resumable: false });
         const layer = join(cpDir, "rootfs.layer");
-        await this.blockd.call("restack", { id: devices[1], layerPath: layer });
+        await this.blockd.call("restack", { id: devices[0], layerPath: layer });
         const cp: VmCheckpoint = { dir: cpDir, layers: [...tpl.layers, layer], envdToken: null };
         this.templates.setCheckpoint(tpl.id, cp);
+        if (tpl.kind === "template") this.prepareDevices(cp, tpl.diskSizeMB);
         return cp;
       } catch (e) {
         rmSync(cpDir, { recursive: true, force: true });
         throw e;
       } finally {
         await vm?.stop().catch(() => {});
-        await this.giveBackDevices(devices[1] ?? null, devices[0] ?? null);
+        await this.giveBackDevice(devices[0] ?? null);
         rmSync(join(this.opts.home, "sandboxes", id), { recursive: true, force: true });
         rmSync(join(this.opts.runRoot, id), { recursive: true, force: true });
         if (slot) await this.slots.release(slot).catch(() => {});
@@ -297,15 +303,37 @@ export class Orchestrator {
     return p;
   }
 
-  /** The tools disk (shared) and a rootfs with a fresh upper; ids pushed to `devices` as made. */
+  /** The node's one tools disk device (a reference taken once; every VM opens the same file). */
+  private toolsDisk(): Promise<{ id: string; path: string }> {
+    this.tools ??= this.blockd.call<{ id: string; path: string }>("createReadOnly", { lowers: [this.guest.toolsLayer] }).catch((e) => {
+      this.tools = undefined;
+      throw e;
+    });
+    return this.tools;
+  }
+
+  /** The tools disk and a rootfs with a fresh upper; the rootfs id is pushed to `devices` once made. */
   private async devices(devices: string[], layers: string[], upperDir: string, diskSizeMB: number): Promise<{ drives: DriveSpec[] }> {
-    const tools = await this.blockd.call("createReadOnly", { lowers: [this.guest.toolsLayer] });
-    devices.push(tools.id);
+    const tools = await this.toolsDisk();
     mkdirSync(join(upperDir, ".."), { recursive: true });
-    // From blockd's warm pool: the image is swapped in under a device that already exists.
+    // From blockd's pool: for a prepared stack, a device with the lowers already open.
     const rootfs = await this.blockd.call("acquire", { lowers: layers, upperDir, size: diskSizeMB * 1024 * 1024 });
     devices.push(rootfs.id);
     return { drives: [{ path: tools.path, readOnly: true }, { path: rootfs.path }] };
+  }
+
+  /**
+   * Asks blockd to keep rootfs devices ready for a checkpoint's stack (count 0 retires them).
+   * Best effort: without them, creates take the plain acquire path.
+   */
+  private prepareDevices(cp: VmCheckpoint, diskSizeMB: number, count = this.opts.preparedDevices ?? 2): void {
+    this.blockd.call("prepare", { lowers: cp.layers, size: diskSizeMB * 1024 * 1024, count })
+      .catch((e) => console.error(`orchestrator: prepare devices for ${cp.dir}: ${(e as Error).message}`));
+  }
+
+  /** At node start: devices ready for every template that has a checkpoint. */
+  warmUp(): void {
+    for (const t of this.templates.list("template")) if (t.checkpoint) this.prepareDevices(t.checkpoint, t.diskSizeMB);
   }
 
   /** A VM for `rec` restored from `cp` in a fresh slot with a fresh upper, envd initialised. */
@@ -327,8 +355,7 @@ export class Orchestrator {
       try {
         ({ drives } = await this.devices(devices, cp.layers, upperDir, rec.diskSizeMB));
       } finally {
-        rt.toolsDevice = devices[0] ?? null;
-        rt.rootfsDevice = devices[1] ?? null;
+        rt.rootfsDevice = devices[0] ?? null;
         save();
       }
       const snap = await readSnapshot(cp.dir);
@@ -579,6 +606,7 @@ export class Orchestrator {
   deleteTemplate(ref: string): boolean {
     const t = this.templates.resolve(ref);
     if (!t) return false;
+    if (t.checkpoint && t.kind === "template") this.prepareDevices(t.checkpoint, t.diskSizeMB, 0);
     this.templates.delete(t.id);
     this.collectCheckpoints();
     return true;
@@ -615,14 +643,13 @@ export class Orchestrator {
     return r.runtime as SandboxRuntime;
   }
 
-  /** The rootfs goes back to blockd's pool, the shared tools disk loses a reference. */
-  private async giveBackDevices(rootfs: string | null, tools: string | null): Promise<void> {
+  /** A rootfs device goes back to blockd's pool. */
+  private async giveBackDevice(rootfs: string | null): Promise<void> {
     if (rootfs) await this.blockd.call("release", { id: rootfs }).catch((e) => console.error(`orchestrator: release ${rootfs}: ${(e as Error).message}`));
-    if (tools) await this.blockd.call("delete", { id: tools }).catch((e) => console.error(`orchestrator: delete ${tools}: ${(e as Error).message}`));
   }
 
   private async release(rt: SandboxRuntime): Promise<void> {
-    await this.giveBackDevices(rt.rootfsDevice, rt.toolsDevice);
+    await this.giveBackDevice(rt.rootfsDevice);
     if (rt.slot) await this.slots.release(rt.slot).catch(() => {});
     if (rt.runDir) rmSync(rt.runDir, { recursive: true, force: true });
   }

@@ -192,8 +192,8 @@ describe.skipIf(!!skip)("node API + orchestrator with the e2b SDK (QEMU, blockd,
     await orch.killAll();
     expect(store.count()).toBe(0);
     expect(qemuPids(root)).toEqual([]);
-    const devs = (await client.call<{ readOnly: boolean }[]>("list"));
-    expect(devs.filter((d) => !d.readOnly)).toEqual([]);
+    const devs = (await client.call<{ acquired: boolean }[]>("list"));
+    expect(devs.filter((d) => d.acquired)).toEqual([]);
     orch.collectCheckpoints();
     const cps = readdirSync(join(home, "checkpoints"));
     expect(cps.every((c) => c.startsWith("template-"))).toBe(true);
