@@ -1,0 +1,232 @@
+// The snapshot store in a directory: local disk, or a shared filesystem (NFS, CephFS, …) that
+// several nodes write at once. Nothing assumes a single writer: a put builds the snapshot under
+// a temporary name and renames the whole directory into place (rename is atomic, and refuses a
+// name already taken, so of two racing puts of one id exactly one wins); a delete renames the
+// directory away first. Shared files (rootfs layers) are copied once into blobs/, named by sha256,
+// and hard-linked into each snapshot, so the link count is their reference count and no delete
+// can take a file from a snapshot that holds a link to it. Other files are linked from the source
+// when it is on the same filesystem (no bytes move), else copied with their holes.
+//
+//   <root>/snapshots/<id>/record.json   the record (SnapshotRecord)
+//   <root>/snapshots/<id>/<name>        each file (a link to blobs/<sha256> when shared)
+//   <root>/blobs/<sha256>               shared files, one inode each
+//   <root>/tmp/                         puts in flight, deletes in progress
+import { link, mkdir, readdir, rename, rm, stat, unlink } from "node:fs/promises";
+import { join } from "node:path";
+import { Deadline, DEFAULT_LIMITS, type StoreLimits } from "./deadline.ts";
+import { asStoreError, fsCode, SnapshotStoreError } from "./errors.ts";
+import { copySparse, linkOrCopy, pathExists, randomSuffix, readSmallFile, syncDir, writeFileDurable } from "./files.ts";
+import {
+  checkFiles, checkId, checkMeta, DigestCache, LIMITS, parseRecord, sourceDigest, statSources,
+  type Json, type Materialized, type SnapshotFile, type SnapshotRecord, type SnapshotStore, type Source, type StoredFile,
+} from "./store.ts";
+
+const RECORD = "record.json";
+
+export class DirSnapshotStore implements SnapshotStore {
+  readonly kind = "dir" as const;
+  private readonly snapshots: string;
+  private readonly blobs: string;
+  private readonly tmp: string;
+  private readonly digests = new DigestCache();
+  private made: Promise<void> | undefined;
+
+  constructor(
+    readonly root: string,
+    private readonly limits: StoreLimits = DEFAULT_LIMITS,
+  ) {
+    if (!root.startsWith("/")) throw new SnapshotStoreError("BadConfig", `snapshot store directory must be absolute, got ${JSON.stringify(root)}`);
+    this.snapshots = join(root, "snapshots");
+    this.blobs = join(root, "blobs");
+    this.tmp = join(root, "tmp");
+  }
+
+  get location(): string {
+    return this.root;
+  }
+
+  private ready(): Promise<void> {
+    this.made ??= (async () => {
+      for (const d of [this.snapshots, this.blobs, this.tmp]) await mkdir(d, { recursive: true });
+    })().catch((e) => {
+      this.made = undefined;
+      throw asStoreError(e, `snapshot store ${this.root}: create its directories`);
+    });
+    return this.made;
+  }
+
+  async put(id: string, files: SnapshotFile[], meta: Json): Promise<SnapshotRecord> {
+    checkId(id);
+    checkFiles(files);
+    checkMeta(meta);
+    await this.ready();
+    const sources = await statSources(files);
+    const dl = new Deadline(`put of snapshot '${id}'`, this.limits, sources.reduce((n, s) => n + s.size, 0));
+    const final = join(this.snapshots, id);
+    if (await pathExists(final)) throw new SnapshotStoreError("Exists", `snapshot '${id}' exists`);
+    const putId = randomSuffix();
+    const work = join(this.tmp, `put-${id}.${putId}`);
+    const madeBlobs: string[] = [];
+    try {
+      await mkdir(work);
+      const stored: Record<string, StoredFile> = {};
+      for (const src of sources) {
+        if (src.shared) {
+          const sha256 = await sourceDigest(src, this.digests, dl);
+          await this.linkBlob(sha256, src, join(work, src.name), dl, madeBlobs);
+          stored[src.name] = { size: src.size, sha256, shared: true };
+        } else {
+          await linkOrCopy(src.path, join(work, src.name), dl);
+          stored[src.name] = { size: src.size, shared: false };
+        }
+        dl.check();
+      }
+      const record: SnapshotRecord = { format: 1, id, putId, createdAt: new Date().toISOString(), meta, files: stored };
+      await writeFileDurable(join(work, RECORD), JSON.stringify(record));
+      dl.check();
+      try {
+        await rename(work, final);
+      } catch (e) {
+        const c = fsCode(e);
+        if (c === "ENOTEMPTY" || c === "EEXIST") throw new SnapshotStoreError("Exists", `snapshot '${id}' exists (another put took the id first)`);
+        throw e;
+      }
+      await syncDir(this.snapshots);
+      return record;
+    } catch (e) {
+      await rm(work, { recursive: true, force: true }).catch(() => {});
+      await this.dropUnusedBlobs(madeBlobs);
+      throw asStoreError(e, `put of snapshot '${id}'`);
+    }
+  }
+
+  /**
+   * `dest` becomes a link to blobs/<sha256>, copied from `src` when the pool has none (a copy,
+   * never a link to the source: a blob's link count must count snapshots only). A blob collected
+   * between the check and the link (a racing delete) is made again.
+   */
+  private async linkBlob(sha256: string, src: Source, dest: string, dl: Deadline, made: string[]): Promise<void> {
+    const blob = join(this.blobs, sha256);
+    for (let attempt = 0; attempt < 3; attempt++) {
+      try {
+        await link(blob, dest);
+        return;
+      } catch (e) {
+        if (fsCode(e) !== "ENOENT") throw e;
+      }
+      const tmpBlob = join(this.tmp, `blob-${sha256}.${randomSuffix()}`);
+      try {
+        const got = await copySparse(src.path, tmpBlob, dl, { hash: true });
+        if (got !== sha256) throw new SnapshotStoreError("Io", `file '${src.name}': ${src.path} changed since it was hashed (sha256 ${sha256} → ${got})`);
+        // Replaces a blob another put made meanwhile: same bytes, and its snapshots keep their links.
+        await rename(tmpBlob, blob);
+      } catch (e) {
+        await rm(tmpBlob, { force: true });
+        throw e;
+      }
+      made.push(blob);
+    }
+    throw new SnapshotStoreError("Io", `blob ${sha256} vanished three times while it was linked`);
+  }
+
+  /** Removes blobs that no snapshot links to any more (link count 1: only the pool's name). */
+  private async dropUnusedBlobs(blobs: string[]): Promise<void> {
+    for (const b of new Set(blobs)) {
+      try {
+        // A put that links it after this stat keeps its link: the inode lives on with it.
+        if ((await stat(b)).nlink === 1) await unlink(b);
+      } catch { /* gone already */ }
+    }
+  }
+
+  async get(id: string): Promise<Materialized> {
+    checkId(id);
+    const dir = join(this.snapshots, id);
+    const record = await this.readRecord(id, dir);
+    const paths: Record<string, string> = {};
+    for (const name of Object.keys(record.files)) paths[name] = join(dir, name);
+    return { record, meta: record.meta, paths };
+  }
+
+  private async readRecord(id: string, dir: string): Promise<SnapshotRecord> {
+    let text: string;
+    try {
+      text = await readSmallFile(join(dir, RECORD), LIMITS.recordBytes);
+    } catch (e) {
+      if (fsCode(e) === "ENOENT" || fsCode(e) === "ENOTDIR") throw new SnapshotStoreError("NotFound", `snapshot '${id}' not found`);
+      throw asStoreError(e, `snapshot '${id}': read its record`);
+    }
+    return parseRecord(text, id, join(dir, RECORD));
+  }
+
+  async exists(id: string): Promise<boolean> {
+    checkId(id);
+    try {
+      return await pathExists(join(this.snapshots, id, RECORD));
+    } catch (e) {
+      throw asStoreError(e, `snapshot '${id}': exists`);
+    }
+  }
+
+  async list(): Promise<string[]> {
+    try {
+      await this.ready();
+      return (await readdir(this.snapshots)).filter((n) => !n.startsWith(".")).sort();
+    } catch (e) {
+      throw asStoreError(e, `snapshot store ${this.root}: list`);
+    }
+  }
+
+  async delete(id: string): Promise<boolean> {
+    checkId(id);
+    await this.ready();
+    const trash = join(this.tmp, `del-${id}.${randomSuffix()}`);
+    try {
+      // One rename makes it invisible at once; of two racing deletes, one finds it gone.
+      await rename(join(this.snapshots, id), trash);
+    } catch (e) {
+      if (fsCode(e) === "ENOENT") return false;
+      throw asStoreError(e, `delete of snapshot '${id}'`);
+    }
+    const shared: string[] = [];
+    try {
+      const record = parseRecord(await readSmallFile(join(trash, RECORD), LIMITS.recordBytes), id, trash);
+      for (const f of Object.values(record.files)) if (f.shared) shared.push(join(this.blobs, f.sha256!));
+    } catch { /* a damaged record: its blobs wait for sweep() */ }
+    try {
+      await rm(trash, { recursive: true, force: true });
+    } catch (e) {
+      throw asStoreError(e, `delete of snapshot '${id}': remove its files`);
+    }
+    await this.dropUnusedBlobs(shared);
+    return true;
+  }
+
+  /**
+   * Removes what crashed puts and deletes left in tmp/ and blobs no snapshot links to, when older
+   * than `olderThanMs` (on a shared filesystem, another node's put may be in flight: give it
+   * longer than any put's deadline).
+   */
+  async sweep(olderThanMs: number): Promise<{ removed: number }> {
+    await this.ready();
+    const before = Date.now() - olderThanMs;
+    let removed = 0;
+    const old = async (p: string, nlinkOne: boolean) => {
+      try {
+        const st = await stat(p);
+        return st.mtimeMs < before && (!nlinkOne || (st.isFile() && st.nlink === 1));
+      } catch {
+        return false;
+      }
+    };
+    for (const n of await readdir(this.tmp)) {
+      const p = join(this.tmp, n);
+      if (await old(p, false)) { await rm(p, { recursive: true, force: true }); removed++; }
+    }
+    for (const n of await readdir(this.blobs)) {
+      const p = join(this.blobs, n);
+      if (await old(p, true)) { await unlink(p).catch(() => {}); removed++; }
+    }
+    return { removed };
+  }
+}

@@ -1,0 +1,57 @@
+// AENV_SNAPSHOT_STORE → a SnapshotStore. A directory (absolute path; local disk or a shared
+// filesystem, the same code) or s3://bucket/prefix, with S3's endpoint, region and credentials
+// from AENV_S3_ENDPOINT and the standard AWS_* variables.
+import { S3Client } from "bun";
+import { join } from "node:path";
+import { SnapshotCache } from "./cache.ts";
+import { DEFAULT_LIMITS, type StoreLimits } from "./deadline.ts";
+import { DirSnapshotStore } from "./dir_store.ts";
+import { SnapshotStoreError } from "./errors.ts";
+import { S3SnapshotStore } from "./s3_store.ts";
+import type { SnapshotStore } from "./store.ts";
+
+export interface OpenOptions {
+  /** $AENV_HOME: the default store is `<home>/snapshots`, the default cache `<home>/snapshot-cache`. */
+  home: string;
+  /** Where AWS_* and AENV_S3_ENDPOINT are read (default process.env). */
+  env?: Record<string, string | undefined>;
+  /** S3 only: the local cache of downloaded snapshots and its bound in bytes (default 32 GiB). */
+  cacheDir?: string;
+  cacheBytes?: number;
+  limits?: StoreLimits;
+}
+
+export const DEFAULT_CACHE_BYTES = 32 * 1024 ** 3;
+const BUCKET_RE = /^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$/;
+const PREFIX_PART_RE = /^[A-Za-z0-9._-]{1,128}$/;
+
+/** The store a setting names; BadConfig when the setting or S3's credentials are wrong. */
+export function openSnapshotStore(setting: string | undefined, o: OpenOptions): SnapshotStore {
+  const limits = o.limits ?? DEFAULT_LIMITS;
+  const s = (setting ?? "").trim();
+  if (s === "") return new DirSnapshotStore(join(o.home, "snapshots"), limits);
+  if (s.startsWith("/")) {
+    if (s.split("/").includes("..")) throw new SnapshotStoreError("BadConfig", `AENV_SNAPSHOT_STORE=${s}: no '..' in the path`);
+    return new DirSnapshotStore(s, limits);
+  }
+  if (!s.startsWith("s3://")) throw new SnapshotStoreError("BadConfig", `AENV_SNAPSHOT_STORE=${s}: expected an absolute directory or s3://bucket/prefix`);
+  const [bucket = "", ...parts] = s.slice(5).split("/");
+  if (!BUCKET_RE.test(bucket)) throw new SnapshotStoreError("BadConfig", `AENV_SNAPSHOT_STORE=${s}: bad bucket name '${bucket}'`);
+  const path = parts.filter((p) => p !== "");
+  if (!path.every((p) => PREFIX_PART_RE.test(p) && p !== "..")) throw new SnapshotStoreError("BadConfig", `AENV_SNAPSHOT_STORE=${s}: prefix parts are 1-128 of [A-Za-z0-9._-]`);
+  const prefix = path.length === 0 ? "" : `${path.join("/")}/`;
+  const env = o.env ?? process.env;
+  const accessKeyId = env.AWS_ACCESS_KEY_ID;
+  const secretAccessKey = env.AWS_SECRET_ACCESS_KEY;
+  if (!accessKeyId || !secretAccessKey) throw new SnapshotStoreError("BadConfig", `AENV_SNAPSHOT_STORE=${s}: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY must be set`);
+  const region = env.AWS_REGION || env.AWS_DEFAULT_REGION || "us-east-1";
+  const endpoint = env.AENV_S3_ENDPOINT || env.AWS_ENDPOINT_URL_S3 || env.AWS_ENDPOINT_URL || undefined;
+  if (endpoint !== undefined && !/^https?:\/\/[^\s/]+(\/.*)?$/.test(endpoint)) throw new SnapshotStoreError("BadConfig", `AENV_S3_ENDPOINT=${endpoint}: expected http(s)://host[:port]`);
+  const client = new S3Client({
+    bucket, region, accessKeyId, secretAccessKey, sessionToken: env.AWS_SESSION_TOKEN || undefined,
+    // Without an endpoint: AWS itself, in the region.
+    endpoint: endpoint ?? `https://s3.${region}.amazonaws.com`,
+  });
+  const cache = new SnapshotCache({ root: o.cacheDir ?? join(o.home, "snapshot-cache"), maxBytes: o.cacheBytes ?? DEFAULT_CACHE_BYTES });
+  return new S3SnapshotStore(client, bucket, prefix, cache, limits);
+}

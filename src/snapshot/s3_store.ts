@@ -1,0 +1,254 @@
+// The snapshot store in S3 (or any S3-compatible service), through Bun's S3Client. Files are
+// streamed up in 8 MiB parts (multipart) and down into the node's SnapshotCache; the record is
+// written last, so a snapshot is visible only when complete. S3 has no rename: every put writes
+// under its own nonce, and a put that finds another record under its id after writing (a racing
+// put) takes its own files back and answers Exists.
+//
+//   <prefix>snapshots/<id>.json             the record (SnapshotRecord)
+//   <prefix>data/<id>/<putId>/<name>        each file of one put
+//   <prefix>blobs/<sha256>                  shared files, once
+//   <prefix>refs/<sha256>/<id>.<putId>      one empty marker per snapshot holding a shared file
+import type { S3Client } from "bun";
+import type { SnapshotCache } from "./cache.ts";
+import { Deadline, DEFAULT_LIMITS, type StoreLimits } from "./deadline.ts";
+import { asStoreError, SnapshotStoreError } from "./errors.ts";
+import { CHUNK_BYTES, randomSuffix, readChunks, type SparseWriter } from "./files.ts";
+import {
+  checkFiles, checkId, checkMeta, DigestCache, LIMITS, parseRecord, sourceDigest, statSources,
+  type Json, type Materialized, type SnapshotFile, type SnapshotRecord, type SnapshotStore, type Source, type StoredFile,
+} from "./store.ts";
+
+/** list() stops past this many snapshots (1000 keys per page). */
+const MAX_LIST_PAGES = 100;
+
+function s3Code(e: unknown): string | undefined {
+  const c = (e as { code?: unknown })?.code;
+  return typeof c === "string" ? c : undefined;
+}
+
+export class S3SnapshotStore implements SnapshotStore {
+  readonly kind = "s3" as const;
+  private readonly digests = new DigestCache();
+
+  constructor(
+    private readonly client: S3Client,
+    readonly bucket: string,
+    /** "" or a key prefix ending in "/". */
+    readonly prefix: string,
+    readonly cache: SnapshotCache,
+    private readonly limits: StoreLimits = DEFAULT_LIMITS,
+  ) {
+    if (prefix !== "" && !prefix.endsWith("/")) throw new SnapshotStoreError("BadConfig", `S3 prefix must end in '/', got ${JSON.stringify(prefix)}`);
+  }
+
+  get location(): string {
+    return `s3://${this.bucket}/${this.prefix}`;
+  }
+
+  private recordKey(id: string): string { return `${this.prefix}snapshots/${id}.json`; }
+  private dataKey(id: string, putId: string, name: string): string { return `${this.prefix}data/${id}/${putId}/${name}`; }
+  private blobKey(sha256: string): string { return `${this.prefix}blobs/${sha256}`; }
+  private refPrefix(sha256: string): string { return `${this.prefix}refs/${sha256}/`; }
+  private fileKey(r: SnapshotRecord, name: string, f: StoredFile): string {
+    return f.shared ? this.blobKey(f.sha256!) : this.dataKey(r.id, r.putId, name);
+  }
+
+  async put(id: string, files: SnapshotFile[], meta: Json): Promise<SnapshotRecord> {
+    checkId(id);
+    checkFiles(files);
+    checkMeta(meta);
+    const sources = await statSources(files);
+    const dl = new Deadline(`put of snapshot '${id}'`, this.limits, sources.reduce((n, s) => n + s.size, 0));
+    if (await this.exists(id, dl)) throw new SnapshotStoreError("Exists", `snapshot '${id}' exists`);
+    const putId = randomSuffix();
+    /** Keys this put wrote that no one else needs: removed when it fails. */
+    const own: string[] = [];
+    const uploadedBlobs: string[] = [];
+    let recordWritten = false;
+    try {
+      const stored: Record<string, StoredFile> = {};
+      for (const src of sources) {
+        if (src.shared) {
+          const sha256 = await sourceDigest(src, this.digests, dl);
+          // The marker comes first: a delete that looks for holders of this blob from now on sees it.
+          const ref = `${this.refPrefix(sha256)}${id}.${putId}`;
+          own.push(ref);
+          await dl.race(this.client.write(ref, ""));
+          if (!(await dl.race(this.client.exists(this.blobKey(sha256))))) {
+            uploadedBlobs.push(sha256);
+            await this.upload(this.blobKey(sha256), src, dl, sha256);
+          }
+          stored[src.name] = { size: src.size, sha256, shared: true };
+        } else {
+          const key = this.dataKey(id, putId, src.name);
+          own.push(key);
+          stored[src.name] = { size: src.size, sha256: await this.upload(key, src, dl), shared: false };
+        }
+      }
+      if (await this.exists(id, dl)) throw new SnapshotStoreError("Exists", `snapshot '${id}' exists (another put took the id first)`);
+      const record: SnapshotRecord = { format: 1, id, putId, createdAt: new Date().toISOString(), meta, files: stored };
+      recordWritten = true;
+      await dl.race(this.client.write(this.recordKey(id), JSON.stringify(record), { type: "application/json" }));
+      // Last writer wins in S3: the put whose record is not the one there lost the race.
+      const back = await this.readRecord(id, dl);
+      if (back.putId !== putId) {
+        recordWritten = false;
+        throw new SnapshotStoreError("Exists", `snapshot '${id}' exists (another put took the id first)`);
+      }
+      // A delete that collected a shared blob between our check and our record: upload it again.
+      for (const src of sources) {
+        const f = stored[src.name]!;
+        if (f.shared && !(await dl.race(this.client.exists(this.blobKey(f.sha256!))))) await this.upload(this.blobKey(f.sha256!), src, dl, f.sha256);
+      }
+      return record;
+    } catch (e) {
+      await this.undoPut(id, putId, recordWritten, own, uploadedBlobs);
+      throw asStoreError(e, `put of snapshot '${id}'`);
+    }
+  }
+
+  /** Takes back what a failed put wrote (with a fresh deadline: the put's may be spent). */
+  private async undoPut(id: string, putId: string, recordWritten: boolean, own: string[], uploadedBlobs: string[]): Promise<void> {
+    const dl = new Deadline(`undo of put of snapshot '${id}'`, this.limits);
+    const quietly = (p: Promise<unknown>) => dl.race(p).catch(() => {});
+    if (recordWritten) {
+      const r = await this.readRecord(id, dl).catch(() => undefined);
+      if (r?.putId === putId) await quietly(this.client.delete(this.recordKey(id)));
+    }
+    for (const key of own) await quietly(this.client.delete(key));
+    for (const sha256 of uploadedBlobs) await quietly(this.dropBlobIfUnheld(sha256, dl));
+  }
+
+  /**
+   * Streams a file up (multipart, one 8 MiB part in flight) and returns its sha256; Io when it
+   * is not `expect` or the file's size changed under it. A failed upload removes the key.
+   */
+  private async upload(key: string, src: Source, dl: Deadline, expect?: string): Promise<string> {
+    const h = new Bun.CryptoHasher("sha256");
+    const w = this.client.file(key).writer({ partSize: CHUNK_BYTES, queueSize: 1, retry: 3 });
+    try {
+      const n = await readChunks(src.path, dl, async (c) => {
+        h.update(c);
+        // The reader reuses its buffer: the part is flushed before the next read overwrites it.
+        const r = w.write(c);
+        if (typeof r !== "number") await dl.race(r);
+        await dl.race(Promise.resolve(w.flush()));
+      });
+      await dl.race(Promise.resolve(w.end()));
+      if (n !== src.size) throw new SnapshotStoreError("Io", `file '${src.name}': ${src.path} changed size while it was uploaded (${src.size} → ${n})`);
+    } catch (e) {
+      try { await Promise.resolve(w.end(e as Error)).catch(() => {}); } catch { /* ended already */ }
+      await new Deadline(`remove ${key}`, this.limits).race(this.client.delete(key)).catch(() => {});
+      throw e;
+    }
+    const sha256 = h.digest("hex");
+    if (expect !== undefined && sha256 !== expect) {
+      await this.client.delete(key).catch(() => {});
+      throw new SnapshotStoreError("Io", `file '${src.name}': ${src.path} changed while it was uploaded (sha256 ${expect} → ${sha256})`);
+    }
+    return sha256;
+  }
+
+  /** Deletes a shared blob when no snapshot's marker names it any more. */
+  private async dropBlobIfUnheld(sha256: string, dl: Deadline): Promise<void> {
+    const held = await dl.race(this.client.list({ prefix: this.refPrefix(sha256), maxKeys: 1 }));
+    if ((held.contents?.length ?? 0) === 0) await dl.race(this.client.delete(this.blobKey(sha256)));
+  }
+
+  private async readRecord(id: string, dl: Deadline): Promise<SnapshotRecord> {
+    let text: string;
+    try {
+      const f = this.client.file(this.recordKey(id));
+      const size = (await dl.race(f.stat())).size;
+      if (size > LIMITS.recordBytes) throw new SnapshotStoreError("Io", `snapshot '${id}': record is ${size} bytes, more than ${LIMITS.recordBytes}`);
+      text = await dl.race(f.text());
+    } catch (e) {
+      if (s3Code(e) === "NoSuchKey" || s3Code(e) === "NotFound" || (e as { name?: string })?.name === "S3Error" && /not (exist|found)/i.test(String((e as Error).message))) {
+        throw new SnapshotStoreError("NotFound", `snapshot '${id}' not found`);
+      }
+      throw asStoreError(e, `snapshot '${id}': read its record`);
+    }
+    return parseRecord(text, id, this.location + this.recordKey(id).slice(this.prefix.length));
+  }
+
+  async get(id: string): Promise<Materialized> {
+    checkId(id);
+    const record = await this.readRecord(id, new Deadline(`get of snapshot '${id}'`, this.limits));
+    const total = Object.values(record.files).reduce((n, f) => n + f.size, 0);
+    const dl = new Deadline(`get of snapshot '${id}'`, this.limits, total);
+    return this.cache.materialize(record, (name, f, w, d) => this.download(this.fileKey(record, name, f), w, d), dl);
+  }
+
+  /** Streams one object into `w`, checking the deadline between chunks. */
+  private async download(key: string, w: SparseWriter, dl: Deadline): Promise<void> {
+    const reader = this.client.file(key).stream().getReader();
+    try {
+      for (;;) {
+        const { done, value } = await dl.race(reader.read());
+        if (done) return;
+        await w.write(value);
+      }
+    } catch (e) {
+      await reader.cancel().catch(() => {});
+      if (s3Code(e) === "NoSuchKey") throw new SnapshotStoreError("Io", `${key} is missing from the store`);
+      throw e;
+    } finally {
+      reader.releaseLock();
+    }
+  }
+
+  async exists(id: string, dl = new Deadline(`exists of snapshot '${id}'`, this.limits)): Promise<boolean> {
+    checkId(id);
+    try {
+      return await dl.race(this.client.exists(this.recordKey(id)));
+    } catch (e) {
+      throw asStoreError(e, `snapshot '${id}': exists`);
+    }
+  }
+
+  async list(): Promise<string[]> {
+    const dl = new Deadline(`list of ${this.location}`, this.limits);
+    const prefix = `${this.prefix}snapshots/`;
+    const ids: string[] = [];
+    let token: string | undefined;
+    try {
+      for (let page = 0; ; page++) {
+        if (page === MAX_LIST_PAGES) throw new SnapshotStoreError("Io", `${this.location}: more than ${MAX_LIST_PAGES * 1000} snapshots`);
+        const r = await dl.race(this.client.list({ prefix, maxKeys: 1000, continuationToken: token }));
+        for (const o of r.contents ?? []) {
+          const rest = o.key.slice(prefix.length);
+          if (rest.endsWith(".json") && !rest.includes("/")) ids.push(rest.slice(0, -5));
+        }
+        if (!r.isTruncated || !r.nextContinuationToken) break;
+        token = r.nextContinuationToken;
+      }
+    } catch (e) {
+      throw asStoreError(e, `list of ${this.location}`);
+    }
+    return ids.sort();
+  }
+
+  async delete(id: string): Promise<boolean> {
+    checkId(id);
+    const dl = new Deadline(`delete of snapshot '${id}'`, this.limits);
+    let record: SnapshotRecord;
+    try {
+      record = await this.readRecord(id, dl);
+    } catch (e) {
+      if (e instanceof SnapshotStoreError && e.code === "NotFound") return false;
+      throw e;
+    }
+    try {
+      // The record first: from here on the snapshot is gone for every reader.
+      await dl.race(this.client.delete(this.recordKey(id)));
+      for (const [name, f] of Object.entries(record.files)) {
+        if (!f.shared) { await dl.race(this.client.delete(this.dataKey(id, record.putId, name))); continue; }
+        await dl.race(this.client.delete(`${this.refPrefix(f.sha256!)}${id}.${record.putId}`));
+        await this.dropBlobIfUnheld(f.sha256!, dl);
+      }
+    } catch (e) {
+      throw asStoreError(e, `delete of snapshot '${id}'`);
+    }
+    return true;
+  }
+}
