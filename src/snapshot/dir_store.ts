@@ -202,11 +202,7 @@ export class DirSnapshotStore implements SnapshotStore {
     return true;
   }
 
-  /**
-   * Removes what crashed puts and deletes left in tmp/ and blobs no snapshot links to, when older
-   * than `olderThanMs` (on a shared filesystem, another node's put may be in flight: give it
-   * longer than any put's deadline).
-   */
+  /** Removes what crashed puts and deletes left in tmp/ and blobs no snapshot links to (SnapshotStore.sweep). */
   async sweep(olderThanMs: number): Promise<{ removed: number }> {
     await this.ready();
     const before = Date.now() - olderThanMs;

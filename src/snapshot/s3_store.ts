@@ -206,26 +206,62 @@ export class S3SnapshotStore implements SnapshotStore {
     }
   }
 
+  /** Every key under `prefix` (past the store's prefix), page by page, at most MAX_LIST_PAGES pages. */
+  private async *keys(prefix: string, dl: Deadline): AsyncGenerator<{ rest: string; lastModifiedMs: number }> {
+    const full = `${this.prefix}${prefix}`;
+    let token: string | undefined;
+    for (let page = 0; ; page++) {
+      if (page === MAX_LIST_PAGES) throw new SnapshotStoreError("Io", `${this.location}${prefix}: more than ${MAX_LIST_PAGES * 1000} keys`);
+      const r = await dl.race(this.client.list({ prefix: full, maxKeys: 1000, continuationToken: token }));
+      for (const o of r.contents ?? []) yield { rest: o.key.slice(full.length), lastModifiedMs: o.lastModified ? Date.parse(o.lastModified) : 0 };
+      if (!r.isTruncated || !r.nextContinuationToken) return;
+      token = r.nextContinuationToken;
+    }
+  }
+
   async list(): Promise<string[]> {
     const dl = new Deadline(`list of ${this.location}`, this.limits);
-    const prefix = `${this.prefix}snapshots/`;
     const ids: string[] = [];
-    let token: string | undefined;
     try {
-      for (let page = 0; ; page++) {
-        if (page === MAX_LIST_PAGES) throw new SnapshotStoreError("Io", `${this.location}: more than ${MAX_LIST_PAGES * 1000} snapshots`);
-        const r = await dl.race(this.client.list({ prefix, maxKeys: 1000, continuationToken: token }));
-        for (const o of r.contents ?? []) {
-          const rest = o.key.slice(prefix.length);
-          if (rest.endsWith(".json") && !rest.includes("/")) ids.push(rest.slice(0, -5));
-        }
-        if (!r.isTruncated || !r.nextContinuationToken) break;
-        token = r.nextContinuationToken;
-      }
+      for await (const { rest } of this.keys("snapshots/", dl)) if (rest.endsWith(".json") && !rest.includes("/")) ids.push(rest.slice(0, -5));
     } catch (e) {
       throw asStoreError(e, `list of ${this.location}`);
     }
     return ids.sort();
+  }
+
+  /**
+   * Removes what crashed puts left (files and markers of a put whose record is not the one
+   * there) and blobs no marker names, when older than `olderThanMs`: give in-flight puts of
+   * other nodes longer than any put's deadline.
+   */
+  async sweep(olderThanMs: number): Promise<{ removed: number }> {
+    const dl = new Deadline(`sweep of ${this.location}`, this.limits);
+    const before = Date.now() - olderThanMs;
+    const live = new Map<string, string>();
+    let removed = 0;
+    const drop = async (rest: string) => { await dl.race(this.client.delete(`${this.prefix}${rest}`)); removed++; };
+    try {
+      for (const id of await this.list()) {
+        const r = await this.readRecord(id, dl).catch(() => undefined);
+        if (r) live.set(id, r.putId);
+      }
+      for await (const k of this.keys("data/", dl)) {
+        const [id, putId] = k.rest.split("/");
+        if (k.lastModifiedMs < before && live.get(id!) !== putId) await drop(`data/${k.rest}`);
+      }
+      const held = new Set<string>();
+      for await (const k of this.keys("refs/", dl)) {
+        const [sha256, holder = ""] = k.rest.split("/");
+        const dot = holder.lastIndexOf(".");
+        if (live.get(holder.slice(0, dot)) === holder.slice(dot + 1) || k.lastModifiedMs >= before) held.add(sha256!);
+        else await drop(`refs/${k.rest}`);
+      }
+      for await (const k of this.keys("blobs/", dl)) if (k.lastModifiedMs < before && !held.has(k.rest)) await drop(`blobs/${k.rest}`);
+    } catch (e) {
+      throw asStoreError(e, `sweep of ${this.location}`);
+    }
+    return { removed };
   }
 
   async delete(id: string): Promise<boolean> {

@@ -62,6 +62,11 @@ export interface SnapshotStore {
   /** true when it removed the snapshot, false when there was none. */
   delete(id: string): Promise<boolean>;
   exists(id: string): Promise<boolean>;
+  /**
+   * Removes what crashed puts and deletes left, and shared files no snapshot holds, when older
+   * than `olderThanMs` (longer than any put's deadline: another node's put may be in flight).
+   */
+  sweep(olderThanMs: number): Promise<{ removed: number }>;
 }
 
 /** Ids and file names: one path component of safe characters (E2B ids, aliases, template ids). */

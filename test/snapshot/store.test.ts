@@ -4,7 +4,7 @@
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { S3Client } from "bun";
 import { mkdirSync, rmSync } from "node:fs";
-import { mkdir, open, readdir, stat, truncate, writeFile } from "node:fs/promises";
+import { mkdir, open, readdir, stat, truncate, utimes, writeFile } from "node:fs/promises";
 import { join } from "node:path";
 import {
   DirSnapshotStore, openSnapshotStore, S3SnapshotStore, SnapshotCache, SnapshotStoreError,
@@ -225,6 +225,26 @@ describe("dir", () => {
   }, 60_000);
 });
 
+describe("dir: sweep", () => {
+  test("sweep removes what a crashed put left and blobs no snapshot holds, older than asked; live snapshots stay whole", async () => {
+    const root = join(dirRoot, "sweep");
+    const store = new DirSnapshotStore(root);
+    const { files, want } = await checkpointFiles(join(sources, "dir-sweep"), 8);
+    await store.put("live", files, {});
+    const ghost = join(root, "tmp", "put-ghost.0123456789abcdef");
+    await mkdir(ghost);
+    await writeFile(join(ghost, "mem"), "half a put");
+    const orphan = join(root, "blobs", "0".repeat(64));
+    await writeFile(orphan, "a blob no snapshot holds");
+    const hourAgo = new Date(Date.now() - 3_600_000);
+    for (const p of [ghost, orphan, ...Object.values((await store.get("live")).paths)]) await utimes(p, hourAgo, hourAgo);
+    expect(await store.sweep(86_400_000)).toEqual({ removed: 0 });
+    expect(await store.sweep(60_000)).toEqual({ removed: 2 });
+    expect(await readdir(join(root, "tmp"))).toEqual([]);
+    await expectContent(store, "live", want);
+  }, 60_000);
+});
+
 describe("shared filesystem: two stores (two nodes) on one directory", () => {
   const root = join(dirRoot, "shared");
 
@@ -409,6 +429,40 @@ describe("s3", () => {
     await writeFile(join(dir, "big"), new Uint8Array(4 * MiB).fill(9));
     await store.put("too-big", [{ name: "data", path: join(dir, "big") }], {});
     await expectCode(store.get("too-big"), "Io");
+  }, 120_000);
+});
+
+describe("s3: sweep and deadlines", () => {
+  test("sweep removes a crashed put's files, markers and the blob only it named; live snapshots stay whole", async () => {
+    const store = s3Store("sw");
+    const { files, want } = await checkpointFiles(join(sources, "s3-sweep"), 27);
+    await store.put("live", files, {});
+    const sha = "f".repeat(64);
+    for (const k of ["sw/data/ghost/0123456789abcdef/mem", `sw/refs/${sha}/ghost.0123456789abcdef`, `sw/blobs/${sha}`]) await client.write(k, "left by a crashed put");
+    const before = await keys("sw/");
+    expect(await store.sweep(3_600_000)).toEqual({ removed: 0 });
+    await Bun.sleep(1100); // S3 times are whole seconds
+    expect(await store.sweep(0)).toEqual({ removed: 3 });
+    expect(await keys("sw/")).toEqual(before.filter((k) => !k.includes("ghost") && !k.endsWith(sha)));
+    await expectContent(store, "live", want);
+  }, 120_000);
+
+  test("a server that stops answering: every operation ends with Timeout at its deadline", async () => {
+    const store = new S3SnapshotStore(client, BUCKET, "stalled/", new SnapshotCache({ root: join(s3Dir, "stalled-cache"), maxBytes: 64 * MiB }), { baseMs: 500, minBytesPerS: 64 * MiB });
+    const { files } = await checkpointFiles(join(sources, "s3-stall"), 28);
+    await store.put("s", files, {});
+    process.kill(s3!.pid, "SIGSTOP");
+    try {
+      for (const op of [() => store.exists("s"), () => store.get("s"), () => store.list(), () => store.delete("s"), () => store.put("t", files, {})]) {
+        const t0 = performance.now();
+        await expectCode(op(), "Timeout");
+        expect(performance.now() - t0).toBeLessThan(10_000);
+      }
+    } finally {
+      process.kill(s3!.pid, "SIGCONT");
+    }
+    expect(await store.exists("t")).toBe(false);
+    expect(await store.delete("s")).toBe(true);
   }, 120_000);
 });
 
