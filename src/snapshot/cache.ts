@@ -8,11 +8,11 @@
 //   <root>/entries/<id>.<putId>/<name>   complete entries (renamed in whole)
 //   <root>/blobs/<sha256>                shared files
 //   <root>/tmp/                          downloads in flight, evictions in progress
-import { link, mkdir, readdir, rename, rm, stat, unlink, utimes } from "node:fs/promises";
+import { mkdir, readdir, rename, rm, stat, utimes } from "node:fs/promises";
 import { join } from "node:path";
 import type { Deadline } from "./deadline.ts";
 import { asStoreError, fsCode, SnapshotStoreError } from "./errors.ts";
-import { pathExists, randomSuffix, SparseWriter, syncDir } from "./files.ts";
+import { dropUnlinked, linkBlob, pathExists, randomSuffix, SparseWriter, syncDir } from "./files.ts";
 import type { Materialized, SnapshotRecord, StoredFile } from "./store.ts";
 
 /** Writes the stored bytes of file `name` into `w` (the cache checks length and sha256). */
@@ -134,19 +134,7 @@ export class SnapshotCache {
   }
 
   private async linkBlob(name: string, file: StoredFile, dest: string, fetch: Fetch, dl: Deadline): Promise<void> {
-    const blob = join(this.blobs, file.sha256!);
-    for (let attempt = 0; attempt < 3; attempt++) {
-      try {
-        await link(blob, dest);
-        return;
-      } catch (e) {
-        if (fsCode(e) !== "ENOENT") throw e;
-      }
-      const tmpBlob = join(this.tmp, `blob-${file.sha256}.${randomSuffix()}`);
-      await this.download(name, file, tmpBlob, fetch, dl);
-      await rename(tmpBlob, blob);
-    }
-    throw new SnapshotStoreError("Io", `cached blob ${file.sha256} vanished three times while it was linked`);
+    await linkBlob(join(this.blobs, file.sha256!), this.tmp, dest, (tmp) => this.download(name, file, tmp, fetch, dl));
   }
 
   /**
@@ -173,14 +161,9 @@ export class SnapshotCache {
     if (free < need) throw new SnapshotStoreError("Io", `snapshot cache: ${need} bytes do not fit (${this.o.maxBytes - free} of ${this.o.maxBytes} used by entries handed out in the last ${this.holdMs} ms)`);
   }
 
-  /** Blobs no entry links to any more (link count 1: only the pool's name). */
+  /** Blobs no entry links to any more. */
   private async dropUnusedBlobs(): Promise<void> {
-    for (const b of await readdir(this.blobs).catch(() => [] as string[])) {
-      const p = join(this.blobs, b);
-      try {
-        if ((await stat(p)).nlink === 1) await unlink(p);
-      } catch { /* gone already */ }
-    }
+    await dropUnlinked((await readdir(this.blobs).catch(() => [] as string[])).map((b) => join(this.blobs, b)));
   }
 
   /** Allocated bytes of every file (each inode once) and the entries by last use. */

@@ -11,11 +11,11 @@
 //   <root>/snapshots/<id>/<name>        each file (a link to blobs/<sha256> when shared)
 //   <root>/blobs/<sha256>               shared files, one inode each
 //   <root>/tmp/                         puts in flight, deletes in progress
-import { link, mkdir, readdir, rename, rm, stat, unlink } from "node:fs/promises";
+import { mkdir, readdir, rename, rm, stat, unlink } from "node:fs/promises";
 import { join } from "node:path";
 import { Deadline, DEFAULT_LIMITS, type StoreLimits } from "./deadline.ts";
 import { asStoreError, fsCode, SnapshotStoreError } from "./errors.ts";
-import { copySparse, linkOrCopy, pathExists, randomSuffix, readSmallFile, syncDir, writeFileDurable } from "./files.ts";
+import { copySparse, dropUnlinked, linkBlob, linkOrCopy, pathExists, randomSuffix, readSmallFile, syncDir, writeFileDurable } from "./files.ts";
 import {
   checkFiles, checkId, checkMeta, DigestCache, LIMITS, parseRecord, sourceDigest, statSources,
   type Json, type Materialized, type SnapshotFile, type SnapshotRecord, type SnapshotStore, type Source, type StoredFile,
@@ -95,48 +95,22 @@ export class DirSnapshotStore implements SnapshotStore {
       return record;
     } catch (e) {
       await rm(work, { recursive: true, force: true }).catch(() => {});
-      await this.dropUnusedBlobs(madeBlobs);
+      await dropUnlinked(madeBlobs);
       throw asStoreError(e, `put of snapshot '${id}'`);
     }
   }
 
   /**
    * `dest` becomes a link to blobs/<sha256>, copied from `src` when the pool has none (a copy,
-   * never a link to the source: a blob's link count must count snapshots only). A blob collected
-   * between the check and the link (a racing delete) is made again.
+   * never a link to the source: a blob's link count must count snapshots only).
    */
   private async linkBlob(sha256: string, src: Source, dest: string, dl: Deadline, made: string[]): Promise<void> {
     const blob = join(this.blobs, sha256);
-    for (let attempt = 0; attempt < 3; attempt++) {
-      try {
-        await link(blob, dest);
-        return;
-      } catch (e) {
-        if (fsCode(e) !== "ENOENT") throw e;
-      }
-      const tmpBlob = join(this.tmp, `blob-${sha256}.${randomSuffix()}`);
-      try {
-        const got = await copySparse(src.path, tmpBlob, dl, { hash: true });
-        if (got !== sha256) throw new SnapshotStoreError("Io", `file '${src.name}': ${src.path} changed since it was hashed (sha256 ${sha256} → ${got})`);
-        // Replaces a blob another put made meanwhile: same bytes, and its snapshots keep their links.
-        await rename(tmpBlob, blob);
-      } catch (e) {
-        await rm(tmpBlob, { force: true });
-        throw e;
-      }
-      made.push(blob);
-    }
-    throw new SnapshotStoreError("Io", `blob ${sha256} vanished three times while it was linked`);
-  }
-
-  /** Removes blobs that no snapshot links to any more (link count 1: only the pool's name). */
-  private async dropUnusedBlobs(blobs: string[]): Promise<void> {
-    for (const b of new Set(blobs)) {
-      try {
-        // A put that links it after this stat keeps its link: the inode lives on with it.
-        if ((await stat(b)).nlink === 1) await unlink(b);
-      } catch { /* gone already */ }
-    }
+    const fresh = await linkBlob(blob, this.tmp, dest, async (tmp) => {
+      const got = await copySparse(src.path, tmp, dl, { hash: true });
+      if (got !== sha256) throw new SnapshotStoreError("Io", `file '${src.name}': ${src.path} changed since it was hashed (sha256 ${sha256} → ${got})`);
+    });
+    if (fresh) made.push(blob);
   }
 
   async get(id: string): Promise<Materialized> {
@@ -198,7 +172,7 @@ export class DirSnapshotStore implements SnapshotStore {
     } catch (e) {
       throw asStoreError(e, `delete of snapshot '${id}': remove its files`);
     }
-    await this.dropUnusedBlobs(shared);
+    await dropUnlinked(shared);
     return true;
   }
 

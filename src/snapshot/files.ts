@@ -2,10 +2,10 @@
 // memory image never sits in memory), sha256 while reading, sparse writes (all-zero blocks stay
 // holes), durable small files (temp name, fsync, rename) and the link-else-copy of a put.
 import { constants } from "node:fs";
-import { link, open, rename, rm, stat, type FileHandle } from "node:fs/promises";
-import { dirname } from "node:path";
+import { link, open, rename, rm, stat, unlink, type FileHandle } from "node:fs/promises";
+import { basename, dirname, join } from "node:path";
 import type { Deadline } from "./deadline.ts";
-import { fsCode } from "./errors.ts";
+import { fsCode, SnapshotStoreError } from "./errors.ts";
 
 /** Read and transfer unit: 8 MiB per chunk bounds a transfer's memory (and is an S3 part size). */
 export const CHUNK_BYTES = 8 << 20;
@@ -197,5 +197,43 @@ export async function pathExists(path: string): Promise<boolean> {
   } catch (e) {
     if (fsCode(e) === "ENOENT") return false;
     throw e;
+  }
+}
+
+/**
+ * `dest` becomes a hard link to the content-addressed file `blob`. When there is none, `make(tmp)`
+ * writes it at a temporary path in `tmpDir` that is then renamed in (over one a racing writer made:
+ * same bytes, and its holders keep their links). A blob removed between the rename and the link
+ * (a racing delete or eviction) is made again. Returns whether this call made it.
+ */
+export async function linkBlob(blob: string, tmpDir: string, dest: string, make: (tmp: string) => Promise<void>): Promise<boolean> {
+  let made = false;
+  for (let attempt = 0; attempt < 3; attempt++) {
+    try {
+      await link(blob, dest);
+      return made;
+    } catch (e) {
+      if (fsCode(e) !== "ENOENT") throw e;
+    }
+    const tmp = join(tmpDir, `blob-${basename(blob)}.${randomSuffix()}`);
+    try {
+      await make(tmp);
+      await rename(tmp, blob);
+    } catch (e) {
+      await rm(tmp, { force: true });
+      throw e;
+    }
+    made = true;
+  }
+  throw new SnapshotStoreError("Io", `blob ${blob} vanished three times while it was linked`);
+}
+
+/** Removes the blobs no one links to any more (link count 1: only the pool's own name). */
+export async function dropUnlinked(blobs: Iterable<string>): Promise<void> {
+  for (const b of new Set(blobs)) {
+    try {
+      // A holder that links it after this stat keeps its link: the inode lives on with it.
+      if ((await stat(b)).nlink === 1) await unlink(b);
+    } catch { /* gone already */ }
   }
 }
