@@ -17,7 +17,7 @@ const allowed: Record<string, string[]> = {
   "src/network": ["src/network", "ffi"],
   "src/snapshot": ["src/snapshot", "ffi"],
   // The orchestrator never touches a layer's bytes: of storage it may know only image configs.
-  "src/orchestrator": ["src/orchestrator", "src/vmm", "src/network", "src/blockdev/client.ts",
+  "src/orchestrator": ["src/orchestrator", "src/vmm", "src/network", "src/snapshot", "src/blockdev/client.ts",
     "src/blockdev/protocol.ts", "src/storage/image_config.ts", "ffi"],
   "src/api": ["src/api", "src/orchestrator"],
   // Template builds make a raw image into a sealed layer with the guest builders' sealedLayer.

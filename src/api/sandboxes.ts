@@ -305,8 +305,8 @@ export function sandboxRoutes(getOrch: () => Orchestrator, o: SandboxRoutesOptio
       if (!tpl || tpl.alias !== params.alias) throw notFound(`template alias ${params.alias} not found`);
       return { templateID: tpl.id, public: true };
     }), { ...tags("templates") })
-    .delete("/templates/:templateID", ({ params, set }) => call(() => {
-      if (!orch().deleteTemplate(params.templateID)) throw notFound(`template or snapshot ${params.templateID} not found`);
+    .delete("/templates/:templateID", ({ params, set }) => call(async () => {
+      if (!(await orch().deleteTemplate(params.templateID))) throw notFound(`template or snapshot ${params.templateID} not found`);
       set.status = 204;
     }), { detail: { tags: ["templates"], summary: "Delete a template or a snapshot (by ID or alias)" } });
 }

@@ -15,6 +15,7 @@ import { Orchestrator } from "../orchestrator/orchestrator.ts";
 import { SandboxStore } from "../orchestrator/store.ts";
 import { TemplateStore } from "../orchestrator/templates.ts";
 import { buildBaseTemplate } from "../template/debian.ts";
+import { openSnapshotStore } from "../snapshot/index.ts";
 import { selectDriver } from "../vmm/select.ts";
 import { loadConfig, resolveApiKey } from "./config.ts";
 import pkg from "../../package.json";
@@ -102,7 +103,8 @@ async function start(): Promise<void> {
     kernel: kernel.vmlinux, initrd: kernel.initrd, toolsLayer,
     // The base image maps the hostname `sandbox` in /etc/hosts (sudo looks its host up).
     cmdline: (s) => guestCmdline({ ip: `${s.guestIp}/${s.guestPrefixLen}`, gw: s.gatewayIp, hostname: "sandbox" }),
-  }, { home: cfg.home, runRoot: join(cfg.runDir, "vms"), defaultTimeoutS: cfg.defaultTimeoutS, maxSandboxes: cfg.maxSandboxes, preparedDevices: cfg.devicePool });
+  }, { home: cfg.home, runRoot: join(cfg.runDir, "vms"), defaultTimeoutS: cfg.defaultTimeoutS, maxSandboxes: cfg.maxSandboxes, preparedDevices: cfg.devicePool,
+    snapshots: openSnapshotStore(cfg.snapshotStore, { home: cfg.home }) });
   const base = templates.resolve("base")!;
   if (!base.checkpoint) {
     progress("template base: boot and checkpoint");
@@ -111,6 +113,8 @@ async function start(): Promise<void> {
   const recovered = await o.recover();
   if (recovered.adopted.length + recovered.lost.length + recovered.paused.length > 0)
     console.log(`  recovered: ${recovered.adopted.length} running, ${recovered.paused.length} paused, ${recovered.lost.length} lost`);
+  const imported = await o.importSnapshots();
+  if (imported.length) console.log(`  snapshots imported from the store: ${imported.length}`);
   o.warmUp();
   o.startReaper(cfg.reaperIntervalMs);
   proxy = new SandboxProxy(o, { domain: cfg.domain });

@@ -7,8 +7,9 @@ import { existsSync, mkdirSync, readdirSync, rmSync } from "node:fs";
 import { join } from "node:path";
 import type { BlockdClient } from "../blockdev/client.ts";
 import type { Slot, SlotPool } from "../network/index.ts";
-import { readSnapshot, type DriveSpec, type Vmm, type VmmDriver } from "../vmm/types.ts";
-import { open as openAsync } from "node:fs/promises";
+import { readSnapshot, type DriveSpec, type SnapshotInfo, type Vmm, type VmmDriver } from "../vmm/types.ts";
+import type { Json, SnapshotStore } from "../snapshot/index.ts";
+import { link, open as openAsync } from "node:fs/promises";
 import { posixFadvise, POSIX_FADV_DONTNEED } from "../../ffi/libc.ts";
 import { ENVD_PORT, ENVD_VERSION, initEnvd, waitEnvdReady } from "./envd.ts";
 import { SandboxStore, publicState, type SandboxRecord, type SandboxState } from "./store.ts";
@@ -51,6 +52,23 @@ export interface OrchestratorOptions {
   forkParallelism?: number;
   /** Rootfs devices blockd keeps ready per template stack (its lowers open, a fresh upper). */
   preparedDevices?: number;
+  /** Where snapshots are kept so they outlive this node's checkpoints (local dir, shared FS, S3). */
+  snapshots?: SnapshotStore;
+}
+
+/** What a stored snapshot's record carries besides its files (`vmstate`, `mem`, `layer-<i>`). */
+interface StoredSnapshotMeta {
+  vm: SnapshotInfo;
+  layers: number;
+  envdToken: string | null;
+  alias: string | null;
+  names: string[];
+  cpuCount: number;
+  memoryMB: number;
+  diskSizeMB: number;
+  envdVersion: string;
+  sourceSandboxId: string | null;
+  createdAt: number;
 }
 
 /** What the store keeps of a sandbox's parts, to find them again (and to give them back). */
@@ -95,6 +113,17 @@ function randomId(len = 20): string {
   let s = "";
   for (const b of bytes) s += alphabet[b % 36];
   return s;
+}
+
+/** A hard link when src and dst share a filesystem, else a copy that keeps holes. */
+async function linkOrCopy(src: string, dst: string): Promise<void> {
+  try {
+    await link(src, dst);
+  } catch {
+    const p = Bun.spawn(["cp", "--sparse=always", "--reflink=auto", src, dst], { stdout: "ignore", stderr: "pipe" });
+    const [err, code] = await Promise.all([new Response(p.stderr).text(), p.exited]);
+    if (code !== 0) throw new OrchestratorError(500, `copying ${src}: ${err.trim()}`);
+  }
 }
 
 /** Writes a file's dirty pages (off the event loop) and drops its cached ones; a missing file is fine. */
@@ -238,7 +267,7 @@ export class Orchestrator {
     return this.track(rec.id, "create", async () => {
       try {
         const clock = new PhaseClock();
-        const cp = tpl.checkpoint ?? (await this.prepareTemplate(tpl));
+        const cp = tpl.checkpoint ?? (tpl.kind === "snapshot" ? await this.materializeSnapshot(tpl) : await this.prepareTemplate(tpl));
         clock.lap("template");
         const runtime = await this.startFrom(rec, cp, clock);
         const done = this.store.transition(rec.id, ["creating"], "running", { runtime, endAt: Date.now() + (o.timeoutS ?? this.opts.defaultTimeoutS) * 1000 });
@@ -600,13 +629,92 @@ export class Orchestrator {
       this.collectCheckpoints();
       throw new OrchestratorError(409, (e as Error).message);
     }
+    if (this.opts.snapshots) {
+      try {
+        await this.storeSnapshot(t, cp);
+      } catch (e) {
+        this.templates.delete(t.id);
+        this.collectCheckpoints();
+        throw asOrchestratorError(e, `storing snapshot ${t.id}`);
+      }
+    }
     return t;
   }
 
-  deleteTemplate(ref: string): boolean {
+  /** The snapshot's files and record into the snapshot store (layers stored once by content). */
+  private async storeSnapshot(t: TemplateRecord, cp: VmCheckpoint): Promise<void> {
+    const vm = await readSnapshot(cp.dir);
+    const files = [{ name: "vmstate", path: vm.statePath }, ...(vm.memPath ? [{ name: "mem", path: vm.memPath }] : []),
+      ...cp.layers.map((path, i) => ({ name: `layer-${i}`, path, shared: true }))];
+    const meta: StoredSnapshotMeta = {
+      vm, layers: cp.layers.length, envdToken: cp.envdToken, alias: t.alias, names: t.names, cpuCount: t.cpuCount,
+      memoryMB: t.memoryMB, diskSizeMB: t.diskSizeMB, envdVersion: t.envdVersion, sourceSandboxId: t.sourceSandboxId, createdAt: t.createdAt,
+    };
+    await this.opts.snapshots!.put(t.id, files, meta as unknown as Json);
+  }
+
+  /**
+   * A snapshot known from the store but with no checkpoint on this node: its files are fetched
+   * (S3) or found (a directory), linked into a checkpoint directory of this node, and recorded.
+   */
+  private async materializeSnapshot(t: TemplateRecord): Promise<VmCheckpoint> {
+    const store = this.opts.snapshots;
+    if (!store) throw new OrchestratorError(500, `snapshot ${t.id} has no checkpoint on this node and no snapshot store is configured`);
+    const running = this.preparing.get(t.id);
+    if (running) return running;
+    const p = (async () => {
+      const got = await store.get(t.id);
+      const meta = got.meta as unknown as StoredSnapshotMeta;
+      const dir = join(this.opts.home, "checkpoints", `snapshot-${t.id}`);
+      rmSync(dir, { recursive: true, force: true });
+      mkdirSync(dir, { recursive: true });
+      try {
+        for (const [name, path] of Object.entries(got.paths)) await linkOrCopy(path, join(dir, name));
+        const vm: SnapshotInfo = { ...meta.vm, dir, statePath: join(dir, "vmstate"), memPath: got.paths.mem ? join(dir, "mem") : undefined };
+        await Bun.write(join(dir, "snapshot.json"), JSON.stringify(vm, null, 1));
+        const cp: VmCheckpoint = { dir, layers: Array.from({ length: meta.layers }, (_, i) => join(dir, `layer-${i}`)), envdToken: meta.envdToken };
+        this.templates.setCheckpoint(t.id, cp);
+        return cp;
+      } catch (e) {
+        rmSync(dir, { recursive: true, force: true });
+        throw e;
+      }
+    })().finally(() => this.preparing.delete(t.id));
+    this.preparing.set(t.id, p);
+    return p;
+  }
+
+  /**
+   * At node start: snapshots in the store that this node has no record of (taken by another node
+   * on a shared store, or before this node's state was lost) become snapshot templates; their
+   * files are fetched on first use.
+   */
+  async importSnapshots(): Promise<string[]> {
+    const store = this.opts.snapshots;
+    if (!store) return [];
+    const added: string[] = [];
+    for (const id of await store.list()) {
+      if (this.templates.resolve(id)) continue;
+      try {
+        const meta = (await store.get(id)).meta as unknown as StoredSnapshotMeta;
+        this.templates.insert({
+          id, alias: meta.alias, kind: "snapshot", names: meta.names, cpuCount: meta.cpuCount, memoryMB: meta.memoryMB,
+          diskSizeMB: meta.diskSizeMB, layers: [], checkpoint: null, sourceSandboxId: meta.sourceSandboxId,
+          envdVersion: meta.envdVersion, createdAt: meta.createdAt,
+        });
+        added.push(id);
+      } catch (e) {
+        console.error(`orchestrator: snapshot ${id} in the store cannot be imported: ${(e as Error).message}`);
+      }
+    }
+    return added;
+  }
+
+  async deleteTemplate(ref: string): Promise<boolean> {
     const t = this.templates.resolve(ref);
     if (!t) return false;
     if (t.checkpoint && t.kind === "template") this.prepareDevices(t.checkpoint, t.diskSizeMB, 0);
+    if (t.kind === "snapshot" && this.opts.snapshots) await this.opts.snapshots.delete(t.id);
     this.templates.delete(t.id);
     this.collectCheckpoints();
     return true;

@@ -11,6 +11,7 @@ import { existsSync } from "node:fs";
 import { haveTool, SlotPool } from "../../src/network/index.ts";
 import { Orchestrator } from "../../src/orchestrator/orchestrator.ts";
 import { SandboxStore } from "../../src/orchestrator/store.ts";
+import { openSnapshotStore } from "../../src/snapshot/index.ts";
 import { TemplateStore } from "../../src/orchestrator/templates.ts";
 import { QemuDriver } from "../../src/vmm/qemu.ts";
 import { guestFixture, vmSkipReason } from "../vmm/harness.ts";
@@ -49,6 +50,7 @@ export async function nodeParts(d: NodeDirs, blockd: BlockdClient, o: { slotPool
   const fx = await guestFixture();
   const toolsLayer = await sealedLayer(await envdToolsDisk());
   const store = new SandboxStore(join(d.dir, "node.db"));
+  const snapshotStore = openSnapshotStore(join(d.dir, "snapshots"), { home: join(d.dir, "home") });
   const templates = new TemplateStore(store.db);
   await busyboxTemplate(templates);
   const pool = new SlotPool({ size: o.slotPool ?? 1, prefix: d.slotPrefix, hostCidr: d.slotCidr, hostTable: `${d.slotPrefix.replaceAll("-", "_")}host` });
@@ -56,8 +58,8 @@ export async function nodeParts(d: NodeDirs, blockd: BlockdClient, o: { slotPool
   const orch = new Orchestrator(store, templates, blockd, pool, new QemuDriver(), {
     kernel: fx.kernel.vmlinux, initrd: fx.kernel.initrd, toolsLayer,
     cmdline: (s) => guestCmdline({ ip: `${s.guestIp}/${s.guestPrefixLen}`, gw: s.gatewayIp }),
-  }, { home: join(d.dir, "home"), runRoot: d.runRoot, defaultTimeoutS: 300, maxSandboxes: o.maxSandboxes ?? 12, forkParallelism: 2 });
-  return { store, templates, pool, orch };
+  }, { home: join(d.dir, "home"), runRoot: d.runRoot, defaultTimeoutS: 300, maxSandboxes: o.maxSandboxes ?? 12, forkParallelism: 2, snapshots: snapshotStore });
+  return { store, templates, pool, orch, snapshotStore };
 }
 
 /** The node's API and proxy over `orch` on a loopback port. */

@@ -9,6 +9,8 @@ import { Sandbox, SandboxNotFoundError } from "e2b";
 import type { SlotPool } from "../../src/network/index.ts";
 import type { Orchestrator } from "../../src/orchestrator/orchestrator.ts";
 import type { SandboxStore } from "../../src/orchestrator/store.ts";
+import type { TemplateStore } from "../../src/orchestrator/templates.ts";
+import type { SnapshotStore } from "../../src/snapshot/index.ts";
 import { startBlockd } from "../blockdev/harness.ts";
 import { nodeParts, sandboxSkipReason, serveParts } from "./harness.ts";
 import { qemuPids, rmrf, runRoot } from "../vmm/harness.ts";
@@ -24,6 +26,8 @@ describe.skipIf(!!skip)("node API + orchestrator with the e2b SDK (QEMU, blockd,
   const home = join(dir, "home");
   let orch: Orchestrator;
   let store: SandboxStore;
+  let templates: TemplateStore;
+  let snapshotStore: SnapshotStore;
   let pool: SlotPool;
   let stopServer = () => {};
   let base = "";
@@ -31,7 +35,7 @@ describe.skipIf(!!skip)("node API + orchestrator with the e2b SDK (QEMU, blockd,
 
   beforeAll(async () => {
     const parts = await nodeParts({ dir, runRoot: root, slotPrefix: `aor${tag}-`, slotCidr: `10.215.${process.pid % 250}.0/24` }, client);
-    ({ orch, store, pool } = parts);
+    ({ orch, store, pool, templates, snapshotStore } = parts);
     const served = serveParts(orch, KEY);
     base = served.base;
     stopServer = served.stop;
@@ -110,7 +114,20 @@ describe.skipIf(!!skip)("node API + orchestrator with the e2b SDK (QEMU, blockd,
     const fromSnap = await Sandbox.create(snap.snapshotId, opts());
     expect(await fromSnap.files.read("/tmp/snap.txt")).toBe("in the snapshot");
     expect(await fromSnap.kill()).toBe(true);
+    // The snapshot outlives this node's records: with its row and local checkpoint gone (a node
+    // that lost its state, or another node on a shared store), it is imported from the store and
+    // a create fetches its files.
+    const id = snap.snapshotId.replace(/:default$/, "");
+    expect(await snapshotStore.exists(id)).toBe(true);
+    templates.delete(id);
+    orch.collectCheckpoints();
+    expect(await orch.importSnapshots()).toEqual([id]);
+    expect(templates.resolve(id)?.checkpoint).toBeNull();
+    const fromStore = await Sandbox.create(snap.snapshotId, opts());
+    expect(await fromStore.files.read("/tmp/snap.txt")).toBe("in the snapshot");
+    expect(await fromStore.kill()).toBe(true);
     expect(await Sandbox.deleteSnapshot(snap.snapshotId, opts())).toBe(true);
+    expect(await snapshotStore.exists(id)).toBe(false);
     expect(await Sandbox.deleteSnapshot(snap.snapshotId, opts())).toBe(false);
   }, 300_000);
 
