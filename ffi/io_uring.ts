@@ -105,6 +105,10 @@ export const IORING_CQE_BUFFER_SHIFT = 16;
 
 export const IORING_FSYNC_DATASYNC = 1 << 0;
 export const IORING_URING_CMD_FIXED = 1 << 0;
+/** POLL_ADD: keep the poll armed, one CQE (with IORING_CQE_F_MORE) per readiness; sqe.len carries it. */
+export const IORING_POLL_ADD_MULTI = 1 << 0;
+/** struct io_uring_getevents_arg (IORING_ENTER_EXT_ARG): sigmask u64, sigmask_sz u32, pad u32, ts u64. */
+export const GETEVENTS_ARG_SIZE = 24;
 
 export const IORING_OFF_SQ_RING = 0;
 export const IORING_OFF_CQ_RING = 0x8000000;
@@ -662,7 +666,43 @@ export class IoUring {
     encodeUringCmd(this.sqes, this.claim(), this.sqeSize, fd, cmdOp, payload, userData, sqeFlags, uringCmdFlags, addr);
   }
 
+  /** IORING_OP_POLL_ADD, multishot: a CQE each time fd becomes ready for `events` (POLLIN...). */
+  prepPollMultishot(fd: number, events: number, userData: number): void {
+    this.prep(IORING_OP_POLL_ADD, fd, 0, 0, IORING_POLL_ADD_MULTI, events, userData, 0);
+  }
+
   // --- enter ----------------------------------------------------------------------------------
+
+  /** The getevents argument and its timespec, in memory that does not move (lazily made). */
+  private waitArg: AlignedBuffer | undefined;
+
+  /**
+   * Submit what is prepared and wait until `minComplete` CQEs are ready or `timeoutMs` passes
+   * (-1: no bound). Returns when the wait ends, however it ended (timeout, signal, or a CQ that
+   * must be reaped first): the caller reaps what is there and decides.
+   */
+  submitAndWaitFor(minComplete: number, timeoutMs: number): void {
+    this.publish();
+    let flags = IORING_ENTER_GETEVENTS | this.submitFlags();
+    let arg = 0;
+    let argSize = 0;
+    if (timeoutMs >= 0) {
+      this.waitArg ??= allocAligned(GETEVENTS_ARG_SIZE + 16);
+      const dv = new DataView(this.waitArg.bytes.buffer);
+      const ts = this.waitArg.ptr + GETEVENTS_ARG_SIZE;
+      setU64(dv, GETEVENTS_ARG_SIZE, Math.floor(timeoutMs / 1000));
+      setU64(dv, GETEVENTS_ARG_SIZE + 8, (timeoutMs % 1000) * 1_000_000);
+      setU64(dv, 16, ts); // sigmask 0, sigmask_sz 0: no mask change
+      flags |= IORING_ENTER_EXT_ARG;
+      arg = this.waitArg.ptr;
+      argSize = GETEVENTS_ARG_SIZE;
+    }
+    const r = Number(libc.syscall(SYS_io_uring_enter, this.fd, this.sqPending(), minComplete, flags, arg, argSize));
+    if (r >= 0) return;
+    const e = errno();
+    if (e === E.ETIME || e === E.EINTR || e === E.EAGAIN || e === E.EBUSY) return;
+    throw new SyscallError("io_uring_enter", e);
+  }
 
   /** Raw io_uring_enter (no sigmask); retries EINTR, throws SyscallError otherwise. */
   enter(toSubmit: number, minComplete: number, flags: number): number {
@@ -791,5 +831,6 @@ export class IoUring {
     this.unmapAll();
     closeFd(this.fd);
     this.freeUserMem();
+    this.waitArg?.free();
   }
 }

@@ -96,6 +96,10 @@ const ENOSYS = 38;
 const EINVAL = 22;
 const ENOTSUP = 95;
 const EFBIG = 27;
+/** Tags of the polls the FUSE ring keeps armed in ring mode (fuse/uring.ts watch()). */
+const WATCH_FUSE = 0;
+const WATCH_WAKE = 1;
+const WATCH_IO = 2;
 /** handle()'s answer for requests that get no reply (FORGET, INTERRUPT). */
 const NO_REPLY = -1_000_000;
 
@@ -133,6 +137,13 @@ interface Request {
   /** Reply arguments, READ data. */
   readonly out: Uint8Array;
   readonly outView: DataView;
+  /** Set by handle() when it returns a promise: bytes of reply arguments once the I/O is done. */
+  reply: number;
+  /** WRITE: bytes written, for fuse_write_out (-1 otherwise). */
+  written: number;
+  /** The serve loop's callbacks for this request's I/O (made once per slot or entry). */
+  done?: () => void;
+  fail?: (e: unknown) => void;
 }
 
 /** Bytes of one slot: a page before each buffer so the payload after the header is page-aligned. */
@@ -150,7 +161,11 @@ class Slot implements Request {
   readonly out: Uint8Array;
   readonly outView: DataView;
   /** The reply buffer: fuse_out_header, then `out`. */
-  readonly reply: Uint8Array;
+  readonly replyBuf: Uint8Array;
+  reply = 0;
+  written = -1;
+  done?: () => void;
+  fail?: (e: unknown) => void;
   constructor(
     mem: Uint8Array,
     at: number,
@@ -165,9 +180,9 @@ class Slot implements Request {
     this.args = new DataView(ab, this.req.byteOffset + F.FUSE_IN_HEADER, this.req.byteLength - F.FUSE_IN_HEADER);
     this.data = this.req.subarray(F.FUSE_WRITE_DATA_OFFSET);
     const o = at + 4096 + MAX_WRITE;
-    this.reply = mem.subarray(o + 4096 - F.FUSE_OUT_HEADER, o + 4096 + MAX_WRITE);
-    this.outHead = new DataView(ab, this.reply.byteOffset, F.FUSE_OUT_HEADER);
-    this.out = this.reply.subarray(F.FUSE_OUT_HEADER);
+    this.replyBuf = mem.subarray(o + 4096 - F.FUSE_OUT_HEADER, o + 4096 + MAX_WRITE);
+    this.outHead = new DataView(ab, this.replyBuf.byteOffset, F.FUSE_OUT_HEADER);
+    this.out = this.replyBuf.subarray(F.FUSE_OUT_HEADER);
     this.outView = new DataView(ab, this.out.byteOffset, this.out.byteLength);
   }
 }
@@ -304,7 +319,7 @@ export class FuseDisk {
     h.setUint32(8, slot.head.getUint32(8, true), true); // unique, as two words (no BigInt)
     h.setUint32(12, slot.head.getUint32(12, true), true);
     for (;;) {
-      if (Number(libc.write(slot.fd, slot.reply, total)) >= 0) return;
+      if (Number(libc.write(slot.fd, slot.replyBuf, total)) >= 0) return;
       const e = errno();
       if (e === E.EINTR) continue;
       // ENOENT: the request was interrupted; ENODEV: unmounted while it ran (nobody waits for it).
@@ -365,9 +380,9 @@ export class FuseDisk {
 
   /**
    * Serve one request: returns the reply at once (bytes of reply arguments, or −errno, or
-   * NO_REPLY), or a promise of it once the image I/O is done.
+   * NO_REPLY), or the image I/O it waits for (then the reply is r.reply bytes, once it is done).
    */
-  handle(io: DeviceIo, r: Request): number | Promise<number> {
+  handle(io: DeviceIo, r: Request): number | Promise<unknown> {
     const opcode = r.head.getUint32(4, true);
     const a = r.args;
     this.stats.requests++;
@@ -377,7 +392,9 @@ export class FuseDisk {
         const len = Math.max(0, Math.min(a.getUint32(16, true), io.size() - offset, MAX_WRITE));
         this.stats.reads++;
         if (len === 0) return 0;
-        return readAny(io, r.out.subarray(0, len), offset).then(() => len);
+        r.reply = len;
+        const buf = r.out.subarray(0, len);
+        return offset % SECTOR === 0 && len % SECTOR === 0 ? io.read(buf, offset) : readAny(io, buf, offset);
       }
       case F.FUSE_WRITE: {
         const offset = u64(a, 8);
@@ -385,12 +402,10 @@ export class FuseDisk {
         if (io.readOnly) return -EROFS;
         if (size > MAX_WRITE || offset + size > io.size()) return -EFBIG;
         this.stats.writes++;
-        return writeAny(io, r.data.subarray(0, size), offset).then(() => {
-          // After the write: in ring mode `out` is the payload the data came in.
-          r.outView.setUint32(0, size, true);
-          r.outView.setUint32(4, 0, true);
-          return F.FUSE_WRITE_OUT_SIZE;
-        });
+        r.reply = F.FUSE_WRITE_OUT_SIZE;
+        r.written = size; // fuse_write_out is put in place once the write is done (in ring mode `out` holds the data)
+        const data = r.data.subarray(0, size);
+        return offset % SECTOR === 0 && size % SECTOR === 0 ? io.write(data, offset) : writeAny(io, data, offset);
       }
       case F.FUSE_INIT: {
         const init = F.decodeInitIn(a, 0);
@@ -435,7 +450,8 @@ export class FuseDisk {
       }
       case F.FUSE_FSYNC:
         this.stats.fsyncs++;
-        return io.readOnly ? 0 : io.flush().then(() => 0);
+        r.reply = 0;
+        return io.readOnly ? 0 : io.flush();
       case F.FUSE_FALLOCATE: {
         const f = F.decodeFallocateIn(a, 0);
         if (io.readOnly) return -EROFS;
@@ -444,7 +460,8 @@ export class FuseDisk {
         if (mode !== FALLOC_FL_PUNCH_HOLE && mode !== FALLOC_FL_ZERO_RANGE) return -ENOTSUP;
         // Both become zero segments; unaligned edges are zeroed by writing.
         this.stats.discards++;
-        return zeroAny(io, f.offset, Math.min(f.length, io.size() - f.offset)).then(() => 0);
+        r.reply = 0;
+        return zeroAny(io, f.offset, Math.min(f.length, io.size() - f.offset));
       }
       case F.FUSE_STATFS:
         F.encodeStatfs(r.outView, 0, Math.ceil(io.size() / 4096), 4096);
@@ -522,8 +539,8 @@ function ringInUse(fd: number): string {
 
 /** The state of one serve(): slots, ring entries and requests in flight, control work in flight. */
 class ServeLoop {
-  // pollfds: 0 /dev/fuse, 1 control eventfd, 2 I/O ring eventfd, 3 reader's "taken" eventfd, 4 FUSE ring (-1: none).
-  private pollfds = new Uint8Array(40);
+  // pollfds: 0 /dev/fuse, 1 control eventfd, 2 I/O ring eventfd, 3 reader's "taken" eventfd (-1: none).
+  private pollfds = new Uint8Array(32);
   private pv = new DataView(this.pollfds.buffer);
   private counter = new Uint8Array(8);
   private idle: Slot[] = [];
@@ -546,13 +563,14 @@ class ServeLoop {
     private disk: FuseDisk,
     private io: DeviceIo,
     private wake: WakeSource,
-    ioFd: number,
+    /** The eventfd of this thread's I/O ring (-1 without one). */
+    private ioFd: number,
     private arena: AlignedBuffer,
     /** Where the ring's entries start in the arena (after the slots). */
     private ringAt: number,
     private layout: RingLayout | undefined,
   ) {
-    [disk.fd, wake.fd, ioFd, -1, -1].forEach((fd, i) => {
+    [disk.fd, wake.fd, ioFd, -1].forEach((fd, i) => {
       this.pv.setInt32(8 * i, fd, true);
       this.pv.setInt16(8 * i + 4, POLLIN, true);
     });
@@ -611,17 +629,23 @@ class ServeLoop {
   /** Serve r and send its reply; `entry`: r is a ring entry. */
   private serve(r: Slot | RingEntry, entry: boolean): void {
     this.busy++;
-    let res: number | Promise<number>;
+    r.written = -1;
+    let res: number | Promise<unknown>;
     try {
       res = this.disk.handle(this.io, r);
     } catch (e) {
       res = this.disk.failed(r, e);
     }
-    if (typeof res === "number") this.finish(r, entry, res);
-    else res.then(
-      (n) => this.finish(r, entry, n),
-      (e) => this.finish(r, entry, this.disk.failed(r, e)),
-    );
+    if (typeof res === "number") return this.finish(r, entry, res);
+    r.done ??= () => {
+      if (r.written >= 0) {
+        r.outView.setUint32(0, r.written, true);
+        r.outView.setUint32(4, 0, true);
+      }
+      this.finish(r, entry, r.reply);
+    };
+    r.fail ??= (e: unknown) => this.finish(r, entry, this.disk.failed(r, e));
+    res.then(r.done, r.fail);
   }
 
   private finish(r: Slot | RingEntry, entry: boolean, res: number): void {
@@ -643,16 +667,52 @@ class ServeLoop {
     if (this.disk.ringAccepted && !this.ring && this.layout) this.startRing();
   }
 
+  /**
+   * From here on the loop waits in io_uring_enter on the FUSE ring, which also watches what poll(2)
+   * watched: /dev/fuse (INIT's successors until the ring is ready, FORGET, INTERRUPT, resent
+   * requests), the control eventfd and the I/O ring's eventfd.
+   */
   private startRing(): void {
-    this.ring = this.disk.startRing(this.arena, this.ringAt, this.layout!);
+    const ring = this.disk.startRing(this.arena, this.ringAt, this.layout!);
     this.disk.ringAccepted = false;
-    if (this.ring) this.pv.setInt32(32, this.ring.fd, true);
+    if (!ring) return;
+    ring.watch(this.disk.fd, WATCH_FUSE);
+    ring.watch(this.wake.fd, WATCH_WAKE);
+    if (this.ioFd >= 0) ring.watch(this.ioFd, WATCH_IO);
+    this.ring = ring;
   }
 
   private readonly startEntry = (e: RingEntry) => {
     this.disk.stats.overRing++;
     this.serve(e, true);
   };
+
+  // What the FUSE ring's polls reported in one reap.
+  private fuseReadable = false;
+  private wakeFired = false;
+  private ioFired = false;
+
+  private readonly onPoll = (tag: number, rearm: boolean) => {
+    if (tag === WATCH_FUSE) this.fuseReadable = true;
+    else if (tag === WATCH_WAKE) this.wakeFired = true;
+    else this.ioFired = true;
+    // A multishot poll the kernel ended (it says so by leaving out F_MORE) is armed again.
+    if (rearm) this.ring!.watch(tag === WATCH_FUSE ? this.disk.fd : tag === WATCH_WAKE ? this.wake.fd : this.ioFd, tag);
+  };
+
+  /** Take queued /dev/fuse requests while a slot is free; "gone" once the connection is. */
+  private takeRequests(): boolean | "gone" {
+    while (this.slotsBusy < MAX_SLOTS) {
+      const slot = this.idle.pop() ?? new Slot(this.arena.bytes, SLOT_BYTES * this.made++);
+      const got = this.disk.take(slot);
+      if (got === true) this.startSlot(slot);
+      else {
+        this.idle.push(slot);
+        return got; // false: drained; "gone": requests in flight still finish into the slots
+      }
+    }
+    return true;
+  }
 
   /**
    * The reader ended while the device serves: the device worker reads every request itself from
@@ -689,41 +749,44 @@ class ServeLoop {
         ring?.submit(); // the last replies
         if (this.busy === 0) return;
       }
-      if (gone) pv.setInt32(0, -1, true); // poll skips it: a dead connection reports POLLERR forever
-      // No new request while every slot is busy (the kernel queues them) or while stopping.
-      pv.setInt16(4, this.slotsBusy < MAX_SLOTS && !stopping ? POLLIN : 0, true);
-      pv.setInt16(36, stopping ? 0 : POLLIN, true);
-      for (const at of [6, 14, 22, 30, 38]) pv.setInt16(at, 0, true);
-      // Replies of this tick, and the entries they lend again, in one io_uring_enter.
-      ring?.submit();
       // Control work may wait on timers and messages: keep the event loop turning meanwhile.
       const timeout = this.control || gone ? 1 : reader && !reader.exited ? READER_WATCH_MS : -1;
-      if (poll(this.pollfds, 5, timeout) > 0) {
-        if (pv.getInt16(22, true) & POLLIN) {
-          read(pv.getInt32(16, true), this.counter);
-          reapLocalIo();
-        }
-        if (pv.getInt16(14, true) & POLLIN) {
+      if (ring) {
+        // Replies of this tick (and the entries they lend again) go in the same io_uring_enter that waits.
+        const takeNow = this.fuseReadable && this.slotsBusy < MAX_SLOTS && !stopping;
+        ring.wait(takeNow ? 0 : timeout);
+        this.wakeFired = this.ioFired = false;
+        ring.reap(this.startEntry, this.onPoll);
+        if (this.ioFired) reapLocalIo(); // edge-triggered: the eventfd's count is left as it is
+        if (this.wakeFired) {
           read(this.wake.fd, this.counter);
           this.runControl();
         }
-        if (pv.getInt16(30, true) & POLLIN) {
-          read(reader!.takenFd, this.counter);
-          reader!.drainTaken(this.startTaken);
+        if (this.fuseReadable && !stopping) {
+          const got = this.takeRequests();
+          if (got !== true) this.fuseReadable = false; // drained until the poll fires again
+          if (got === "gone") gone = true;
         }
-        if (pv.getInt16(38, true) & POLLIN) ring!.reap(this.startEntry);
-        if (reader?.exited && !stopping && !this.readerEnded) this.readerLost(reader);
-        if (pv.getInt16(6, true) !== 0) {
-          while (this.slotsBusy < MAX_SLOTS) {
-            const slot = this.idle.pop() ?? new Slot(this.arena.bytes, SLOT_BYTES * this.made++);
-            const got = this.disk.take(slot);
-            if (got === true) this.startSlot(slot);
-            else {
-              this.idle.push(slot);
-              if (got === "gone") gone = true; // requests in flight still finish into the slots
-              break;
-            }
+      } else {
+        if (gone) pv.setInt32(0, -1, true); // poll skips it: a dead connection reports POLLERR forever
+        // No new request while every slot is busy (the kernel queues them) or while stopping.
+        pv.setInt16(4, this.slotsBusy < MAX_SLOTS && !stopping ? POLLIN : 0, true);
+        for (const at of [6, 14, 22, 30]) pv.setInt16(at, 0, true);
+        if (poll(this.pollfds, 4, timeout) > 0) {
+          if (pv.getInt16(22, true) & POLLIN) {
+            read(this.ioFd, this.counter);
+            reapLocalIo();
           }
+          if (pv.getInt16(14, true) & POLLIN) {
+            read(this.wake.fd, this.counter);
+            this.runControl();
+          }
+          if (pv.getInt16(30, true) & POLLIN) {
+            read(reader!.takenFd, this.counter);
+            reader!.drainTaken(this.startTaken);
+          }
+          if (reader?.exited && !stopping && !this.readerEnded) this.readerLost(reader);
+          if (pv.getInt16(6, true) !== 0 && this.takeRequests() === "gone") gone = true;
         }
       }
       // Let every handler run until it waits on the disk (its I/O is then submitted).
