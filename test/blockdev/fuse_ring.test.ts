@@ -5,12 +5,12 @@
 // ends it (its users get an error, no wait) and serves the device afresh as lost, with every
 // fsync'd byte. A worker that dies ends its ring, and so its connection, like any other fd.
 import { expect, test } from "bun:test";
-import { existsSync, readdirSync, readFileSync, readlinkSync } from "node:fs";
+import { existsSync, readFileSync } from "node:fs";
 import { join } from "node:path";
 import { BlockdClient } from "../../src/blockdev/client.ts";
 import { FUSE_ENABLE_URING_PARAM } from "../../ffi/fuse.ts";
 import { blockFor } from "../storage/crash_blocks.ts";
-import { blockdPid, haveFuse, mountsAt, processGone, readAll, spawnFixture, startBlockd, until } from "./harness.ts";
+import { blockdPid, fdsSettled, haveFuse, mountsAt, openFds, processGone, readAll, spawnFixture, startBlockd, until } from "./harness.ts";
 
 const MiB = 1 << 20;
 const haveRing = haveFuse && existsSync(FUSE_ENABLE_URING_PARAM);
@@ -117,27 +117,6 @@ test.skipIf(!haveRing)(`ring mode: kill -9 blockd under fsync'd writes: the rest
   await again.call("delete", { id: dev.id });
   again.close();
 }, 120_000);
-
-/** What blockd's open fds are (socket:[n], anon_inode:[io_uring], /dev/fuse, files), sorted. */
-function openFds(pid: number): string[] {
-  const out: string[] = [];
-  for (const fd of readdirSync(`/proc/${pid}/fd`)) {
-    try {
-      out.push(readlinkSync(`/proc/${pid}/fd/${fd}`));
-    } catch {} // closed while we listed
-  }
-  return out.sort();
-}
-
-async function fdsSettled(pid: number, want: string[]): Promise<string[]> {
-  const deadline = Date.now() + 10_000;
-  let now = openFds(pid);
-  while (JSON.stringify(now) !== JSON.stringify(want) && Date.now() < deadline) {
-    await Bun.sleep(50);
-    now = openFds(pid);
-  }
-  return now;
-}
 
 test.skipIf(!haveRing)(`ring mode: a device worker that dies ends its ring and so its connection: its reader gets an error, and blockd's fds are what they were${skipped}`, async () => {
   const { dir, state, client } = await blockdWith("blockd-ring-death", { ...RING, AENV_BLOCKD_FAULT: "worker-exit:victim:stats" });

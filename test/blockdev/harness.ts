@@ -1,7 +1,7 @@
 // A real blockd for a test: its own state dir, started through the client as the node does,
 // shut down (devices flushed, mounts and loops gone) when the test file ends.
 import { afterAll } from "bun:test";
-import { closeSync, existsSync, fsyncSync, mkdirSync, openSync, readFileSync, readSync, renameSync, rmSync, writeSync } from "node:fs";
+import { closeSync, existsSync, fsyncSync, mkdirSync, openSync, readdirSync, readFileSync, readlinkSync, readSync, renameSync, rmSync, writeSync } from "node:fs";
 import { join } from "node:path";
 import { BlockdClient } from "../../src/blockdev/client.ts";
 import { WritableLayer } from "../../src/storage/lsmt/writable_layer.ts";
@@ -129,6 +129,28 @@ export async function failure(p: Promise<unknown>): Promise<Error | undefined> {
     return e as Error;
   }
   return undefined;
+}
+
+/** What process `pid`'s open fds are (socket:[n], anon_inode:[io_uring], /dev/fuse, files), sorted. */
+export function openFds(pid: number): string[] {
+  const out: string[] = [];
+  for (const fd of readdirSync(`/proc/${pid}/fd`)) {
+    try {
+      out.push(readlinkSync(`/proc/${pid}/fd/${fd}`));
+    } catch {} // closed while we listed
+  }
+  return out.sort();
+}
+
+/** `pid`'s fds once they match `want` (they settle as dead threads are reaped), or as they are after 10 s. */
+export async function fdsSettled(pid: number, want: string[]): Promise<string[]> {
+  const deadline = Date.now() + 10_000;
+  let now = openFds(pid);
+  while (JSON.stringify(now) !== JSON.stringify(want) && Date.now() < deadline) {
+    await Bun.sleep(50);
+    now = openFds(pid);
+  }
+  return now;
 }
 
 /** Wait for an eventual state: polls cond until it holds, failing with `what` after ms. */

@@ -3,11 +3,11 @@
 // a named error, its users get I/O errors instead of a wait, and the other devices serve on. A
 // FUSE reader thread that dies holding a request leaves the device serving, nothing lost.
 import { expect, test } from "bun:test";
-import { closeSync, openSync, readdirSync, readFileSync, readlinkSync, writeSync } from "node:fs";
+import { closeSync, openSync, readFileSync, writeSync } from "node:fs";
 import { join } from "node:path";
 import { BlockdError } from "../../src/blockdev/protocol.ts";
 import { firstBadChunk } from "./patterns.ts";
-import { blockdPid, haveFuse, mountsAt, readAll, spawnFixture, startBlockd, until } from "./harness.ts";
+import { blockdPid, fdsSettled, haveFuse, mountsAt, openFds, readAll, spawnFixture, startBlockd, until } from "./harness.ts";
 
 const MiB = 1 << 20;
 
@@ -89,28 +89,6 @@ test.skipIf(!haveFuse)(
   },
   120_000,
 );
-
-/** What blockd's open fds are (socket:[n], anon_inode:[io_uring], /dev/fuse, files), sorted. */
-function openFds(pid: number): string[] {
-  const out: string[] = [];
-  for (const fd of readdirSync(`/proc/${pid}/fd`)) {
-    try {
-      out.push(readlinkSync(`/proc/${pid}/fd/${fd}`));
-    } catch {} // closed while we listed
-  }
-  return out.sort();
-}
-
-/** blockd's fds once they match `want` (they settle as dead threads are reaped), or as they are after 10 s. */
-async function fdsSettled(pid: number, want: string[]): Promise<string[]> {
-  const deadline = Date.now() + 10_000;
-  let now = openFds(pid);
-  while (JSON.stringify(now) !== JSON.stringify(want) && Date.now() < deadline) {
-    await Bun.sleep(50);
-    now = openFds(pid);
-  }
-  return now;
-}
 
 test.skipIf(!haveFuse)(
   "a worker's fds (eventfds, I/O ring, layer files, /dev/fuse, its reader's) are closed when its thread ends: after a crash and a delete blockd holds what it held before",

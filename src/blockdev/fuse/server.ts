@@ -36,6 +36,7 @@ import { IoUring } from "../../../ffi/io_uring.ts";
 import type { DeviceIo, WakeSource } from "../device_io.ts";
 import { deferLocalIoCompletions, reapLocalIo } from "../../storage/local_file.ts";
 import { ReaderLink } from "./reader_link.ts";
+import { FuseRequest } from "./request.ts";
 import { FuseRing, possibleCpus, ringLayout, uringUnavailable, type RingEntry, type RingLayout } from "./uring.ts";
 import { closeHeldFd, forgetHeldFd, heldFd } from "../fd_ledger.ts";
 
@@ -121,51 +122,16 @@ export class FuseRingAdoptError extends Error {
   override name = "FuseRingAdoptError";
 }
 
-/**
- * One request being served and where its reply goes, however it came: read from /dev/fuse into a
- * Slot, or a ring entry (RingEntry has the same fields). Offsets are 0 in every view.
- */
-interface Request {
-  /** fuse_in_header. */
-  readonly head: DataView;
-  /** The opcode's argument struct (fuse_read_in, fuse_write_in, ...). */
-  readonly args: DataView;
-  /** WRITE payload. */
-  readonly data: Uint8Array;
-  /** Where the reply's fuse_out_header goes. */
-  readonly outHead: DataView;
-  /** Reply arguments, READ data. */
-  readonly out: Uint8Array;
-  readonly outView: DataView;
-  /** Set by handle() when it returns a promise: bytes of reply arguments once the I/O is done. */
-  reply: number;
-  /** WRITE: bytes written, for fuse_write_out (-1 otherwise). */
-  written: number;
-  /** The serve loop's callbacks for this request's I/O (made once per slot or entry). */
-  done?: () => void;
-  fail?: (e: unknown) => void;
-}
-
 /** Bytes of one slot: a page before each buffer so the payload after the header is page-aligned. */
 const SLOT_BYTES = 2 * (4096 + MAX_WRITE);
 
 /** Buffers for one request read from /dev/fuse, and its reply. */
-class Slot implements Request {
+class Slot extends FuseRequest {
   /** The /dev/fuse fd the request in this slot came from; its reply goes back there. */
   fd = -1;
   readonly req: Uint8Array;
-  readonly head: DataView;
-  readonly args: DataView;
-  readonly data: Uint8Array;
-  readonly outHead: DataView;
-  readonly out: Uint8Array;
-  readonly outView: DataView;
   /** The reply buffer: fuse_out_header, then `out`. */
   readonly replyBuf: Uint8Array;
-  reply = 0;
-  written = -1;
-  done?: () => void;
-  fail?: (e: unknown) => void;
   constructor(
     mem: Uint8Array,
     at: number,
@@ -175,15 +141,20 @@ class Slot implements Request {
     // WRITE data starts 80 bytes into a request and READ data 16 bytes into a reply: both land
     // page-aligned, so O_DIRECT I/O of the layers takes them without a bounce copy.
     const ab = mem.buffer;
-    this.req = mem.subarray(at + 4096 - F.FUSE_WRITE_DATA_OFFSET, at + 4096 + MAX_WRITE);
-    this.head = new DataView(ab, this.req.byteOffset, F.FUSE_IN_HEADER);
-    this.args = new DataView(ab, this.req.byteOffset + F.FUSE_IN_HEADER, this.req.byteLength - F.FUSE_IN_HEADER);
-    this.data = this.req.subarray(F.FUSE_WRITE_DATA_OFFSET);
+    const req = mem.subarray(at + 4096 - F.FUSE_WRITE_DATA_OFFSET, at + 4096 + MAX_WRITE);
     const o = at + 4096 + MAX_WRITE;
-    this.replyBuf = mem.subarray(o + 4096 - F.FUSE_OUT_HEADER, o + 4096 + MAX_WRITE);
-    this.outHead = new DataView(ab, this.replyBuf.byteOffset, F.FUSE_OUT_HEADER);
-    this.out = this.replyBuf.subarray(F.FUSE_OUT_HEADER);
-    this.outView = new DataView(ab, this.out.byteOffset, this.out.byteLength);
+    const reply = mem.subarray(o + 4096 - F.FUSE_OUT_HEADER, o + 4096 + MAX_WRITE);
+    const out = reply.subarray(F.FUSE_OUT_HEADER);
+    super(
+      new DataView(ab, req.byteOffset, F.FUSE_IN_HEADER),
+      new DataView(ab, req.byteOffset + F.FUSE_IN_HEADER, req.byteLength - F.FUSE_IN_HEADER),
+      req.subarray(F.FUSE_WRITE_DATA_OFFSET),
+      new DataView(ab, reply.byteOffset, F.FUSE_OUT_HEADER),
+      out,
+      new DataView(ab, out.byteOffset, out.byteLength),
+    );
+    this.req = req;
+    this.replyBuf = reply;
   }
 }
 
@@ -382,7 +353,7 @@ export class FuseDisk {
    * Serve one request: returns the reply at once (bytes of reply arguments, or −errno, or
    * NO_REPLY), or the image I/O it waits for (then the reply is r.reply bytes, once it is done).
    */
-  handle(io: DeviceIo, r: Request): number | Promise<unknown> {
+  handle(io: DeviceIo, r: FuseRequest): number | Promise<unknown> {
     const opcode = r.head.getUint32(4, true);
     const a = r.args;
     this.stats.requests++;
@@ -482,7 +453,7 @@ export class FuseDisk {
   }
 
   /** A failed image I/O is the guest's EIO (or EINVAL), never a dead server. */
-  failed(r: Request, e: unknown): number {
+  failed(r: FuseRequest, e: unknown): number {
     console.error(`fuse ${this.opts.path}: opcode ${r.head.getUint32(4, true)}: ${(e as Error).message}`);
     return (e as { errno?: number }).errno === EINVAL ? -EINVAL : -EIO;
   }

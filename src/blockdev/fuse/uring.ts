@@ -27,6 +27,7 @@ import {
 import { E, POLLIN, errnoName, type AlignedBuffer } from "../../../ffi/libc.ts";
 import * as F from "../../../ffi/fuse.ts";
 import { forgetHeldFd, heldFd } from "../fd_ledger.ts";
+import { FuseRequest } from "./request.ts";
 
 /** Entries across all queues: requests served at once (as MAX_SLOTS for /dev/fuse). */
 const ENTRIES = 64;
@@ -67,29 +68,16 @@ export function possibleCpus(): number {
   return n;
 }
 
-/** One entry's buffers: the request's header and argument struct, and its payload (WRITE data in, READ data out). */
-export class RingEntry {
-  /** fuse_in_header on arrival; the reply's fuse_out_header goes at the same place. */
-  readonly head: DataView;
-  /** The opcode's argument struct (fuse_read_in, fuse_write_in, ...). */
-  readonly args: DataView;
+/**
+ * One entry's buffers: the request's header and argument struct, and its payload. WRITE data
+ * arrives in the payload and READ data and reply arguments leave from it; the reply's
+ * fuse_out_header goes where the fuse_in_header was.
+ */
+export class RingEntry extends FuseRequest {
   /** struct fuse_uring_ent_in_out. */
   readonly inOut: DataView;
-  readonly payload: Uint8Array;
-  readonly payloadView: DataView;
-  // The names a request has in the server (fuse/server.ts Request): WRITE data arrives in the
-  // payload, READ data and reply arguments leave from it, the out header replaces the in header.
-  readonly data: Uint8Array;
-  readonly out: Uint8Array;
-  readonly outView: DataView;
-  readonly outHead: DataView;
   /** Lent to the kernel (a REGISTER or COMMIT_AND_FETCH in flight). */
   lent = false;
-  // The serve loop's state for the request in the entry (fuse/server.ts Request).
-  reply = 0;
-  written = -1;
-  done?: () => void;
-  fail?: (e: unknown) => void;
   constructor(
     readonly index: number,
     readonly qid: number,
@@ -101,14 +89,11 @@ export class RingEntry {
   ) {
     const ab = mem.buffer;
     const base = mem.byteOffset;
-    this.head = new DataView(ab, base + headerAt, F.FUSE_URING_OP_IN);
-    this.args = new DataView(ab, base + headerAt + F.FUSE_URING_OP_IN, F.FUSE_URING_OP_IN);
+    const head = new DataView(ab, base + headerAt, F.FUSE_URING_OP_IN);
+    const payload = mem.subarray(payloadAt, payloadAt + payloadLen);
+    const payloadView = new DataView(ab, base + payloadAt, payloadLen);
+    super(head, new DataView(ab, base + headerAt + F.FUSE_URING_OP_IN, F.FUSE_URING_OP_IN), payload, head, payload, payloadView);
     this.inOut = new DataView(ab, base + headerAt + F.FUSE_URING_ENT_IN_OUT, 32);
-    this.payload = mem.subarray(payloadAt, payloadAt + payloadLen);
-    this.payloadView = new DataView(ab, base + payloadAt, payloadLen);
-    this.data = this.out = this.payload;
-    this.outView = this.payloadView;
-    this.outHead = this.head;
   }
 }
 
