@@ -15,14 +15,19 @@
 // CPU per I/O counts fio, blockd (ours only) and every kworker on the host: the loop devices do
 // their I/O in kworkers (a buffered loop copies 1 MiB reads there), so leaving them out would hide
 // most of the baseline's cost. Other load on the host lands in the kworker share too.
+//
+// Rows marked "ring" are a second blockd in ring mode (AENV_FUSE_URING=1: FUSE over io_uring, see
+// docs/blockd.md), its own device filled the same way; they are skipped where the kernel has no
+// FUSE ring (CONFIG_FUSE_IO_URING).
 //   bun bench/blockdev/run.ts [--size MiB] [--seconds S per run] [--rounds N]
-import { mkdirSync, readdirSync, readFileSync, rmSync, truncateSync, writeFileSync } from "node:fs";
+import { existsSync, mkdirSync, readdirSync, readFileSync, rmSync, truncateSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { BlockdClient } from "../../src/blockdev/client.ts";
 import { loopAttach, loopDetach } from "../../ffi/loop.ts";
 import { posixFadvise, POSIX_FADV_DONTNEED } from "../../ffi/libc.ts";
 import { LocalFile } from "../../src/storage/local_file.ts";
 import { WRITABLE_DATA, WRITABLE_INDEX } from "../../src/storage/lsmt/writable_layer.ts";
+import { FUSE_ENABLE_URING_PARAM } from "../../ffi/fuse.ts";
 
 const arg = (n: string, d: number) => {
   const i = process.argv.indexOf(`--${n}`);
@@ -121,11 +126,24 @@ async function warmCache(path: string): Promise<void> {
   }
 }
 
-const client = await BlockdClient.ensure(join(dir, "state"));
-const pid = Number(readFileSync(join(dir, "state", "blockd.pid"), "utf8"));
-const upperDir = join(dir, "up");
-const ours = await client.call("create", { upperDir, size: SIZE, loop: true });
-const ourFiles = [join(upperDir, WRITABLE_DATA), join(upperDir, WRITABLE_INDEX)];
+/** A blockd of its own (ring mode or not) with one device over a loop. */
+async function blockdWithDevice(name: string, ring: boolean) {
+  const state = join(dir, name, "state");
+  mkdirSync(state, { recursive: true });
+  process.env.AENV_FUSE_URING = ring ? "1" : "0";
+  const client = await BlockdClient.ensure(state).finally(() => delete process.env.AENV_FUSE_URING);
+  const upperDir = join(dir, name, "up");
+  return {
+    client,
+    pid: Number(readFileSync(join(state, "blockd.pid"), "utf8")),
+    dev: await client.call("create", { upperDir, size: SIZE, loop: true }),
+    files: [join(upperDir, WRITABLE_DATA), join(upperDir, WRITABLE_INDEX)],
+  };
+}
+const main = await blockdWithDevice("rw", false);
+const { client, pid } = main;
+const ours = main.dev;
+let ring = existsSync(FUSE_ENABLE_URING_PARAM) ? await blockdWithDevice("ring", true) : undefined;
 const rawPath = join(dir, "raw.img");
 writeFileSync(rawPath, "");
 truncateSync(rawPath, SIZE);
@@ -133,7 +151,8 @@ const base = loopAttach(rawPath);
 const baseBuffered = loopAttach(rawPath, { directIo: false });
 console.log(
   `# blockdev bench: ${SIZE >> 20} MiB, ${SECONDS}s per timed run, median of ${ROUNDS} rounds; ours = ${ours.loop} on FUSE file ${ours.path}; ` +
-    `baseline = ${base.path} (dio ${base.directIo}: writes, cold reads) and ${baseBuffered.path} (buffered: warm reads) on ${rawPath}`,
+    `baseline = ${base.path} (dio ${base.directIo}: writes, cold reads) and ${baseBuffered.path} (buffered: warm reads) on ${rawPath}` +
+    (ring ? `; ring mode = ${ring.dev.loop} on ${ring.dev.path}` : `; no ring mode rows (${FUSE_ENABLE_URING_PARAM} is missing)`),
 );
 console.log("# CPU/IO = fio + blockd (ours) + host kworkers; ratios are ours / baseline");
 try {
@@ -156,26 +175,41 @@ try {
     const o = fio(ours.loop, "write", "1M", 8, pid, true);
     const b = fio(base.path, "write", "1M", 8, undefined, true);
     line("1 MiB first write (fill)", o, b, o.mbps / b.mbps);
+    if (ring) {
+      fio(ring.dev.loop, "write", "1M", 8, ring.pid, true);
+      if (!((await ring.client.call("stats", { id: ring.dev.id })).overRing > 0)) {
+        console.log(`# ring mode did not start (its blockd.log says why): no ring mode rows`);
+        await ring.client.call("delete", { id: ring.dev.id });
+        await ring.client.call("shutdown");
+        ring = undefined;
+      }
+    }
   }
   type Cache = "cold" | "warm" | "";
-  // The "FUSE file" row is where the loop hop goes: fio on our FUSE file itself, as QEMU and
+  // The "FUSE file" rows are where the loop hop goes: fio on our FUSE file itself, as QEMU and
   // Firecracker open it, against the same loop-on-raw baseline.
-  const rows: [string, string, string, number, Cache, number?, "file"?][] = [
+  const rows: [string, string, string, number, Cache, number?, ("file" | "ring" | "ring-file")?][] = [
     ["4 KiB random read QD32, cold", "randread", "4k", 32, "cold"],
     ["1 MiB sequential read, cold", "read", "1M", 8, "cold"],
     ["4 KiB random read QD32, warm", "randread", "4k", 32, "warm", 0.7],
     ["  same, ours on the FUSE file", "randread", "4k", 32, "warm", undefined, "file"],
+    ["  same, ring mode", "randread", "4k", 32, "warm", 0.7, "ring"],
+    ["  same, ring mode, FUSE file", "randread", "4k", 32, "warm", undefined, "ring-file"],
     ["1 MiB sequential read, warm", "read", "1M", 8, "warm", 0.9],
     ["1 MiB sequential write", "write", "1M", 8, "", 0.9],
+    ["  same, ring mode", "write", "1M", 8, "", 0.9, "ring"],
     ["4 KiB random write QD32", "randwrite", "4k", 32, ""],
+    ["  same, ring mode", "randwrite", "4k", 32, "", undefined, "ring"],
   ];
   for (const [name, rw, bs, qd, cache, target, on] of rows) {
-    const ourDev = on === "file" ? ours.path : ours.loop;
+    const side = on?.startsWith("ring") ? ring : main;
+    if (!side) continue; // no FUSE ring in this kernel
+    const ourDev = on?.endsWith("file") ? side.dev.path : side.dev.loop;
     const baseDev = cache === "warm" ? baseBuffered.path : base.path;
-    const run = async (side: "ours" | "base"): Promise<Fio> => {
-      const files = side === "ours" ? ourFiles : [rawPath];
+    const run = async (which: "ours" | "base"): Promise<Fio> => {
+      const files = which === "ours" ? side.files : [rawPath];
       for (const f of files) await (cache === "cold" ? dropCache(f) : cache === "warm" ? warmCache(f) : Promise.resolve());
-      return side === "ours" ? fio(ourDev, rw, bs, qd, pid, cache === "cold") : fio(baseDev, rw, bs, qd, undefined, cache === "cold");
+      return which === "ours" ? fio(ourDev, rw, bs, qd, side.pid, cache === "cold") : fio(baseDev, rw, bs, qd, undefined, cache === "cold");
     };
     const runs: { o: Fio; b: Fio; ratio: number }[] = [];
     for (let r = 0; r < ROUNDS; r++) {
@@ -197,6 +231,10 @@ try {
 } finally {
   loopDetach(baseBuffered.path);
   loopDetach(base.path);
+  if (ring) {
+    await ring.client.call("delete", { id: ring.dev.id });
+    await ring.client.call("shutdown");
+  }
   await client.call("delete", { id: ours.id });
   await client.call("shutdown");
   await Bun.sleep(300);
