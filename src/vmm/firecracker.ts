@@ -1,5 +1,4 @@
-// Firecracker driver: its HTTP API over a unix socket (../../shared/docs/reference/kernel-and-vmm.md
-// §4). Upstream rejects unknown fields with a 400, so every request comes from a builder below that
+// Firecracker driver: its HTTP API over a unix socket (Firecracker's swagger, docs/vmm.md). Upstream rejects unknown fields with a 400, so every request comes from a builder below that
 // emits exactly the documented fields, checks their types and enums, and drops absent optionals.
 
 import { existsSync } from "node:fs";

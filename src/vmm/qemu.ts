@@ -1,7 +1,7 @@
 // QEMU driver: `-M microvm,acpi=on` driven over QMP. Guest RAM is a memory-backend-file mapped
 // shared, so a snapshot is a QMP migration with x-ignore-shared (device state only, ~70 KB) and the
 // RAM file itself; a restore maps that file private (copy-on-write) and loads the device state.
-// KVM when it is usable, TCG otherwise (../../shared/docs/reference/vm-measurements.md).
+// KVM when it is usable, TCG otherwise (docs/vmm.md).
 
 import { accessSync, constants, existsSync, readFileSync } from "node:fs";
 import { link, mkdir, rm } from "node:fs/promises";

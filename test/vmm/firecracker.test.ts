@@ -1,5 +1,5 @@
-// Firecracker request builders against the documented API (swagger 1.16/1.17-dev, transcribed in
-// shared/docs/reference/kernel-and-vmm.md §4.3): upstream rejects unknown fields, so every body
+// Firecracker request builders against the documented API (Firecracker's swagger, 1.16/1.17-dev):
+// upstream rejects unknown fields, so every body
 // must hold only documented fields, all required ones, the right JSON types and valid enums.
 
 import { describe, expect, test } from "bun:test";
