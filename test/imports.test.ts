@@ -20,15 +20,15 @@ const allowed: Record<string, string[]> = {
   "src/orchestrator": ["src/orchestrator", "src/vmm", "src/network", "src/snapshot", "src/blockdev/client.ts",
     "src/blockdev/protocol.ts", "src/storage/image_config.ts", "ffi"],
   "src/api": ["src/api", "src/orchestrator"],
-  // Template builds make a raw image into a sealed layer with the guest builders' sealedLayer.
-  "src/template": ["src/template", "src/storage", "guest/artifacts.ts", "ffi"],
+  // Template builds and the host-side builders of the guest's artifacts (kernel, tools disk, sealed layers).
+  "src/template": ["src/template", "src/storage", "ffi"],
   // The node's composition root wires every part together.
   "src/node": ["src", "ffi", "guest", "package.json"],
   "src/cli": ["src/cli", "src/storage", "src/blockdev/client.ts", "src/blockdev/protocol.ts", "ffi", "package.json"],
   // envd is compiled into the guest's tools disk on its own: nothing of the host's code.
   "guest/envd": ["guest/envd"],
-  // Builders of the guest artifacts run on the host.
-  "guest": ["guest", "src/storage", "ffi"],
+  // What runs inside the VM: nothing of the host's code (its host-side builders are src/template/artifacts.ts).
+  "guest": ["guest"],
   "bench": ["bench", "src", "ffi", "guest", "test/helpers"],
   "test": ["test", "src", "ffi", "guest", "bench"],
 };

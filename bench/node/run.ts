@@ -10,7 +10,7 @@
 import { mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, statSync } from "node:fs";
 import { join } from "node:path";
 import { Sandbox } from "e2b";
-import { debianKernel, envdToolsDisk, guestCmdline, sealedLayer, testRootfs } from "../../guest/artifacts.ts";
+import { debianKernel, envdToolsDisk, guestCmdline, sealedLayer, testRootfs } from "../../src/template/artifacts.ts";
 import { createApi } from "../../src/api/app.ts";
 import { SandboxProxy } from "../../src/api/proxy.ts";
 import { sandboxRoutes } from "../../src/api/sandboxes.ts";

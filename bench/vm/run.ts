@@ -10,7 +10,7 @@
 import { copyFileSync, mkdirSync, mkdtempSync, readFileSync, rmSync } from "node:fs";
 import { join } from "node:path";
 import { Sandbox } from "e2b";
-import { debianKernel, envdToolsDisk, guestCmdline, sealedLayer, testRootfs, toolsDisk } from "../../guest/artifacts.ts";
+import { debianKernel, envdToolsDisk, guestCmdline, sealedLayer, testRootfs, toolsDisk } from "../../src/template/artifacts.ts";
 import { BlockdClient } from "../../src/blockdev/client.ts";
 import { SlotPool, type Slot } from "../../src/network/index.ts";
 import { QemuDriver } from "../../src/vmm/qemu.ts";

@@ -3,7 +3,7 @@
 // can create sandboxes, then 200. blockd and the VMMs outlive it: a stop leaves sandboxes running.
 import { mkdirSync } from "node:fs";
 import { join } from "node:path";
-import { debianKernel, envdToolsDisk, guestCmdline, sealedLayer } from "../../guest/artifacts.ts";
+import { debianKernel, envdToolsDisk, guestCmdline, sealedLayer } from "../template/artifacts.ts";
 import { createApi } from "../api/app.ts";
 import { ApiError } from "../api/errors.ts";
 import { SandboxProxy } from "../api/proxy.ts";

@@ -243,7 +243,7 @@ async function build_(def: LoadedDefinition, cacheDir: string, entry: string, sa
   }
 }
 
-/** The image as one sealed layer (guest/artifacts.ts's sealedLayer), on a worker thread, bounded in time. */
+/** The image as one sealed layer (artifacts.ts's sealedLayer), on a worker thread, bounded in time. */
 async function sealInWorker(image: string, out: string): Promise<void> {
   const worker = new Worker(new URL("./seal_worker.ts", import.meta.url).href);
   let timer: ReturnType<typeof setTimeout> | undefined;

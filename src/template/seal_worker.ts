@@ -1,6 +1,6 @@
 // sealedLayer on a thread of its own: it reads the raw image with synchronous reads, which would
 // hold the node's event loop for the whole image (15-20 s for 2 GiB here, no timer firing).
-import { sealedLayer } from "../../guest/artifacts.ts";
+import { sealedLayer } from "./artifacts.ts";
 
 declare const self: Worker;
 

@@ -1,7 +1,7 @@
 // One node's parts for orchestrator tests, built the way src/node/main.ts builds them, over a given
 // state directory, so a second process (or a second life of the node) can build them again.
 import { join } from "node:path";
-import { envdToolsDisk, guestCmdline, sealedLayer } from "../../guest/artifacts.ts";
+import { envdToolsDisk, guestCmdline, sealedLayer } from "../../src/template/artifacts.ts";
 import { createApi } from "../../src/api/app.ts";
 import { SandboxProxy } from "../../src/api/proxy.ts";
 import { sandboxRoutes } from "../../src/api/sandboxes.ts";

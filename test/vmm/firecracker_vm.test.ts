@@ -6,7 +6,7 @@
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { existsSync, readdirSync } from "node:fs";
 import { join } from "node:path";
-import { envdToolsDisk, guestCmdline, sealedLayer } from "../../guest/artifacts.ts";
+import { envdToolsDisk, guestCmdline, sealedLayer } from "../../src/template/artifacts.ts";
 import { SlotPool, type Slot } from "../../src/network/index.ts";
 import { FirecrackerDriver, firecrackerAvailable } from "../../src/vmm/firecracker.ts";
 import type { Vmm } from "../../src/vmm/types.ts";

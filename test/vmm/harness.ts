@@ -3,7 +3,7 @@
 
 import { existsSync, mkdtempSync, readdirSync, readFileSync, rmSync } from "node:fs";
 import { join } from "node:path";
-import { debianKernel, sealedLayer, testRootfs, toolsDisk, type GuestKernel } from "../../guest/artifacts.ts";
+import { debianKernel, sealedLayer, testRootfs, toolsDisk, type GuestKernel } from "../../src/template/artifacts.ts";
 
 /** Why QEMU VM tests cannot run here, or undefined when they can. */
 export function vmSkipReason(): string | undefined {

@@ -7,7 +7,7 @@ import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { existsSync, mkdirSync, statSync } from "node:fs";
 import { join } from "node:path";
 import { dirname } from "node:path";
-import { guestCmdline, toolsDisk } from "../../guest/artifacts.ts";
+import { guestCmdline, toolsDisk } from "../../src/template/artifacts.ts";
 import type { BlockdClient } from "../../src/blockdev/client.ts";
 import { QemuDriver } from "../../src/vmm/qemu.ts";
 import type { SnapshotInfo, Vmm } from "../../src/vmm/types.ts";

@@ -8,7 +8,7 @@ import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { existsSync, readdirSync, readFileSync, statSync } from "node:fs";
 import { join } from "node:path";
 import { CommandExitError, FilesystemEventType, Sandbox, type CommandHandle } from "e2b";
-import { envdToolsDisk, guestCmdline, sealedLayer } from "../../guest/artifacts.ts";
+import { envdToolsDisk, guestCmdline, sealedLayer } from "../../src/template/artifacts.ts";
 import { haveTool, SlotPool, type Slot } from "../../src/network/index.ts";
 import { QemuDriver } from "../../src/vmm/qemu.ts";
 import type { SnapshotInfo, Vmm } from "../../src/vmm/types.ts";

@@ -1,12 +1,13 @@
-// The guest's built pieces (kernel, initramfs, tools disk, a test rootfs) as paths, built by the
-// scripts beside this file when missing or stale. Tests, benchmarks and the node call this.
+// The guest's built pieces (kernel, initramfs, tools disk, a test rootfs) as paths, built on the
+// host by the scripts in guest/ when missing or stale. Tests, benchmarks and the node call this.
 
 import { existsSync, mkdirSync, readdirSync, renameSync, rmSync, statSync } from "node:fs";
 import { open } from "node:fs/promises";
 import { join } from "node:path";
-import { WritableLayer } from "../src/storage/lsmt/writable_layer.ts";
+import { WritableLayer } from "../storage/lsmt/writable_layer.ts";
 
-const GUEST_DIR = import.meta.dir;
+/** guest/: the build scripts and envd sources (what runs inside the VM). */
+const GUEST_DIR = join(import.meta.dir, "../../guest");
 
 /** Where built artifacts are cached; the same rule as lib.sh (AENV_GUEST_CACHE moves it). */
 export function guestCache(): string {
