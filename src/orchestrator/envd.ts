@@ -37,11 +37,17 @@ export interface EnvdInit {
   defaultUser?: string;
 }
 
-/** POST /init; retried for up to `timeoutMs` while envd is busy or unreachable. */
+/**
+ * POST /init; retried for up to `timeoutMs` while envd is busy or unreachable. An attempt whose
+ * answer was lost may have taken effect: once one has, the token that proves the change is the
+ * new one, so a 401 after a lost answer is retried once with the new token before it counts.
+ */
 export async function initEnvd(baseUrl: string, init: EnvdInit, timeoutMs: number): Promise<void> {
   const t0 = performance.now();
   const entropy = Buffer.from(crypto.getRandomValues(new Uint8Array(64))).toString("base64");
   let last = "no answer";
+  let proof = init.currentToken;
+  let answerLost = false;
   for (;;) {
     const body = JSON.stringify({
       accessToken: init.accessToken,
@@ -53,17 +59,23 @@ export async function initEnvd(baseUrl: string, init: EnvdInit, timeoutMs: numbe
     try {
       const r = await fetch(`${baseUrl}/init`, {
         method: "POST",
-        headers: { "content-type": "application/json", ...(init.currentToken ? { "x-access-token": init.currentToken } : {}) },
+        headers: { "content-type": "application/json", ...(proof ? { "x-access-token": proof } : {}) },
         body,
         signal: AbortSignal.timeout(2000),
       });
       const text = await r.text();
       if (r.status === 204 || r.status === 200) return;
       last = `HTTP ${r.status} ${text.slice(0, 200)}`;
+      if (r.status === 401 && answerLost && proof !== init.accessToken) {
+        proof = init.accessToken;
+        answerLost = false;
+        continue;
+      }
       if (r.status === 401 || r.status === 400) throw new EnvdUnreachableError(`envd /init refused: ${last}`);
     } catch (e) {
       if (e instanceof EnvdUnreachableError) throw e;
       last = (e as Error).message;
+      answerLost = true;
     }
     if (performance.now() - t0 > timeoutMs) throw new EnvdUnreachableError(`envd /init at ${baseUrl} did not succeed within ${timeoutMs} ms (${last})`);
     await Bun.sleep(20);

@@ -257,6 +257,18 @@ describe.skipIf(!!skip)("bun run node with the stock e2b SDK", () => {
     const kids = await Sandbox.fork(sbx.sandboxId, { ...opts(), count: 16 });
     console.log(`  fork 16: ${Math.round(performance.now() - t0)} ms`);
     const ok = kids.filter((k): k is Sandbox => k instanceof Sandbox);
+    try {
+      expect(kids.filter((k) => !(k instanceof Sandbox)).map(String)).toEqual([]);
+      await forkedChildrenDiverge(ok);
+    } catch (e) {
+      console.log(`  node log (last 40 lines):\n${node.log.slice(-40).join("\n")}`);
+      throw e;
+    } finally {
+      await Promise.all(ok.map((k) => k.kill().catch(() => false)));
+    }
+  }, 900_000);
+
+  async function forkedChildrenDiverge(ok: Sandbox[]) {
     expect(ok.length).toBe(16);
     expect(new Set(ok.map((k) => k.sandboxId)).size).toBe(16);
     await Promise.all(ok.map(async (k, i) => {
@@ -266,7 +278,7 @@ describe.skipIf(!!skip)("bun run node with the stock e2b SDK", () => {
     for (const [i, k] of ok.entries()) expect(await k.files.read("/tmp/who")).toBe(`child ${i}`);
     expect(await sbx.files.read("/tmp/who")).toBe("source");
     for (const k of ok) expect(await k.kill()).toBe(true);
-  }, 900_000);
+  }
 
   test("createSnapshot → two sandboxes from it; list by metadata with pagination", async () => {
     await sbx.files.write("/tmp/snap.txt", "snapshotted");
