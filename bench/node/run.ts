@@ -87,6 +87,7 @@ try {
   results.create = split(orch.timings.recent("create").slice(-5));
   for (const s of sbxs) await s.pause();
   results.pause = split(orch.timings.recent("pause"));
+  await orch.settledCleanups(); // the page-cache drop runs after each pause's answer
 
   // Host memory a paused sandbox still holds: page cache of its checkpoint (its VMM is gone).
   const cached = (dir: string) => {

@@ -128,10 +128,13 @@ start().catch((e) => {
 });
 
 for (const sig of ["SIGINT", "SIGTERM"] as const) {
-  process.on(sig, () => {
+  process.on(sig, async () => {
     console.log(`aenv node: ${sig}: stopping (sandboxes, blockd and VMMs keep running)`);
     orch?.close();
     server.stop();
+    // What operations left for after their answers (a pause's slot and device) is finished, for
+    // at most 10 s; what is left then is found by the next start.
+    await Promise.race([orch?.settledCleanups(), Bun.sleep(10_000)]);
     store.close();
     process.exit(0);
   });

@@ -3,13 +3,13 @@
 // Every operation either completes or gives back what it took; state changes are
 // compare-and-set in the SandboxStore; concurrent requests on one sandbox join the operation
 // in flight. It never reads or writes a layer's bytes: blockd does, by RPC.
-import { existsSync, mkdirSync, readdirSync, rmSync } from "node:fs";
+import { existsSync, mkdirSync } from "node:fs";
 import { join } from "node:path";
 import type { BlockdClient } from "../blockdev/client.ts";
 import type { Slot, SlotPool } from "../network/index.ts";
 import { readSnapshot, type DriveSpec, type SnapshotInfo, type Vmm, type VmmDriver } from "../vmm/types.ts";
 import type { Json, SnapshotStore } from "../snapshot/index.ts";
-import { link, open as openAsync } from "node:fs/promises";
+import { link, open as openAsync, readdir, rm } from "node:fs/promises";
 import { posixFadvise, POSIX_FADV_DONTNEED } from "../../ffi/libc.ts";
 import { ENVD_PORT, ENVD_VERSION, initEnvd, waitEnvdReady } from "./envd.ts";
 import { SandboxStore, publicState, type SandboxRecord, type SandboxState } from "./store.ts";
@@ -150,6 +150,14 @@ export class Orchestrator {
   private tools: Promise<{ id: string; path: string }> | undefined;
   /** One checkpointing boot per template at a time. */
   private readonly preparing = new Map<string, Promise<VmCheckpoint>>();
+  /** The checkpoint collection running now, and whether it must go round once more. */
+  private collecting: Promise<string[]> | undefined;
+  private collectAgain = false;
+  /**
+   * Work left for after an operation's answer, by sandbox: the sandbox's next operation that takes
+   * resources (resume, kill) waits for it, as they reuse its run directory.
+   */
+  private readonly cleanups = new Map<string, Promise<void>>();
   private readonly envdTimeoutMs: number;
   private reaper: Timer | undefined;
   private readonly goneListeners: ((id: string) => void)[] = [];
@@ -293,7 +301,7 @@ export class Orchestrator {
     const p = (async () => {
       const id = `tpl${randomId(12)}`;
       const cpDir = join(this.opts.home, "checkpoints", `template-${tpl.id}`);
-      rmSync(cpDir, { recursive: true, force: true });
+      await rm(cpDir, { recursive: true, force: true });
       mkdirSync(cpDir, { recursive: true });
       let slot: Slot | undefined;
       let vm: Vmm | undefined;
@@ -317,13 +325,13 @@ export class Orchestrator {
         if (tpl.kind === "template") this.prepareDevices(cp, tpl.diskSizeMB);
         return cp;
       } catch (e) {
-        rmSync(cpDir, { recursive: true, force: true });
+        await rm(cpDir, { recursive: true, force: true });
         throw e;
       } finally {
         await vm?.stop().catch(() => {});
         await this.giveBackDevice(devices[0] ?? null);
-        rmSync(join(this.opts.home, "sandboxes", id), { recursive: true, force: true });
-        rmSync(join(this.opts.runRoot, id), { recursive: true, force: true });
+        await rm(join(this.opts.home, "sandboxes", id), { recursive: true, force: true });
+        await rm(join(this.opts.runRoot, id), { recursive: true, force: true });
         if (slot) await this.slots.release(slot).catch(() => {});
         this.preparing.delete(tpl.id);
       }
@@ -442,7 +450,7 @@ export class Orchestrator {
     await this.track(id, "kill", async () => {
       await this.teardown(id);
       this.store.delete(id);
-      this.collectCheckpoints();
+      this.collectCheckpointsLater();
     });
   }
 
@@ -468,17 +476,18 @@ export class Orchestrator {
         await live.vm.stop();
         clock.lap("vmm");
         this.live.delete(id);
-        await this.release(rt);
-        clock.lap("release");
-        rmSync(join(this.opts.home, "sandboxes", id), { recursive: true, force: true });
-        // A paused sandbox's memory lives on disk, not in the host's page cache.
-        for (const f of ["mem", "vmstate"]) await dropCache(join(cp.dir, f));
-        clock.lap("drop-cache");
         const paused: SandboxRuntime = { ...rt, slot: null, toolsDevice: null, rootfsDevice: null, upperDir: null, vmPid: null, paused: cp, layers: cp.layers, checkpoints: [cp.dir, ...cp.layers.map((l) => join(l, ".."))] };
         this.store.transition(id, ["pausing"], "paused", { runtime: paused });
-        this.collectCheckpoints();
         clock.lap("record");
         this.timings.add("pause", id, clock);
+        // The answer does not wait for the rest: the slot's scrub, the device and the page cache.
+        this.afterReply(id, "pause", async () => {
+          await this.release(rt);
+          await rm(join(this.opts.home, "sandboxes", id), { recursive: true, force: true });
+          // A paused sandbox's memory lives on disk, not in the host's page cache.
+          for (const f of ["mem", "vmstate"]) await dropCache(join(cp.dir, f));
+          await this.collectCheckpoints();
+        });
       } catch (e) {
         // Still running if the VM is: back to running; otherwise the sandbox is lost and goes.
         if (live && live.vm.state !== "stopped") {
@@ -509,6 +518,7 @@ export class Orchestrator {
     if (now.state !== "paused") throw new OrchestratorError(409, `sandbox ${id} is ${now.state}`);
     if (!this.store.transition(id, ["paused"], "resuming")) return this.connect(id, timeoutS);
     const out = await this.track(id, "resume", async () => {
+      await this.cleanups.get(id);
       const rt = this.runtime(id);
       const cp = rt.paused;
       if (!cp) throw new OrchestratorError(500, `paused sandbox ${id} has no checkpoint`);
@@ -569,7 +579,7 @@ export class Orchestrator {
       }
     };
     await Promise.all(Array.from({ length: Math.min(count, this.opts.forkParallelism ?? 4) }, worker));
-    this.collectCheckpoints();
+    this.collectCheckpointsLater();
     return results;
   }
 
@@ -626,7 +636,7 @@ export class Orchestrator {
     try {
       this.templates.insert(t);
     } catch (e) {
-      this.collectCheckpoints();
+      this.collectCheckpointsLater();
       throw new OrchestratorError(409, (e as Error).message);
     }
     if (this.opts.snapshots) {
@@ -634,7 +644,7 @@ export class Orchestrator {
         await this.storeSnapshot(t, cp);
       } catch (e) {
         this.templates.delete(t.id);
-        this.collectCheckpoints();
+        this.collectCheckpointsLater();
         throw asOrchestratorError(e, `storing snapshot ${t.id}`);
       }
     }
@@ -666,7 +676,7 @@ export class Orchestrator {
       const got = await store.get(t.id);
       const meta = got.meta as unknown as StoredSnapshotMeta;
       const dir = join(this.opts.home, "checkpoints", `snapshot-${t.id}`);
-      rmSync(dir, { recursive: true, force: true });
+      await rm(dir, { recursive: true, force: true });
       mkdirSync(dir, { recursive: true });
       try {
         for (const [name, path] of Object.entries(got.paths)) await linkOrCopy(path, join(dir, name));
@@ -676,7 +686,7 @@ export class Orchestrator {
         this.templates.setCheckpoint(t.id, cp);
         return cp;
       } catch (e) {
-        rmSync(dir, { recursive: true, force: true });
+        await rm(dir, { recursive: true, force: true });
         throw e;
       }
     })().finally(() => this.preparing.delete(t.id));
@@ -716,7 +726,7 @@ export class Orchestrator {
     if (t.checkpoint && t.kind === "template") this.prepareDevices(t.checkpoint, t.diskSizeMB, 0);
     if (t.kind === "snapshot" && this.opts.snapshots) await this.opts.snapshots.delete(t.id);
     this.templates.delete(t.id);
-    this.collectCheckpoints();
+    this.collectCheckpointsLater();
     return true;
   }
 
@@ -740,7 +750,7 @@ export class Orchestrator {
       this.store.setRuntime(id, rt);
       return { dir, layers: rt.layers, envdToken };
     } catch (e) {
-      rmSync(dir, { recursive: true, force: true });
+      await rm(dir, { recursive: true, force: true });
       throw e;
     }
   }
@@ -759,12 +769,13 @@ export class Orchestrator {
   private async release(rt: SandboxRuntime): Promise<void> {
     await this.giveBackDevice(rt.rootfsDevice);
     if (rt.slot) await this.slots.release(rt.slot).catch(() => {});
-    if (rt.runDir) rmSync(rt.runDir, { recursive: true, force: true });
+    if (rt.runDir) await rm(rt.runDir, { recursive: true, force: true });
   }
 
   /** Gives back everything a sandbox holds, whatever state it is in; idempotent. */
   private async teardown(id: string, o: { keepPaused?: boolean } = {}): Promise<void> {
     for (const cb of this.goneListeners) cb(id);
+    await this.cleanups.get(id);
     const live = this.live.get(id);
     if (live) {
       await live.vm.stop().catch(() => {});
@@ -776,27 +787,93 @@ export class Orchestrator {
       // the one recorded in its run directory (pids are reused).
       if (!live && rt.runDir) await this.driver.adopt(rt.runDir).then((vm) => vm.stop()).catch(() => {});
       await this.release(rt);
-      if (rt.upperDir) rmSync(rt.upperDir, { recursive: true, force: true });
+      if (rt.upperDir) await rm(rt.upperDir, { recursive: true, force: true });
     }
-    if (!o.keepPaused) rmSync(join(this.opts.home, "sandboxes", id), { recursive: true, force: true });
+    if (!o.keepPaused) await rm(join(this.opts.home, "sandboxes", id), { recursive: true, force: true });
   }
 
-  /** Removes checkpoint directories no sandbox and no template refers to any more. */
-  collectCheckpoints(): string[] {
+  /**
+   * Removes checkpoint directories no sandbox and no template refers to any more. Runs one at a
+   * time: a call while one runs makes that one go round again, and both resolve when it ends.
+   */
+  collectCheckpoints(): Promise<string[]> {
+    if (this.collecting) {
+      this.collectAgain = true;
+      return this.collecting;
+    }
+    const run = async (): Promise<string[]> => {
+      const removed: string[] = [];
+      do {
+        this.collectAgain = false;
+        removed.push(...(await this.collectCheckpointsOnce()));
+      } while (this.collectAgain);
+      return removed;
+    };
+    this.collecting = run().finally(() => { this.collecting = undefined; });
+    return this.collecting;
+  }
+
+  private async collectCheckpointsOnce(): Promise<string[]> {
     const root = join(this.opts.home, "checkpoints");
+    const names = await readdir(root).catch(() => [] as string[]);
+    // What is in use is read after the listing: a checkpoint recorded meanwhile is kept.
     const used = new Set<string>();
     for (const r of this.store.all()) for (const c of (r.runtime as SandboxRuntime | null)?.checkpoints ?? []) used.add(c);
     for (const l of this.templates.layersInUse()) used.add(join(l, ".."));
     for (const t of [...this.templates.list("template"), ...this.templates.list("snapshot")]) if (t.checkpoint) used.add(t.checkpoint.dir);
     for (const p of this.preparing.keys()) used.add(join(root, `template-${p}`));
     const removed: string[] = [];
-    for (const name of existsSync(root) ? readdirSync(root) : []) {
+    for (const name of names) {
       const dir = join(root, name);
       if (used.has(dir) || this.inflightCheckpoint(dir)) continue;
-      rmSync(dir, { recursive: true, force: true });
+      await rm(dir, { recursive: true, force: true });
       removed.push(dir);
     }
     return removed;
+  }
+
+  /**
+   * Work an operation leaves for after its answer (giving back what it no longer needs); its
+   * failure is logged. `settledCleanups` waits for all of it (tests, shutdown).
+   */
+  private afterReply(id: string, op: string, work: () => Promise<void>): void {
+    const p = (this.cleanups.get(id) ?? Promise.resolve())
+      .then(work)
+      .catch((e) => console.error(`orchestrator: after ${op} of ${id}: ${(e as Error).message}`))
+      .finally(() => { if (this.cleanups.get(id) === p) this.cleanups.delete(id); });
+    this.cleanups.set(id, p);
+  }
+
+  /** Resolves once the work operations left for after their answers has ended. */
+  async settledCleanups(): Promise<void> {
+    while (this.cleanups.size) await Promise.all([...this.cleanups.values()]);
+  }
+
+  /** Starts a collection after an operation; its failure is logged, never the operation's. */
+  private collectCheckpointsLater(): void {
+    this.collectCheckpoints().catch((e) => console.error(`orchestrator: collecting checkpoints: ${(e as Error).message}`));
+  }
+
+  /**
+   * Work an operation leaves for after its answer (giving back what it no longer needs); its
+   * failure is logged. `settledCleanups` waits for all of it (tests, shutdown).
+   */
+  private afterReply(id: string, op: string, work: () => Promise<void>): void {
+    const p = (this.cleanups.get(id) ?? Promise.resolve())
+      .then(work)
+      .catch((e) => console.error(`orchestrator: after ${op} of ${id}: ${(e as Error).message}`))
+      .finally(() => { if (this.cleanups.get(id) === p) this.cleanups.delete(id); });
+    this.cleanups.set(id, p);
+  }
+
+  /** Resolves once the work operations left for after their answers has ended. */
+  async settledCleanups(): Promise<void> {
+    while (this.cleanups.size) await Promise.all([...this.cleanups.values()]);
+  }
+
+  /** Starts a collection after an operation; its failure is logged, never the operation's. */
+  private collectCheckpointsLater(): void {
+    this.collectCheckpoints().catch((e) => console.error(`orchestrator: collecting checkpoints: ${(e as Error).message}`));
   }
 
   /** A checkpoint being written right now belongs to a sandbox with an operation in flight. */
@@ -853,7 +930,7 @@ export class Orchestrator {
       this.store.delete(r.id);
       out.lost.push(r.id);
     }
-    this.collectCheckpoints();
+    this.collectCheckpointsLater();
     return out;
   }
 

@@ -121,7 +121,8 @@ describe.skipIf(!!skip)("races, disconnects and leaks on the node API", async ()
     expect(store.count()).toBe(0);
     expect(qemuPids(root)).toEqual([]);
     expect((await client.call<{ acquired?: boolean }[]>("list")).filter((d) => d.acquired)).toEqual([]);
-    orch.collectCheckpoints();
+    await orch.settledCleanups();
+    await orch.collectCheckpoints();
     expect(readdirSync(join(dir, "home", "checkpoints")).filter((c) => !c.startsWith("template-"))).toEqual([]);
     expect(readdirSync(join(dir, "home", "sandboxes"))).toEqual([]);
     expect(leasedSlots()).toBe(0);

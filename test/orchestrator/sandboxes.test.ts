@@ -120,7 +120,8 @@ describe.skipIf(!!skip)("node API + orchestrator with the e2b SDK (QEMU, blockd,
     const id = snap.snapshotId.replace(/:default$/, "");
     expect(await snapshotStore.exists(id)).toBe(true);
     templates.delete(id);
-    orch.collectCheckpoints();
+    await orch.settledCleanups();
+    await orch.collectCheckpoints();
     expect(await orch.importSnapshots()).toEqual([id]);
     expect(templates.resolve(id)?.checkpoint).toBeNull();
     const fromStore = await Sandbox.create(snap.snapshotId, opts());
@@ -211,7 +212,8 @@ describe.skipIf(!!skip)("node API + orchestrator with the e2b SDK (QEMU, blockd,
     expect(qemuPids(root)).toEqual([]);
     const devs = (await client.call<{ acquired: boolean }[]>("list"));
     expect(devs.filter((d) => d.acquired)).toEqual([]);
-    orch.collectCheckpoints();
+    await orch.settledCleanups();
+    await orch.collectCheckpoints();
     const cps = readdirSync(join(home, "checkpoints"));
     expect(cps.every((c) => c.startsWith("template-"))).toBe(true);
     expect(pool.stats().leased).toBe(0);
