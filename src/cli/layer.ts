@@ -2,7 +2,7 @@
 // Tests and users make fixtures with these verbs; every one works on plain files. Inputs must be
 // regular files; outputs go through withOutputs (never an input, never half-written).
 
-import { mkdirSync, renameSync, statSync, unlinkSync, writeSync } from "node:fs";
+import { fstatSync, mkdirSync, renameSync, statSync, unlinkSync, writeSync } from "node:fs";
 import { dirname, join } from "node:path";
 import { Image } from "../storage/image.ts";
 import { FieldError, FormatError, TruncatedError } from "../storage/errors.ts";
@@ -50,6 +50,15 @@ const FORCE: Option = { flag: "--force", help: "replace OUT if it exists (never 
 const UUID: Option = { flag: "--uuid", value: "U", help: "the layer's UUID (8-4-4-4-12 hex)" };
 const PARENT: Option = { flag: "--parent-uuid", value: "P", help: "the parent layer's UUID" };
 const ALGORITHM: Option = { flag: "--algorithm", value: "zstd|lz4", help: "ZFile block compression (default zstd)" };
+const BLOCK_SIZE: Option = {
+  flag: "--block-size",
+  value: "N",
+  help: "uncompressed ZFile block size: a power of two from 4K to 64K, the most C++ overlaybd reads (default 4K)",
+};
+const APPEND_ONLY: Option = {
+  flag: "--append-only",
+  help: "append every write, rewrites too, and keep discarded data, as C++ overlaybd's writer does (byte-identical files; not recorded on disk)",
+};
 
 const VERBS: Record<string, Verb> = {
   create: {
@@ -57,7 +66,8 @@ const VERBS: Record<string, Verb> = {
     summary: "fresh writable layer in DIR: writable_data + writable_index",
     options: [
       { flag: "--size", value: "BYTES", required: true, help: "virtual disk size: bytes, or with a K/M/G/T suffix; a multiple of 512" },
-      { flag: "--sparse", help: "sparse data file (the disk stored in place, no index file)" },
+      { flag: "--sparse", help: "sparse data file (the disk stored in place; writable_index stays empty)" },
+      { flag: "--append-only", help: "a log-structured layer, the kind C++ overlaybd calls append-only (the default kind; refuses --sparse)" },
       UUID,
       PARENT,
       { flag: "--force", help: "replace the layer already in DIR" },
@@ -67,8 +77,18 @@ const VERBS: Record<string, Verb> = {
   write: {
     operands: "DIR [FILE]",
     summary: "write FILE (or stdin) into the layer at byte N; the tail is zero-padded to 512",
-    options: [{ flag: "--offset", value: "N", required: true, help: "byte offset on the disk, a multiple of 512" }],
+    options: [{ flag: "--offset", value: "N", required: true, help: "byte offset on the disk, a multiple of 512" }, APPEND_ONLY],
     run: write,
+  },
+  discard: {
+    operands: "DIR",
+    summary: "discard a range of the layer's disk: it reads as zeros, over any lower layer",
+    options: [
+      { flag: "--offset", value: "N", required: true, help: "byte offset on the disk, a multiple of 512" },
+      { flag: "--length", value: "N", required: true, help: "bytes to discard, a multiple of 512; the range ends by the disk's end" },
+      { ...APPEND_ONLY, help: "only map the range as zeros, as C++ overlaybd does (default: also punch the whole 4 KiB blocks of data it drops)" },
+    ],
+    run: discard,
   },
   seal: {
     operands: "DIR OUT",
@@ -82,6 +102,7 @@ const VERBS: Record<string, Verb> = {
     options: [
       { flag: "--zfile", help: "compress the result as a ZFile (header overwritten, as overlaybd-commit -z)" },
       { ...ALGORITHM, help: "with --zfile: block compression (default zstd)" },
+      { ...BLOCK_SIZE, help: `with --zfile: ${BLOCK_SIZE.help}` },
       { flag: "--tar", help: "wrap the result in the overlaybd tar" },
       { flag: "-m", value: "MSG", help: "commit message (user tag, at most 256 bytes)" },
       { ...UUID, help: "UUID of the committed layer (default: the null UUID, as C++)" },
@@ -93,7 +114,7 @@ const VERBS: Record<string, Verb> = {
   zfile: {
     operands: "IN OUT",
     summary: "compress IN as a ZFile",
-    options: [ALGORITHM, { flag: "--block-size", value: "N", help: "uncompressed block size: a power of two from 4K to 64K (default 4K)" }, FORCE],
+    options: [ALGORITHM, BLOCK_SIZE, FORCE],
     run: zfile,
   },
   unzfile: { operands: "IN OUT", summary: "decompress the ZFile IN", options: [FORCE], run: unzfile },
@@ -172,11 +193,11 @@ export async function layerCommand(args: string[]): Promise<void> {
 // inputs
 
 /** The writable layer in `dir`: its files must be regular (a FIFO would block the open). */
-async function openUpper(dir: string): Promise<WritableLayer> {
+async function openUpper(dir: string, appendOnly = false): Promise<WritableLayer> {
   const [data, index] = upperFiles(dir);
   requireRegularFile(data);
   requireRegularFile(index);
-  return WritableLayer.open(data, index);
+  return WritableLayer.open(data, index, { appendOnly });
 }
 
 const upperFiles = (dir: string) => [join(dir, WRITABLE_DATA), join(dir, WRITABLE_INDEX)] as const;
@@ -233,6 +254,25 @@ function algorithmOf(v: string | undefined): "zstd" | "lz4" {
   throw new UsageError(`--algorithm must be zstd or lz4, not ${v}`);
 }
 
+/** ZFile block sizes C++ overlaybd reads: its reader refuses blocks over 64 KiB (MAX_READ_SIZE). */
+const MIN_BLOCK = 4096;
+const MAX_BLOCK = 65536;
+
+function blockSizeOf(v: string | undefined): number | undefined {
+  if (v === undefined) return undefined;
+  const n = parseSize(v, "--block-size");
+  if (n < MIN_BLOCK || n > MAX_BLOCK || (n & (n - 1)) !== 0)
+    throw new UsageError(`--block-size ${n} is not a power of two from ${MIN_BLOCK} (4K) to ${MAX_BLOCK} (64K)`);
+  return n;
+}
+
+/** A byte offset (or length) on the disk: whole 512-byte sectors. */
+function sectorArg(a: ParsedArgs, name: string, zeroOk: boolean): number {
+  const n = parseSize(a.value(name), `--${name}`, zeroOk);
+  if (n % SECTOR) throw new UsageError(`--${name} ${n} is not a multiple of 512`);
+  return n;
+}
+
 async function create(a: ParsedArgs): Promise<void> {
   const [dir] = a.need(1, "DIR");
   const opts = {
@@ -241,6 +281,7 @@ async function create(a: ParsedArgs): Promise<void> {
     parentUuid: uuidArg(a.value("parent-uuid")),
     sparse: a.flag("sparse"),
   };
+  if (opts.sparse && a.flag("append-only")) throw new UsageError("--append-only and --sparse exclude each other: a sparse layer writes in place");
   const make = async (data: string, index: string) => (await WritableLayer.create(data, index, opts)).close();
   const st = statSync(dir!, { throwIfNoEntry: false });
   if (!st) {
@@ -260,12 +301,11 @@ async function create(a: ParsedArgs): Promise<void> {
 
 async function write(a: ParsedArgs): Promise<void> {
   const [dir, file] = a.between(1, 2, "DIR [FILE]");
-  const offset = parseSize(a.value("offset"), "--offset", true);
-  if (offset % SECTOR) throw new UsageError(`--offset ${offset} is not a multiple of 512`);
+  const offset = sectorArg(a, "offset", true);
   // The layer's own file as input would read what the write appends, forever.
   if (file !== undefined && fileIdentity(file) !== undefined && upperFiles(dir!).some((p) => fileIdentity(p) === fileIdentity(file)))
     throw new UsageError(`input ${file} is one of the layer's own files`);
-  const layer = await openUpper(dir!);
+  const layer = await openUpper(dir!, a.flag("append-only"));
   try {
     const stream = file ? Bun.file(file).stream() : Bun.stdin.stream();
     const buf = new Uint8Array(4 << 20);
@@ -296,6 +336,21 @@ async function write(a: ParsedArgs): Promise<void> {
   }
 }
 
+async function discard(a: ParsedArgs): Promise<void> {
+  const [dir] = a.need(1, "DIR");
+  const offset = sectorArg(a, "offset", true);
+  const length = sectorArg(a, "length", false);
+  if (!isDir(dir!)) throw new UsageError(`${dir} is not a writable layer directory`);
+  const layer = await openUpper(dir!, a.flag("append-only"));
+  try {
+    if (offset + length > layer.virtualSize)
+      throw new UsageError(`--offset ${offset} + --length ${length} passes the disk's end at ${layer.virtualSize}`);
+    await layer.discard(offset, length);
+  } finally {
+    await layer.close();
+  }
+}
+
 async function seal(a: ParsedArgs): Promise<void> {
   const [dir, out] = a.need(2, "DIR OUT");
   const [data, index] = upperFiles(dir!);
@@ -311,8 +366,9 @@ async function seal(a: ParsedArgs): Promise<void> {
 async function commit(a: ParsedArgs): Promise<void> {
   const ops = a.atLeast(2, "IN... OUT");
   const out = ops.pop()!;
-  if (a.value("algorithm") !== undefined && !a.flag("zfile")) throw new UsageError("--algorithm needs --zfile");
+  for (const o of ["algorithm", "block-size"]) if (a.value(o) !== undefined && !a.flag("zfile")) throw new UsageError(`--${o} needs --zfile`);
   const algorithm = algorithmOf(a.value("algorithm"));
+  const blockSize = blockSizeOf(a.value("block-size"));
   const opts = { uuid: uuidArg(a.value("uuid")), parentUuid: uuidArg(a.value("parent-uuid")), message: a.value("m") };
   await withOutputs({ outs: [out], inputs: stackFiles(ops), force: a.flag("force") }, async ([tmp], scratch) => {
     const image = await openStack(ops);
@@ -326,10 +382,11 @@ async function commit(a: ParsedArgs): Promise<void> {
     if (a.flag("zfile")) {
       // overlaybd-commit -z semantics: verify on, header overwritten with the index information.
       const next = a.flag("tar") ? scratch() : tmp!;
-      await zfileFile(cur, next, { algorithm, headerOverwrite: true });
+      await zfileFile(cur, next, { algorithm, blockSize, headerOverwrite: true });
       cur = next;
     }
-    if (a.flag("tar")) await readWrite(cur, tmp!, (src, dst) => writeOverlaybdTar(src, dst, 0o644));
+    // overlaybd records the tar file's own st_mode (0100644 for its 0644 open under umask 022).
+    if (a.flag("tar")) await readWrite(cur, tmp!, (src, dst) => writeOverlaybdTar(src, dst, fstatSync(dst.fd).mode));
   });
 }
 
@@ -361,11 +418,7 @@ function zfileFile(inPath: string, outPath: string, opts: { algorithm: "zstd" | 
 
 async function zfile(a: ParsedArgs): Promise<void> {
   const [inPath, outPath] = a.need(2, "IN OUT");
-  const bs = a.value("block-size");
-  const blockSize = bs === undefined ? undefined : parseSize(bs, "--block-size");
-  if (blockSize !== undefined && (blockSize < 4096 || blockSize > 65536 || (blockSize & (blockSize - 1)) !== 0))
-    throw new UsageError(`--block-size ${blockSize} is not a power of two from 4096 to 65536`);
-  const opts = { algorithm: algorithmOf(a.value("algorithm")), blockSize };
+  const opts = { algorithm: algorithmOf(a.value("algorithm")), blockSize: blockSizeOf(a.value("block-size")) };
   await withOutputs({ outs: [outPath!], inputs: [inPath!], force: a.flag("force") }, ([tmp]) => zfileFile(inPath!, tmp!, opts));
 }
 

@@ -253,8 +253,9 @@ export class Image {
         if (!up.sparse) {
           await link(up.indexPath, prevIndex);
           indexSaved = true;
-          await rename(next.index, up.indexPath);
         }
+        // A sparse index file is empty before and after (nothing to save for an undo).
+        await rename(next.index, up.indexPath);
         await rename(next.data, up.dataPath); // the sealed data lives on at layerPath
         dataReplaced = true;
         fresh = await WritableLayer.open(up.dataPath, up.indexPath, { appendOnly: up.appendOnly });

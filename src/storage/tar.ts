@@ -185,13 +185,19 @@ function paxRecord(key: string, value: string): string {
   return `${len}${body}`;
 }
 
+/** S_IFMT and S_IFREG: the entry's mode is the tar file's own st_mode, type bits included. */
+const S_IFMT = 0o170000;
+const S_IFREG = 0o100000;
+
 /**
  * The first 1536 bytes of an overlaybd tar holding payloadSize bytes, as the C++ tools write them
- * with root's uid/gid/names and mtime 0; mode is the st_mode to record (e.g. 0o100644).
+ * with root's uid/gid/names and mtime 0; mode is the tar file's whole st_mode, as overlaybd records
+ * it (e.g. 0o100644: a regular file's type bits, then the permissions).
  */
 export function overlaybdTarHead(payloadSize: number, mode: number): Uint8Array {
   if (!Number.isSafeInteger(payloadSize) || payloadSize < 0) throw new RangeError(`bad payload size ${payloadSize}`);
   if (!Number.isInteger(mode) || mode < 0 || mode > 0o777777) throw new RangeError(`mode ${mode} does not fit the field`);
+  if ((mode & S_IFMT) !== S_IFREG) throw new RangeError(`mode 0o${mode.toString(8)} is not a regular file's st_mode (type bits 0o100000)`);
   const out = new Uint8Array(OVERLAYBD_TAR_PAYLOAD_OFFSET);
   const record = ascii(paxRecord("size", String(payloadSize)));
   const pax = out.subarray(0, TAR_BLOCK);

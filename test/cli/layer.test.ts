@@ -1,11 +1,13 @@
 // The aenv layer verbs, run as a user runs them: a real process, files on disk, exit codes.
 import { describe, expect, setDefaultTimeout, test } from "bun:test";
 import { join } from "node:path";
-import { existsSync, linkSync, mkdirSync, readdirSync, readFileSync, statSync, symlinkSync, writeFileSync } from "node:fs";
+import { closeSync, existsSync, linkSync, mkdirSync, openSync, readdirSync, readFileSync, statSync, symlinkSync, writeFileSync } from "node:fs";
 import { scratchDir, sha256 } from "../helpers/tmp.ts";
 import { Image } from "../../src/storage/image.ts";
 import { loadImageConfig, parseImageConfig } from "../../src/storage/image_config.ts";
 import { ConfigError } from "../../src/storage/errors.ts";
+import { isOverlaybdTar, overlaybdTarHead } from "../../src/storage/tar.ts";
+import { lseek, SEEK_DATA, SEEK_HOLE } from "../../ffi/libc.ts";
 
 const AENV = join(import.meta.dir, "../../src/cli/aenv.ts");
 const dir = scratchDir("cli");
@@ -102,13 +104,141 @@ describe("image config", () => {
   });
 });
 
-const VERBS = ["create", "write", "seal", "commit", "zfile", "unzfile", "cat", "inspect"];
+describe("aenv layer replays overlaybd's own operations", () => {
+  const d = join(dir, "replay");
+  mkdirSync(d, { recursive: true });
+  const fill = (n: number, v: number) => new Uint8Array(n).fill(v);
+  /** [first hole, the data after it] of a file, from byte `from`. */
+  const holeAt = (p: string, from: number) => {
+    const fd = openSync(p, "r");
+    try {
+      const h = lseek(fd, from, SEEK_HOLE);
+      return [h, lseek(fd, h, SEEK_DATA)];
+    } finally {
+      closeSync(fd);
+    }
+  };
+
+  test("commit --tar records the tar file's whole st_mode (100644), as overlaybd's tar writer does", () => {
+    ok(["layer", "create", "--size", "1M", join(d, "t")]);
+    ok(["layer", "write", join(d, "t"), "--offset", "0"], fill(4096, 9));
+    const old = process.umask(0o022); // the mode overlaybd-commit's 0644 open gets on a usual host
+    try {
+      for (const zfile of [[], ["--zfile"]]) {
+        const out = join(d, `t${zfile.length}.tar`);
+        ok(["layer", "commit", ...zfile, "--tar", join(d, "t"), out]);
+        const b = new Uint8Array(readFileSync(out));
+        expect(statSync(out).mode).toBe(0o100644);
+        expect(new TextDecoder().decode(b.subarray(1024 + 100, 1024 + 108))).toBe("100644 \0");
+        expect(isOverlaybdTar(b.subarray(1024, 1536))).toBe(true);
+        const payload = Number(/size=(\d+)\n/.exec(new TextDecoder().decode(b.subarray(512, 1024)))![1]);
+        expect(Buffer.from(b.subarray(0, 1536)).toString("hex")).toBe(Buffer.from(overlaybdTarHead(payload, 0o100644)).toString("hex"));
+      }
+    } finally {
+      process.umask(old);
+    }
+  });
+
+  test("scenario A (§11.2) from the shell: create/write --append-only and discard give C++'s bytes", () => {
+    const l = join(d, "a");
+    ok(["layer", "create", "--append-only", "--size", "1G", "--uuid", "5D8A6F1E-2B3C-4D4E-8F90-A1B2C3D4E5F6", l]);
+    ok(["layer", "write", "--append-only", l, "--offset", "0"], fill(4096, 0xaa));
+    ok(["layer", "write", "--append-only", l, "--offset", "8192"], fill(1024, 0xbb));
+    ok(["layer", "discard", l, "--offset", "16384", "--length", "2048"]);
+    ok(["layer", "write", "--append-only", l, "--offset", "512"], fill(512, 0xcc));
+    expect(sha256(readFileSync(join(l, "writable_data")))).toBe("9c0cd02f51fa571474133183ec21e7df345a32a359b7b5108b305e1245b8d00f");
+    expect(sha256(readFileSync(join(l, "writable_index")))).toBe("7be2a4d1fde49b06b954fbb0e0ec16559c729963acd5fddfd74dcfa71f065782");
+    // Without --append-only the rewrite of sector 1 goes in place: no new data, no new entry.
+    const b = join(d, "b");
+    ok(["layer", "create", "--size", "1G", b]);
+    ok(["layer", "write", b, "--offset", "0"], fill(4096, 0xaa));
+    ok(["layer", "write", b, "--offset", "512"], fill(512, 0xcc));
+    expect(statSync(join(b, "writable_data")).size).toBe(4096 + 4096);
+    expect(statSync(join(b, "writable_index")).size).toBe(4096 + 16);
+  });
+
+  test("discard: zeros over the lowers, whole dropped blocks punched out of the data file", () => {
+    ok(["layer", "create", "--size", "1M", join(d, "low")]);
+    ok(["layer", "write", join(d, "low"), "--offset", "0"], fill(1 << 20, 0x11));
+    ok(["layer", "seal", join(d, "low"), join(d, "low.sealed")]);
+    const up = join(d, "up");
+    ok(["layer", "create", "--size", "1M", up]);
+    ok(["layer", "write", up, "--offset", "0"], fill(65536, 0xaa)); // data file bytes 4096..69632
+    ok(["layer", "discard", up, "--offset", "4096", "--length", "8192"]);
+    expect(holeAt(join(up, "writable_data"), 4096)).toEqual([8192, 16384]);
+    const want = fill(1 << 20, 0x11).fill(0xaa, 0, 65536).fill(0, 4096, 12288);
+    expect(sha256(ok(["layer", "cat", "--upper", up, join(d, "low.sealed")]).out)).toBe(sha256(want));
+    // --append-only: the zero entry only, the data stays where it was (C++'s discard).
+    ok(["layer", "discard", "--append-only", up, "--offset", "16384", "--length", "8192"]);
+    expect(holeAt(join(up, "writable_data"), 16384)[0]).toBe(69632);
+    want.fill(0, 16384, 24576);
+    expect(sha256(ok(["layer", "cat", "--upper", up, join(d, "low.sealed")]).out)).toBe(sha256(want));
+  });
+
+  test("a sparse layer from the shell: writable_index made empty as overlaybd-create -s does; write, discard, seal", () => {
+    const sp = join(d, "sp");
+    ok(["layer", "create", "--sparse", "--size", "1M", sp]);
+    expect(readdirSync(sp).sort()).toEqual(["writable_data", "writable_index"]);
+    expect(statSync(join(sp, "writable_index")).size).toBe(0);
+    ok(["layer", "write", sp, "--offset", "0"], fill(65536, 0x77));
+    ok(["layer", "discard", sp, "--offset", "8192", "--length", "4096"]);
+    expect(holeAt(join(sp, "writable_data"), 4096)).toEqual([4096 + 8192, 4096 + 12288]);
+    const want = new Uint8Array(1 << 20).fill(0x77, 0, 65536).fill(0, 8192, 12288);
+    expect(sha256(ok(["layer", "cat", "--upper", sp]).out)).toBe(sha256(want));
+    ok(["layer", "seal", sp, join(d, "sp.sealed")]);
+    expect(sha256(ok(["layer", "cat", join(d, "sp.sealed")]).out)).toBe(sha256(want));
+  });
+
+  test("commit and zfile take --block-size and --algorithm, written into the ZFile header", () => {
+    for (const [algo, bs, code] of [["lz4", "8K", 1], ["zstd", "64K", 2]] as const) {
+      const out = join(d, `c-${algo}.zfile`);
+      ok(["layer", "commit", "--zfile", "--algorithm", algo, "--block-size", bs, join(d, "low.sealed"), out]);
+      const h = new DataView(readFileSync(out).buffer);
+      expect([h.getUint32(72, true), h.getUint8(76)]).toEqual([bs === "8K" ? 8192 : 65536, code]);
+      expect(sha256(ok(["layer", "cat", out]).out)).toBe(sha256(fill(1 << 20, 0x11)));
+      const z = join(d, `z-${algo}.zfile`);
+      ok(["layer", "zfile", "--algorithm", algo, "--block-size", bs, join(d, "low.sealed"), z]);
+      expect(new DataView(readFileSync(z).buffer).getUint32(72, true)).toBe(bs === "8K" ? 8192 : 65536);
+    }
+  });
+
+  test("each new option is checked at the boundary, naming the bound", () => {
+    const up = join(d, "up");
+    const low = join(d, "low.sealed");
+    for (const [args, msg] of [
+      [["commit", "--zfile", "--block-size", "128K", low, join(d, "x")], "--block-size 131072 is not a power of two from 4096 (4K) to 65536 (64K)"],
+      [["commit", "--zfile", "--block-size", "2K", low, join(d, "x")], "from 4096 (4K) to 65536 (64K)"],
+      [["zfile", "--block-size", "1M", low, join(d, "x")], "from 4096 (4K) to 65536 (64K)"],
+      [["zfile", "--block-size", "12K", low, join(d, "x")], "is not a power of two"],
+      [["commit", "--block-size", "8K", low, join(d, "x")], "--block-size needs --zfile"],
+      [["commit", "--zfile", "--algorithm", "gzip", low, join(d, "x")], "--algorithm must be zstd or lz4, not gzip"],
+      [["zfile", "--algorithm", "zlib", low, join(d, "x")], "--algorithm must be zstd or lz4, not zlib"],
+      [["create", "--append-only", "--sparse", "--size", "1M", join(d, "x")], "--append-only and --sparse"],
+      [["discard", up, "--length", "512"], "--offset is required"],
+      [["discard", up, "--offset", "0"], "--length is required"],
+      [["discard", up, "--offset", "100", "--length", "512"], "--offset 100 is not a multiple of 512"],
+      [["discard", up, "--offset", "0", "--length", "1000"], "--length 1000 is not a multiple of 512"],
+      [["discard", up, "--offset", "0", "--length", "0"], "--length 0 is out of range"],
+      [["discard", up, "--offset", "1M", "--length", "512"], "--offset 1048576 + --length 512 passes the disk's end at 1048576"],
+      [["discard", up, "--offset", "4096", "--length", "1M"], "passes the disk's end at 1048576"],
+      [["discard", join(d, "x"), "--offset", "0", "--length", "512"], "is not a writable layer directory"],
+    ] as const) {
+      const r = aenv(["layer", ...args]);
+      expect({ args, code: r.code, out: r.text }).toEqual({ args, code: 2, out: "" });
+      expect({ args, err: r.err.includes(msg) }).toEqual({ args, err: true });
+    }
+    expect(existsSync(join(d, "x"))).toBe(false);
+  });
+});
+
+const VERBS = ["create", "write", "discard", "seal", "commit", "zfile", "unzfile", "cat", "inspect"];
 // Every option each verb accepts: its help must list all of them.
 const OPTIONS: Record<string, string[]> = {
-  create: ["--size", "--sparse", "--uuid", "--parent-uuid", "--force"],
-  write: ["--offset"],
+  create: ["--size", "--sparse", "--append-only", "--uuid", "--parent-uuid", "--force"],
+  write: ["--offset", "--append-only"],
+  discard: ["--offset", "--length", "--append-only"],
   seal: ["--force"],
-  commit: ["--zfile", "--tar", "--algorithm", "-m", "--uuid", "--parent-uuid", "--force"],
+  commit: ["--zfile", "--tar", "--algorithm", "--block-size", "-m", "--uuid", "--parent-uuid", "--force"],
   zfile: ["--algorithm", "--block-size", "--force"],
   unzfile: ["--force"],
   cat: ["--upper"],
@@ -156,7 +286,7 @@ describe("aenv help and usage", () => {
     expect(bad.err).toContain("--block-size");
     const bs = aenv(["layer", "zfile", "--block-size", "3000", "a", "b"]);
     expect(bs.code).toBe(2);
-    expect(bs.err).toContain("--block-size 3000 is not a power of two from 4096 to 65536");
+    expect(bs.err).toContain("--block-size 3000 is not a power of two from 4096 (4K) to 65536 (64K)");
     expect(aenv(["layer", "commit", "--algorithm", "lz4", "a", "b"]).err).toContain("--algorithm needs --zfile");
   });
 });

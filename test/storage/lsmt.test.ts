@@ -1,6 +1,6 @@
 // Scenario A of overlaybd-format.md §11.2, byte for byte, plus the read-only open rules (§4.5).
 import { describe, expect, test } from "bun:test";
-import { readFileSync, writeFileSync, copyFileSync } from "node:fs";
+import { readFileSync, writeFileSync, copyFileSync, statSync, openSync, closeSync, existsSync, unlinkSync } from "node:fs";
 import { join } from "node:path";
 import { WritableLayer } from "../../src/storage/lsmt/writable_layer.ts";
 import { ReadOnlyLayer } from "../../src/storage/lsmt/readonly_layer.ts";
@@ -10,6 +10,7 @@ import { openLayerFile } from "../../src/storage/open_layer.ts";
 import { writeZFile } from "../../src/storage/zfile.ts";
 import { FormatError, TruncatedError, IoRangeError } from "../../src/storage/errors.ts";
 import { scratchDir, sha256 } from "../helpers/tmp.ts";
+import { lseek, SEEK_DATA, SEEK_HOLE } from "../../ffi/libc.ts";
 
 const dir = scratchDir("lsmt");
 const fill = (n: number, v: number) => new Uint8Array(n).fill(v);
@@ -219,6 +220,91 @@ describe("writable layer rules", () => {
     }
   });
 
+  test("discard: zeros over the lower, the index gets C++'s zero entry, whole dropped data blocks become holes", async () => {
+    const data = join(dir, "dc.data");
+    const index = join(dir, "dc.index");
+    const lower = await WritableLayer.create(join(dir, "dcl.data"), join(dir, "dcl.index"), { virtualSize: 1 << 20 });
+    await lower.write(fill(1 << 20, 0x11), 0);
+    await lower.seal();
+    await lower.close();
+    const l = await WritableLayer.create(data, index, { virtualSize: 1 << 20 });
+    await l.write(fill(65536, 0xaa), 0); // data file bytes 4096..69632
+    await l.write(fill(8192, 0xbb), 65536); // 69632..77824
+    const end = l.dataSize;
+    // Sectors 1..40 (bytes 512..20992): only the whole 4 KiB blocks inside them, 8192..24576 of the file, are freed.
+    await l.discard(512, 20480);
+    expect(l.dataSize).toBe(end); // nothing appended
+    await l.close();
+    const ib = readFileSync(index);
+    expect(ib.length).toBe(4096 + 3 * 16);
+    // {offset 1, length 40, moffset = the data file's end in sectors, zeroed}, as C++'s discard appends it.
+    const z = new DataView(ib.buffer, ib.byteOffset + 4096 + 32, 16);
+    expect([z.getUint32(0, true), z.getUint16(6, true) >> 2, z.getUint32(8, true), z.getUint8(14)]).toEqual([1, 40, end / 512, 0x80]);
+    const fd = openSync(data, "r");
+    try {
+      expect(lseek(fd, 4096, SEEK_HOLE)).toBe(8192);
+      expect(lseek(fd, 8192, SEEK_DATA)).toBe(24576);
+    } finally {
+      closeSync(fd);
+    }
+    const re = await WritableLayer.open(data, index);
+    const image = Image.fromLayers([await openLayerFile(join(dir, "dcl.data"))], re);
+    const got = new Uint8Array(1 << 20);
+    await image.read(got, 0);
+    const want = fill(1 << 20, 0x11).fill(0xaa, 0, 65536).fill(0, 512, 20992).fill(0xbb, 65536, 73728);
+    expect(sha256(got)).toBe(sha256(want));
+    await image.close();
+  });
+
+  test("a discard racing rewrites of the sectors beside it: both land, no neighbour is punched", async () => {
+    const data = join(dir, "dcr.data");
+    const index = join(dir, "dcr.index");
+    const l = await WritableLayer.create(data, index, { virtualSize: 1 << 20 });
+    await l.write(fill(65536, 0xaa), 0); // one run at data bytes 4096..69632
+    // Sectors 0..59 go; 60..63 (same 4 KiB data block as 56..59) and 64..71 are rewritten in place at the same time.
+    await Promise.all([l.discard(0, 30720), l.write(fill(2048, 0xbb), 30720), l.write(fill(4096, 0xcc), 32768)]);
+    await l.close();
+    const re = await WritableLayer.open(data, index);
+    const image = Image.fromLayers([], re);
+    const got = new Uint8Array(65536);
+    await image.read(got, 0);
+    await image.close();
+    const want = fill(65536, 0xaa).fill(0, 0, 30720).fill(0xbb, 30720, 32768).fill(0xcc, 32768, 36864);
+    expect(sha256(got)).toBe(sha256(want));
+  });
+
+  test("a discard over hundreds of scattered runs frees every one of them", async () => {
+    const data = join(dir, "dcf.data");
+    const index = join(dir, "dcf.index");
+    const l = await WritableLayer.create(data, index, { virtualSize: 1 << 20 });
+    // 4 KiB blocks written last to first: neighbours on the disk are never neighbours in the file.
+    for (let i = 199; i >= 0; i--) await l.write(fill(4096, i + 1), i * 4096);
+    await l.discard(0, 200 * 4096);
+    await l.close();
+    const fd = openSync(data, "r");
+    try {
+      expect(lseek(fd, 4096, SEEK_DATA)).toBe(-1); // nothing but holes after the header
+    } finally {
+      closeSync(fd);
+    }
+    const image = Image.fromLayers([], await WritableLayer.open(data, index));
+    const got = new Uint8Array(200 * 4096).fill(1);
+    await image.read(got, 0);
+    await image.close();
+    expect(got.every((b) => b === 0)).toBe(true);
+  });
+
+  test("discard in append-only mode leaves the data file as C++ does (no holes)", async () => {
+    const data = join(dir, "dca.data");
+    const index = join(dir, "dca.index");
+    const l = await WritableLayer.create(data, index, { virtualSize: 1 << 20, appendOnly: true });
+    await l.write(fill(65536, 0xaa), 0);
+    const before = sha256(readFileSync(data));
+    await l.discard(0, 65536);
+    await l.close();
+    expect(sha256(readFileSync(data))).toBe(before);
+  });
+
   test("a sealed file cannot be reopened writable", async () => {
     const { l, data, index } = await scenarioA("sealrw");
     await l.seal();
@@ -235,6 +321,62 @@ describe("writable layer rules", () => {
 });
 
 describe("sparse writable layer (§4.2)", () => {
+  test("create makes writable_index as overlaybd-create -s does: an empty 0644 file beside the data", async () => {
+    const data = join(dir, "spc.data");
+    const index = join(dir, "spc.index");
+    writeFileSync(index, "stale"); // create replaces what was there
+    const l = await WritableLayer.create(data, index, { virtualSize: 1 << 20, sparse: true, uuid: "5D8A6F1E-2B3C-4D4E-8F90-A1B2C3D4E5F6" });
+    await l.close();
+    // C++ opens both files O_CREAT|O_EXCL with mode 0644 and writes a header only into the data file.
+    const st = statSync(index);
+    expect(st.isFile()).toBe(true);
+    expect(st.size).toBe(0);
+    expect(st.mode & 0o777).toBe(0o644 & ~process.umask());
+    const d = readFileSync(data);
+    expect(d.length).toBe(4096 + (1 << 20));
+    // Bytes 24..55: size 390, flags 0x13 (header, data, sparse), index_offset 0, index_size 0, virtual_size 1 MiB.
+    expect(Buffer.from(d.subarray(24, 56)).toString("hex")).toBe("86010000" + "13000000" + "00".repeat(16) + "0000100000000000");
+    expect(d.subarray(56, 93).toString()).toBe("5D8A6F1E-2B3C-4D4E-8F90-A1B2C3D4E5F6\0");
+    expect(d.subarray(93, 130).toString()).toBe("00000000-0000-0000-0000-000000000000\0");
+    expect([d[132], d[133]]).toEqual([1, 1]);
+    expect(d.subarray(134).every((b) => b === 0)).toBe(true);
+  });
+
+  test("a sparse upper created, written, closed and reopened keeps its data; its empty index is accepted", async () => {
+    const data = join(dir, "spr.data");
+    const index = join(dir, "spr.index");
+    const l = await WritableLayer.create(data, index, { virtualSize: 1 << 20, sparse: true });
+    await l.write(fill(4096, 0x5a), 12288);
+    await l.write(fill(512, 0xa5), 1 << 19);
+    await l.close();
+    const want = new Uint8Array(1 << 20).fill(0x5a, 12288, 16384).fill(0xa5, 1 << 19, (1 << 19) + 512);
+    for (let round = 0; round < 2; round++) {
+      const re = await WritableLayer.open(data, index);
+      expect(re.sparse).toBe(true);
+      const image = Image.fromLayers([], re);
+      const got = new Uint8Array(1 << 20);
+      await image.read(got, 0);
+      expect(sha256(got)).toBe(sha256(want));
+      await image.close();
+      expect(statSync(index).size).toBe(0); // never written, as in C++
+    }
+    // Restack keeps the pair C++ opens: a fresh sparse upper with its empty index, nothing left beside it.
+    const image = Image.fromLayers([], await WritableLayer.open(data, index));
+    await image.restack(join(dir, "spr.sealed"));
+    expect(image.upper!.sparse).toBe(true);
+    expect(statSync(index).size).toBe(0);
+    expect(existsSync(`${index}.next`) || existsSync(`${data}.next`)).toBe(false);
+    const got = new Uint8Array(1 << 20);
+    await image.read(got, 0);
+    expect(sha256(got)).toBe(sha256(want));
+    await image.close();
+    // A sparse layer made before its index file existed still opens (C++ would not; we never read it).
+    unlinkSync(index);
+    const old = await WritableLayer.open(data, index);
+    await old.close();
+    expect(existsSync(index)).toBe(false);
+  });
+
   test("writes in place, index from allocated ranges, discard falls through after reopen, seal", async () => {
     const data = join(dir, "sp.data");
     const index = join(dir, "sp.index");

@@ -66,6 +66,12 @@ describe("overlaybd tar layout (§8)", () => {
     expect(text(e.subarray(148, 156))).toMatch(/^[ 0-7]{6} \0$/);
   });
 
+  test("the mode is a regular file's whole st_mode: a bare permission mode is refused", () => {
+    expect(() => overlaybdTarHead(10, 0o644)).toThrow(/not a regular file's st_mode/);
+    expect(() => overlaybdTarHead(10, 0o040755)).toThrow(/not a regular file's st_mode/);
+    expect(text(overlaybdTarHead(10, 0o100600).subarray(1124, 1132))).toBe("100600 \0");
+  });
+
   test("the PAX record length counts its own digits", () => {
     for (const n of [0, 5, 9, 10, 99, 100, 999999, 1e9, 2 ** 40]) {
       const head = overlaybdTarHead(n, 0o100644);

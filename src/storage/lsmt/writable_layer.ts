@@ -41,6 +41,11 @@ export const WRITABLE_INDEX = "writable_index";
 /** Appends this large go to the data file with O_DIRECT; smaller ones through the page cache. */
 const DIRECT_MIN = 64 << 10;
 
+/** Discarded data is punched out of the data file in whole blocks of this size (ext4's block). */
+const HOLE_BLOCK = 4096;
+/** A discard over a fragmented range punches its runs this many at a time. */
+const MAX_PUNCHES_IN_FLIGHT = 64;
+
 /** Rewrites spread over more runs than this are appended instead (one pwrite per run). */
 const MAX_IN_PLACE_PIECES = 8;
 
@@ -123,6 +128,9 @@ export class WritableLayer {
     if (opts.sparse) {
       await data.truncate(HT_SPACE + opts.virtualSize);
       await data.fdatasync();
+      // overlaybd-create -s creates the index file too (C++ opens upper.index without O_CREAT) but
+      // writes nothing into it: the index of a sparse layer is the data file's allocated ranges.
+      await (await LocalFile.open(indexPath, { write: true, create: true })).close();
       return new WritableLayer(dataPath, indexPath, data, undefined, header, HT_SPACE + opts.virtualSize, 0, true);
     }
     const indexFile = await LocalFile.open(indexPath, { write: true, create: true });
@@ -311,7 +319,12 @@ export class WritableLayer {
     }
   }
 
-  /** Make [offset, offset+length) read as zeros, masking lower layers (discard and write-zeroes). */
+  /**
+   * Make [offset, offset+length) read as zeros, masking lower layers (discard and write-zeroes):
+   * zero entries of at most 16383 sectors whose moffset is the data file's end, as C++ appends
+   * them. The data the range held is then garbage: unless appendOnly (C++ keeps it), the whole
+   * 4 KiB blocks of it are punched out of the data file once the entries are in the index file.
+   */
   async discard(offset: number, length: number): Promise<void> {
     this.checkRange(offset, length);
     this.begin();
@@ -319,17 +332,50 @@ export class WritableLayer {
       // Sparse layers punch a hole and keep the zero entry in memory only (C++ does the same, so
       // after a reopen the range falls through to the lower layers again).
       if (this.sparse) await this.data.punchHole(HT_SPACE + offset, length);
+      const start = offset / SECTOR;
+      const end = start + length / SECTOR;
+      const dropped = this.sparse || this.appendOnly ? [] : this.ownRuns(start, end);
       const jobs: Promise<void>[] = [];
-      for (let s = offset / SECTOR, left = length / SECTOR; left > 0; ) {
-        const k = Math.min(left, MAX_SEGMENT_SECTORS);
+      for (let s = start; s < end; ) {
+        const k = Math.min(end - s, MAX_SEGMENT_SECTORS);
         jobs.push(this.map(seg(s, k, this.sparse ? s + HT_SPACE / SECTOR : this.dataEnd / SECTOR, true)));
         s += k;
-        left -= k;
       }
       await Promise.all(jobs);
+      // No mapping names these sectors any more and none ever will (appends take fresh space), so
+      // a write racing this discard can at worst land in a hole nobody reads.
+      for (let i = 0; i < dropped.length; i += MAX_PUNCHES_IN_FLIGHT) {
+        const holes: Promise<void>[] = [];
+        for (const [m, n] of dropped.slice(i, i + MAX_PUNCHES_IN_FLIGHT)) {
+          const from = Math.ceil((m * SECTOR) / HOLE_BLOCK) * HOLE_BLOCK;
+          const to = Math.floor(((m + n) * SECTOR) / HOLE_BLOCK) * HOLE_BLOCK;
+          if (to > from) holes.push(this.data.punchHole(from, to - from));
+        }
+        await Promise.all(holes);
+      }
     } finally {
       this.end();
     }
+  }
+
+  /** The data-file runs (sector, sectors) that this layer maps sectors [start, end) to, in order. */
+  private ownRuns(start: number, end: number): [number, number][] {
+    const runs: [number, number][] = [];
+    this.index.visit(
+      start,
+      end,
+      {
+        piece: (s, from, to) => {
+          if (s.zeroed) return;
+          const m = s.moffset + (from - s.offset);
+          const last = runs.at(-1);
+          if (last && last[0] + last[1] === m) last[1] += to - from;
+          else runs.push([m, to - from]);
+        },
+      },
+      true,
+    );
+    return runs;
   }
 
   /**
