@@ -46,11 +46,12 @@ export async function busyboxTemplate(templates: TemplateStore): Promise<void> {
 }
 
 /** Store, templates, slots (keeping those that sandboxes use) and an orchestrator over `blockd`. */
-export async function nodeParts(d: NodeDirs, blockd: BlockdClient, o: { slotPool?: number; maxSandboxes?: number } = {}) {
+/** `snapshots`: where snapshots go (openSnapshotStore's location and env); default a directory in d.dir. */
+export async function nodeParts(d: NodeDirs, blockd: BlockdClient, o: { slotPool?: number; maxSandboxes?: number; snapshots?: { location: string; env: Record<string, string> } } = {}) {
   const fx = await guestFixture();
   const toolsLayer = await sealedLayer(await envdToolsDisk());
   const store = new SandboxStore(join(d.dir, "node.db"));
-  const snapshotStore = openSnapshotStore(join(d.dir, "snapshots"), { home: join(d.dir, "home") });
+  const snapshotStore = openSnapshotStore(o.snapshots?.location ?? join(d.dir, "snapshots"), { home: join(d.dir, "home"), env: o.snapshots?.env });
   const templates = new TemplateStore(store.db);
   await busyboxTemplate(templates);
   const pool = new SlotPool({ size: o.slotPool ?? 1, prefix: d.slotPrefix, hostCidr: d.slotCidr, hostTable: `${d.slotPrefix.replaceAll("-", "_")}host` });

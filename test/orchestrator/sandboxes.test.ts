@@ -1,9 +1,9 @@
 // The orchestrator and the E2B API end to end, in this process: blockd, network slots and QEMU
 // (TCG here) for real, a busybox template with our envd, and the stock e2b SDK as the client
 // through the node's API and proxy. create → commands/files → pause → connect → fork → snapshot →
-// create from the snapshot → list/filter → setTimeout expiry → kill → 404; bad input; no leaks.
+// create from the snapshot (kept in S3: s3rver on loopback) → list/filter → setTimeout expiry → kill → 404; bad input; no leaks.
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
-import { readdirSync } from "node:fs";
+import { mkdirSync, readdirSync } from "node:fs";
 import { join } from "node:path";
 import { Sandbox, SandboxNotFoundError } from "e2b";
 import type { SlotPool } from "../../src/network/index.ts";
@@ -12,6 +12,7 @@ import type { SandboxStore } from "../../src/orchestrator/store.ts";
 import type { TemplateStore } from "../../src/orchestrator/templates.ts";
 import type { SnapshotStore } from "../../src/snapshot/index.ts";
 import { startBlockd } from "../blockdev/harness.ts";
+import { startS3Server, type TestS3 } from "../snapshot/s3_server.ts";
 import { nodeParts, sandboxSkipReason, serveParts } from "./harness.ts";
 import { qemuPids, rmrf, runRoot } from "../vmm/harness.ts";
 
@@ -30,11 +31,16 @@ describe.skipIf(!!skip)("node API + orchestrator with the e2b SDK (QEMU, blockd,
   let snapshotStore: SnapshotStore;
   let pool: SlotPool;
   let stopServer = () => {};
+  let s3: TestS3 | undefined;
   let base = "";
   const opts = () => ({ apiKey: KEY, apiUrl: base, sandboxUrl: base, requestTimeoutMs: 120_000 });
 
   beforeAll(async () => {
-    const parts = await nodeParts({ dir, runRoot: root, slotPrefix: `aor${tag}-`, slotCidr: `10.215.${process.pid % 250}.0/24` }, client);
+    // Snapshots go to S3 (s3rver on loopback): the store a cluster of nodes shares.
+    mkdirSync(join(dir, "s3"), { recursive: true });
+    s3 = await startS3Server(join(dir, "s3"));
+    const snapshots = { location: "s3://snapshots/node", env: { AWS_ACCESS_KEY_ID: "S3RVER", AWS_SECRET_ACCESS_KEY: "S3RVER", AENV_S3_ENDPOINT: s3.endpoint } };
+    const parts = await nodeParts({ dir, runRoot: root, slotPrefix: `aor${tag}-`, slotCidr: `10.215.${process.pid % 250}.0/24` }, client, { snapshots });
     ({ orch, store, pool, templates, snapshotStore } = parts);
     const served = serveParts(orch, KEY);
     base = served.base;
@@ -47,6 +53,7 @@ describe.skipIf(!!skip)("node API + orchestrator with the e2b SDK (QEMU, blockd,
     orch?.close();
     stopServer();
     await pool?.destroy().catch(() => {});
+    await s3?.stop();
     rmrf(root);
   });
 
@@ -118,6 +125,7 @@ describe.skipIf(!!skip)("node API + orchestrator with the e2b SDK (QEMU, blockd,
     // that lost its state, or another node on a shared store), it is imported from the store and
     // a create fetches its files.
     const id = snap.snapshotId.replace(/:default$/, "");
+    expect(snapshotStore.kind).toBe("s3");
     expect(await snapshotStore.exists(id)).toBe(true);
     templates.delete(id);
     await orch.settledCleanups();
