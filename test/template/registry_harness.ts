@@ -1,0 +1,413 @@
+// A real OCI registry for tests: Debian's `docker-registry` (distribution 2.8) on 127.0.0.1 with
+// a free port and its own storage folder, optionally behind htpasswd Basic auth or Bearer tokens
+// from a token server started here; and builders that make small images (busybox from Debian's
+// busybox-static, a second layer on top, whiteouts and an opaque directory, an index of two
+// platforms) and push them with our RegistryClient.
+//
+//   const reg = await startRegistry({ dir: scratchDir("reg") });        // stopped by reg.stop()
+//   const client = new RegistryClient({ dockerConfigPath: null });
+//   const img = await pushBusyboxImage(client, `${reg.host}/busybox:1`, { workDir });
+//   const r = await client.resolve(img.ref);                              // r.config.Env has FOO=bar
+//
+// Layers are tars made with GNU tar (`--format=posix --owner=0 --group=0 --numeric-owner
+// --mtime=@0 --sort=name`), gzip-compressed with node:zlib or zstd-compressed with Bun.zstdCompress.
+import { afterAll, beforeAll } from "bun:test";
+import { createSign, randomBytes } from "node:crypto";
+import { existsSync } from "node:fs";
+import { chmod, copyFile, mkdir, readFile, rm, symlink, writeFile } from "node:fs/promises";
+import { join } from "node:path";
+import { promisify } from "node:util";
+import { gzip as gzipCb } from "node:zlib";
+import type { Descriptor, Platform, RegistryClient } from "../../src/template/registry.ts";
+import { MEDIA } from "../../src/template/registry.ts";
+import { scratchDir } from "../helpers/tmp.ts";
+
+const gzip = promisify(gzipCb);
+
+export const REGISTRY_BIN = "/usr/bin/docker-registry";
+export const BUSYBOX_BIN = "/bin/busybox";
+
+/** Why registry tests cannot run here, or undefined when they can. */
+export function registrySkipReason(): string | undefined {
+  if (!existsSync(REGISTRY_BIN)) return "docker-registry is not installed (apt-get install docker-registry; .ci/deps does it)";
+  if (!existsSync(BUSYBOX_BIN)) return "busybox-static is not installed (/bin/busybox; .ci/deps installs it)";
+  if (!Bun.which("tar")) return "GNU tar is not on PATH";
+  return undefined;
+}
+
+export interface BasicAuthUser {
+  username: string;
+  password: string;
+}
+
+export interface TokenAuthConfig {
+  realm: string;
+  service: string;
+  issuer: string;
+  rootCertBundle: string;
+}
+
+export interface StartRegistryOptions {
+  /** Folder for the config, storage and logs (a test scratch dir). */
+  dir: string;
+  /** htpasswd Basic auth with these users (bcrypt hashes). */
+  basicAuth?: BasicAuthUser[];
+  /** Bearer tokens from a token server (startTokenServer gives this). */
+  tokenAuth?: TokenAuthConfig;
+}
+
+export interface RegistryServer {
+  /** `127.0.0.1:<port>`: the registry part of image references. */
+  host: string;
+  port: number;
+  storageDir: string;
+  /** The file the registry serves a blob's bytes from (tests corrupt it). */
+  blobDataPath(digest: string): string;
+  /** The registry's output so far (for a failing test's message). */
+  log(): string;
+  stop(): Promise<void>;
+}
+
+/** A port the kernel just handed out and released (the registry takes a fixed port in its config). */
+async function freePort(): Promise<number> {
+  const s = Bun.listen({ hostname: "127.0.0.1", port: 0, socket: { data() {} } });
+  const port = s.port;
+  s.stop(true);
+  return port;
+}
+
+/** Start `docker-registry serve`; resolves once `/v2/` answers (200 or 401), within 15 s. */
+export async function startRegistry(opts: StartRegistryOptions): Promise<RegistryServer> {
+  const storageDir = join(opts.dir, "storage");
+  await mkdir(storageDir, { recursive: true });
+  let lastError = "";
+  for (let attempt = 0; attempt < 3; attempt++) {
+    const port = await freePort();
+    const lines = [
+      "version: 0.1",
+      "log:",
+      "  level: warn",
+      "  accesslog:",
+      "    disabled: true",
+      "storage:",
+      "  filesystem:",
+      `    rootdirectory: ${storageDir}`,
+      "  delete:",
+      "    enabled: true",
+      "  maintenance:",
+      "    uploadpurging:",
+      "      enabled: false",
+      "http:",
+      `  addr: 127.0.0.1:${port}`,
+      `  secret: ${randomBytes(16).toString("hex")}`,
+      "health:",
+      "  storagedriver:",
+      "    enabled: false",
+    ];
+    if (opts.basicAuth) {
+      const htpasswd = join(opts.dir, "htpasswd");
+      const entries = await Promise.all(opts.basicAuth.map(async (u) => `${u.username}:${await Bun.password.hash(u.password, { algorithm: "bcrypt", cost: 4 })}`));
+      await writeFile(htpasswd, entries.join("\n") + "\n");
+      lines.push("auth:", "  htpasswd:", "    realm: aenv-test", `    path: ${htpasswd}`);
+    } else if (opts.tokenAuth) {
+      const t = opts.tokenAuth;
+      lines.push("auth:", "  token:", `    realm: ${t.realm}`, `    service: ${t.service}`, `    issuer: ${t.issuer}`, `    rootcertbundle: ${t.rootCertBundle}`);
+    }
+    const config = join(opts.dir, `config-${port}.yml`);
+    await writeFile(config, lines.join("\n") + "\n");
+    let output = "";
+    const proc = Bun.spawn([REGISTRY_BIN, "serve", config], { stdout: "pipe", stderr: "pipe" });
+    const collect = async (s: ReadableStream<Uint8Array>) => {
+      for await (const chunk of s) output = (output + new TextDecoder().decode(chunk)).slice(-16_000);
+    };
+    void collect(proc.stdout);
+    void collect(proc.stderr);
+    const deadline = Date.now() + 15_000;
+    let up = false;
+    while (Date.now() < deadline && proc.exitCode === null) {
+      try {
+        const res = await fetch(`http://127.0.0.1:${port}/v2/`, { signal: AbortSignal.timeout(1000) });
+        await res.body?.cancel();
+        if (res.status === 200 || res.status === 401) {
+          up = true;
+          break;
+        }
+      } catch {
+        /* not listening yet */
+      }
+      await Bun.sleep(50);
+    }
+    if (up) {
+      return {
+        host: `127.0.0.1:${port}`,
+        port,
+        storageDir,
+        blobDataPath: (digest: string) => {
+          const hex = digest.replace(/^sha256:/, "");
+          return join(storageDir, "docker/registry/v2/blobs/sha256", hex.slice(0, 2), hex, "data");
+        },
+        log: () => output,
+        stop: async () => {
+          proc.kill("SIGTERM");
+          const t = setTimeout(() => proc.kill("SIGKILL"), 5000);
+          await proc.exited;
+          clearTimeout(t);
+        },
+      };
+    }
+    proc.kill("SIGKILL");
+    await proc.exited;
+    lastError = output.slice(-2000);
+  }
+  throw new Error(`docker-registry did not start: ${lastError}`);
+}
+
+export interface RegistrySuite {
+  /** The suite's scratch folder (the registry's files are under `<dir>/registry`). */
+  dir: string;
+  reg: RegistryServer;
+  tokens?: TokenServer;
+}
+
+/**
+ * A registry for one describe block: in beforeAll a scratch folder and a registry (behind Basic
+ * auth, or with `token: true` behind a token server with the same users); in afterAll both are
+ * stopped and the folder removed. Call it in the describe body; the accessor works inside tests.
+ */
+export function registrySuite(label: string, opts: { basicAuth?: BasicAuthUser[]; token?: boolean } = {}): () => RegistrySuite {
+  let suite: RegistrySuite | undefined;
+  beforeAll(async () => {
+    const dir = scratchDir(label, { keep: true });
+    const tokens = opts.token ? await startTokenServer(join(dir, "tokens"), opts.basicAuth) : undefined;
+    const reg = await startRegistry({ dir: join(dir, "registry"), basicAuth: opts.token ? undefined : opts.basicAuth, tokenAuth: tokens?.auth });
+    suite = { dir, reg, tokens };
+  });
+  afterAll(async () => {
+    if (!suite) return;
+    await suite.reg.stop();
+    suite.tokens?.stop();
+    await rm(suite.dir, { recursive: true, force: true });
+  });
+  return () => {
+    if (!suite) throw new Error(`${label}: registry used outside its suite`);
+    return suite;
+  };
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bearer tokens: a token server that signs JWTs (RS256) with a self-signed certificate the
+// registry trusts as its rootcertbundle; the token's header carries the certificate (x5c).
+
+export interface TokenServer {
+  /** The registry's `auth.token` settings. */
+  auth: TokenAuthConfig;
+  /** Token requests answered so far (tests count them to see the client's cache). */
+  requests: { scope: string[]; user: string | undefined }[];
+  stop(): void;
+}
+
+const b64url = (b: Buffer | string) => Buffer.from(b).toString("base64url");
+
+/**
+ * Start a token server on 127.0.0.1. With users, a token needs their Basic credentials (401
+ * otherwise); without, anyone gets one. Every scope asked for is granted.
+ */
+export async function startTokenServer(dir: string, users?: BasicAuthUser[]): Promise<TokenServer> {
+  await mkdir(dir, { recursive: true });
+  const key = join(dir, "token.key");
+  const cert = join(dir, "token.crt");
+  const openssl = Bun.spawn(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert, "-days", "2", "-subj", "/CN=aenv-test-token-issuer"], { stdout: "ignore", stderr: "pipe" });
+  if ((await openssl.exited) !== 0) throw new Error(`openssl: ${await new Response(openssl.stderr).text()}`);
+  const keyPem = await readFile(key, "utf8");
+  const certDer = (await readFile(cert, "utf8")).replace(/-----[A-Z ]+-----/g, "").replace(/\s+/g, "");
+  const service = "aenv-test-registry";
+  const issuer = "aenv-test-issuer";
+  const requests: TokenServer["requests"] = [];
+  const server = Bun.serve({
+    hostname: "127.0.0.1",
+    port: 0,
+    fetch(req) {
+      const url = new URL(req.url);
+      let user: string | undefined;
+      const authz = req.headers.get("authorization");
+      if (authz?.startsWith("Basic ")) {
+        const plain = Buffer.from(authz.slice(6), "base64").toString();
+        const i = plain.indexOf(":");
+        const u = users?.find((x) => x.username === plain.slice(0, i) && x.password === plain.slice(i + 1));
+        if (!u) return new Response(JSON.stringify({ details: "bad credentials" }), { status: 401 });
+        user = u.username;
+      } else if (users) {
+        return new Response(JSON.stringify({ details: "credentials needed" }), { status: 401 });
+      }
+      const scopes = url.searchParams.getAll("scope");
+      requests.push({ scope: scopes, user });
+      const access = scopes.flatMap((s) => {
+        const m = /^([a-z]+):(.+):([a-z*,]+)$/.exec(s);
+        return m ? [{ type: m[1], name: m[2], actions: m[3]!.split(",") }] : [];
+      });
+      const now = Math.floor(Date.now() / 1000);
+      const header = { typ: "JWT", alg: "RS256", x5c: [certDer] };
+      const claims = { iss: issuer, sub: user ?? "", aud: url.searchParams.get("service") ?? service, exp: now + 300, nbf: now - 10, iat: now, jti: randomBytes(8).toString("hex"), access };
+      const signing = `${b64url(JSON.stringify(header))}.${b64url(JSON.stringify(claims))}`;
+      const signature = createSign("RSA-SHA256").update(signing).sign(keyPem);
+      const token = `${signing}.${b64url(signature)}`;
+      return Response.json({ token, access_token: token, expires_in: 300, issued_at: new Date(now * 1000).toISOString() });
+    },
+  });
+  return {
+    auth: { realm: `http://127.0.0.1:${server.port}/token`, service, issuer, rootCertBundle: cert },
+    requests,
+    stop: () => server.stop(true),
+  };
+}
+
+// ---------------------------------------------------------------------------------------------
+// Images.
+
+export type Compression = "gzip" | "zstd" | "none";
+
+export interface ImageSpec {
+  /** Root folders of the layers, lowest first. */
+  layers: string[];
+  compression?: Compression;
+  /** OCI media types (default) or Docker schema 2's. */
+  format?: "oci" | "docker";
+  platform?: Platform;
+  config?: { Env?: string[]; WorkingDir?: string; Cmd?: string[]; Entrypoint?: string[]; User?: string; ExposedPorts?: Record<string, object>; Labels?: Record<string, string> };
+}
+
+export interface PushedImage {
+  /** `host/repo:tag`. */
+  ref: string;
+  manifestDigest: string;
+  mediaType: string;
+  configDigest: string;
+  layers: Descriptor[];
+  /** sha256 of each uncompressed layer tar. */
+  diffIds: string[];
+}
+
+async function run(argv: string[], cwd?: string): Promise<void> {
+  const p = Bun.spawn(argv, { cwd, stdout: "ignore", stderr: "pipe" });
+  const [code, err] = await Promise.all([p.exited, new Response(p.stderr).text()]);
+  if (code !== 0) throw new Error(`${argv.join(" ")}: exit ${code}: ${err}`);
+}
+
+/** A reproducible tar of a folder's contents (root-owned, mtime 0, sorted). */
+export async function tarFolder(dir: string, out: string): Promise<void> {
+  await run(["tar", "--format=posix", "--pax-option=delete=atime,delete=ctime", "--owner=0", "--group=0", "--numeric-owner", "--mtime=@0", "--sort=name", "-C", dir, "-cf", out, "."]);
+}
+
+const sha256 = (b: Uint8Array) => new Bun.CryptoHasher("sha256").update(b).digest("hex");
+
+/** A layer blob of a folder: the compressed tar's bytes and the uncompressed tar's digest. */
+export async function layerBlob(dir: string, compression: Compression): Promise<{ bytes: Uint8Array; diffId: string }> {
+  const tarPath = `${dir.replace(/\/$/, "")}.tar`;
+  await tarFolder(dir, tarPath);
+  const tar = new Uint8Array(await readFile(tarPath));
+  await rm(tarPath, { force: true });
+  const bytes = compression === "gzip" ? new Uint8Array(await gzip(tar)) : compression === "zstd" ? new Uint8Array(await Bun.zstdCompress(tar)) : tar;
+  return { bytes, diffId: `sha256:${sha256(tar)}` };
+}
+
+export function layerMediaType(format: "oci" | "docker", c: Compression): string {
+  if (format === "oci") return c === "gzip" ? MEDIA.ociLayerGzip : c === "zstd" ? MEDIA.ociLayerZstd : MEDIA.ociLayerTar;
+  return c === "gzip" ? MEDIA.dockerLayerGzip : c === "zstd" ? MEDIA.dockerLayerZstd : MEDIA.dockerLayerTar;
+}
+
+/** Build the layers, push blobs, config and manifest under ref. */
+export async function pushImage(client: RegistryClient, ref: string, spec: ImageSpec): Promise<PushedImage> {
+  const format = spec.format ?? "oci";
+  const compression = spec.compression ?? "gzip";
+  const platform = spec.platform ?? { os: "linux", architecture: "amd64" };
+  const layers: Descriptor[] = [];
+  const diffIds: string[] = [];
+  for (const dir of spec.layers) {
+    const { bytes, diffId } = await layerBlob(dir, compression);
+    const d = await client.pushBlob(ref, bytes, { mediaType: layerMediaType(format, compression) });
+    layers.push(d);
+    diffIds.push(diffId);
+  }
+  const config = {
+    architecture: platform.architecture,
+    os: platform.os,
+    ...(platform.variant ? { variant: platform.variant } : {}),
+    config: { Env: ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"], ...spec.config },
+    rootfs: { type: "layers", diff_ids: diffIds },
+    history: spec.layers.map(() => ({ created: "1970-01-01T00:00:00Z", created_by: "aenv test harness" })),
+  };
+  const configType = format === "oci" ? MEDIA.ociConfig : MEDIA.dockerConfig;
+  const cfg = await client.pushBlob(ref, new TextEncoder().encode(JSON.stringify(config)), { mediaType: configType });
+  const mediaType = format === "oci" ? MEDIA.ociManifest : MEDIA.dockerManifest;
+  const manifest = { schemaVersion: 2, mediaType, config: { mediaType: configType, digest: cfg.digest, size: cfg.size }, layers };
+  const m = await client.pushManifest(ref, manifest, mediaType);
+  return { ref, manifestDigest: m.digest, mediaType, configDigest: cfg.digest, layers, diffIds };
+}
+
+/** Busybox's applets that the image links to /bin/busybox. */
+export const BUSYBOX_APPLETS = ["sh", "ls", "cat", "env", "echo", "pwd", "mkdir", "rm", "cp", "mv", "test", "true", "false", "sleep", "id", "uname", "grep", "head", "wc", "stat"];
+
+/** A root folder with /bin/busybox and its applet links, /work, /tmp (1777), /etc/passwd. */
+export async function busyboxRoot(dir: string): Promise<string> {
+  await mkdir(join(dir, "bin"), { recursive: true });
+  await copyFile(BUSYBOX_BIN, join(dir, "bin/busybox"));
+  await chmod(join(dir, "bin/busybox"), 0o755);
+  for (const a of BUSYBOX_APPLETS) await symlink("busybox", join(dir, "bin", a));
+  await mkdir(join(dir, "work"), { recursive: true });
+  await mkdir(join(dir, "tmp"), { recursive: true });
+  await chmod(join(dir, "tmp"), 0o1777);
+  await mkdir(join(dir, "etc"), { recursive: true });
+  await writeFile(join(dir, "etc/passwd"), "root:x:0:0:root:/root:/bin/sh\n");
+  return dir;
+}
+
+export const BUSYBOX_CONFIG = { Env: ["PATH=/bin", "FOO=bar"], WorkingDir: "/work", Cmd: ["/bin/sh"] };
+
+/** (a) The busybox image: one layer, Env FOO=bar, WorkingDir /work, Cmd /bin/sh. */
+export async function pushBusyboxImage(client: RegistryClient, ref: string, o: { workDir: string; compression?: Compression; format?: "oci" | "docker"; platform?: Platform }): Promise<PushedImage> {
+  const root = await busyboxRoot(join(o.workDir, "busybox-root"));
+  return pushImage(client, ref, { layers: [root], compression: o.compression, format: o.format, platform: o.platform, config: BUSYBOX_CONFIG });
+}
+
+/** (b) Busybox plus one layer: /etc/second-layer ("two\n"), Env adds BAR=baz. */
+export async function pushTwoLayerImage(client: RegistryClient, ref: string, o: { workDir: string; compression?: Compression }): Promise<PushedImage> {
+  const root = await busyboxRoot(join(o.workDir, "busybox-root"));
+  const top = join(o.workDir, "second-layer");
+  await mkdir(join(top, "etc"), { recursive: true });
+  await writeFile(join(top, "etc/second-layer"), "two\n");
+  return pushImage(client, ref, { layers: [root, top], compression: o.compression, config: { ...BUSYBOX_CONFIG, Env: [...BUSYBOX_CONFIG.Env, "BAR=baz"] } });
+}
+
+/**
+ * (c) Whiteouts: busybox, then a layer with /data/keep, /data/gone and /opaque/old, then a layer
+ * with the whiteout /data/.wh.gone and the opaque marker /opaque/.wh..wh..opq plus /opaque/new.
+ * Applied in order, /data holds keep only and /opaque holds new only.
+ */
+export async function pushWhiteoutImage(client: RegistryClient, ref: string, o: { workDir: string; compression?: Compression }): Promise<PushedImage> {
+  const root = await busyboxRoot(join(o.workDir, "busybox-root"));
+  const l1 = join(o.workDir, "files");
+  await mkdir(join(l1, "data"), { recursive: true });
+  await mkdir(join(l1, "opaque"), { recursive: true });
+  await writeFile(join(l1, "data/keep"), "keep\n");
+  await writeFile(join(l1, "data/gone"), "gone\n");
+  await writeFile(join(l1, "opaque/old"), "old\n");
+  const l2 = join(o.workDir, "whiteouts");
+  await mkdir(join(l2, "data"), { recursive: true });
+  await mkdir(join(l2, "opaque"), { recursive: true });
+  await writeFile(join(l2, "data/.wh.gone"), "");
+  await writeFile(join(l2, "opaque/.wh..wh..opq"), "");
+  await writeFile(join(l2, "opaque/new"), "new\n");
+  return pushImage(client, ref, { layers: [root, l1, l2], compression: o.compression, config: BUSYBOX_CONFIG });
+}
+
+/** An OCI index under ref naming pushed manifests with their platforms (all in ref's repository). */
+export async function pushIndex(client: RegistryClient, ref: string, entries: { image: PushedImage; platform: Platform }[]): Promise<{ ref: string; digest: string }> {
+  const manifests = await Promise.all(
+    entries.map(async (e) => {
+      const m = await client.getManifest(e.image.ref);
+      return { mediaType: e.image.mediaType, digest: m.digest, size: m.bytes.length, platform: e.platform };
+    }),
+  );
+  const d = await client.pushManifest(ref, { schemaVersion: 2, mediaType: MEDIA.ociIndex, manifests }, MEDIA.ociIndex);
+  return { ref, digest: d.digest };
+}
