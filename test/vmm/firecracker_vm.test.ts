@@ -2,7 +2,7 @@
 // guest kernel built by guest/kernel/build-firecracker-kernel.sh (AENV_FC_KERNEL, or the guest
 // cache). The same sandbox as sandbox_vm.test.ts: tools disk with envd as the root device, the
 // user's rootfs on blockd, the VM in a network slot; boot, pause/resume, snapshot and a restore
-// into a second slot. Elsewhere it prints why it skipped.
+// into a second slot, adoption by a second driver. Elsewhere it prints why it skipped.
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { existsSync, readdirSync } from "node:fs";
 import { join } from "node:path";
@@ -94,5 +94,30 @@ describe.skipIf(!!skip)("Firecracker microVMs", async () => {
     expect(vm2.state).toBe("stopped");
     await pool.release(a);
     await pool.release(b);
+  }, 180_000);
+
+  test("adopt: a second driver (a restarted node) takes over a running VM by its run directory", async () => {
+    const a = await pool.acquire();
+    const cmdline = guestCmdline({ ip: `${a.guestIp}/${a.guestPrefixLen}`, gw: a.gatewayIp, extra: "init=/init/disk-init" });
+    const vm = await driver.boot({
+      id: "fc-adopt", runDir: join(root, "adopt"), kernel: fcKernel()!, cmdline, vcpus: 1, memMiB: 256,
+      drives: await drives("adopt"), net: { tap: a.tap, mac: a.guestMac }, netnsPath: a.netnsPath,
+    });
+    live.add(vm);
+    await health(a);
+    const adopted = await new FirecrackerDriver().adopt(join(root, "adopt"));
+    live.add(adopted);
+    expect(adopted.pid).toBe(vm.pid);
+    expect(adopted.state).toBe("running");
+    await adopted.pause();
+    expect(await new FirecrackerDriver().adopt(join(root, "adopt")).then((v) => v.state)).toBe("paused");
+    await adopted.resume();
+    await health(a);
+    await adopted.stop();
+    expect(adopted.state).toBe("stopped");
+    await expect(new FirecrackerDriver().adopt(join(root, "adopt"))).rejects.toThrow();
+    live.delete(vm);
+    live.delete(adopted);
+    await pool.release(a);
   }, 180_000);
 });
