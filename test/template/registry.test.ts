@@ -3,11 +3,13 @@
 // Docker's config file, Bearer tokens from a token server the registry trusts, blob downloads with
 // their digest check, resume after a dropped connection, races on one destination, pushes.
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
+import { randomBytes } from "node:crypto";
 import { existsSync } from "node:fs";
-import { mkdir, readdir, readFile, writeFile } from "node:fs/promises";
+import { mkdir, readFile, writeFile } from "node:fs/promises";
+import { connect, createServer, type Server, type Socket } from "node:net";
 import { join } from "node:path";
 import { RegistryClient, RegistryError, MEDIA, parseImageRef, type Descriptor } from "../../src/template/registry.ts";
-import { scratchDir, sha256 } from "../helpers/tmp.ts";
+import { sha256 } from "../helpers/tmp.ts";
 import {
   pushBusyboxImage,
   pushImage,
@@ -186,5 +188,271 @@ describe.skipIf(!!skip)(suite("anonymous registry"), () => {
     const wrapped = { ...obd, "containerd.io/snapshot/overlaybd/blob-digest": gz.digest };
     await client.pushManifest(`${reg.host}/tests/odd:wrapped`, manifest([{ ...blob, mediaType: MEDIA.ociLayerTar, annotations: wrapped }]), MEDIA.ociManifest);
     expect((await rejection(client.resolve(`${reg.host}/tests/odd:wrapped`))).message).toContain("wraps overlaybd blob");
+  });
+});
+
+/**
+ * A loopback TCP relay in front of a port. The first connection that carries more than cutAfter
+ * bytes towards the client is cut there (both sides destroyed); every byte the client sent is
+ * kept, so a test can see the Range header of the resume.
+ */
+async function startRelay(targetPort: number, cutAfter: number): Promise<{ port: number; sent: string[]; connections: () => number; cuts: () => number; stop: () => void }> {
+  const sent: string[] = [];
+  let connections = 0;
+  let cuts = 0;
+  const sockets = new Set<Socket>();
+  const server: Server = createServer((client) => {
+    connections++;
+    const upstream = connect(targetPort, "127.0.0.1");
+    sockets.add(client).add(upstream);
+    let down = 0;
+    client.on("data", (d) => {
+      sent.push(d.toString("latin1"));
+      upstream.write(d);
+    });
+    upstream.on("data", (d) => {
+      if (cuts === 0 && down + d.length > cutAfter) {
+        cuts++;
+        client.write(d.subarray(0, cutAfter - down), () => {
+          client.destroy();
+          upstream.destroy();
+        });
+        down = cutAfter;
+        return;
+      }
+      down += d.length;
+      client.write(d);
+    });
+    const end = () => {
+      client.destroy();
+      upstream.destroy();
+    };
+    client.on("error", end).on("close", end);
+    upstream.on("error", end).on("close", end);
+  });
+  await new Promise<void>((r) => server.listen(0, "127.0.0.1", r));
+  const port = (server.address() as { port: number }).port;
+  return {
+    port,
+    sent,
+    connections: () => connections,
+    cuts: () => cuts,
+    stop: () => {
+      for (const s of sockets) s.destroy();
+      server.close();
+    },
+  };
+}
+
+describe.skipIf(!!skip)(suite("blob downloads"), () => {
+  const suiteOf = registrySuite("registry-blobs");
+  const client = new RegistryClient({ dockerConfigPath: null, retryBaseMs: 20 });
+  const repo = () => `${suiteOf().reg.host}/tests/blobs`;
+  const blobOf = async (bytes: number) => {
+    const data = new Uint8Array(randomBytes(bytes));
+    const desc = await client.pushBlob(repo(), data);
+    return { data, desc };
+  };
+
+  test("a blob lands at dest whole and verified; progress ends at its size", async () => {
+    const { data, desc } = await blobOf(3 << 20);
+    const dest = join(suiteOf().dir, "whole.blob");
+    const seen: number[] = [];
+    const r = await client.fetchBlob(repo(), desc, dest, { onProgress: (b, t) => (expect(t).toBe(desc.size), seen.push(b)) });
+    expect(r).toEqual({ path: dest, digest: desc.digest, size: desc.size, downloaded: desc.size });
+    expect(sha256(await readFile(dest))).toBe(sha256(data));
+    expect(seen.at(-1)).toBe(desc.size);
+    expect(existsSync(`${dest}.partial`)).toBe(false);
+    // Already there: verified again, nothing downloaded.
+    expect((await client.fetchBlob(repo(), desc, dest)).downloaded).toBe(0);
+  });
+
+  test("bytes that do not match the digest are DigestMismatch, and nothing is left at dest", async () => {
+    const { data, desc } = await blobOf(256 << 10);
+    const stored = suiteOf().reg.blobDataPath(desc.digest);
+    const bad = new Uint8Array(data);
+    bad[1000] = bad[1000]! ^ 0xff;
+    await writeFile(stored, bad);
+    const dest = join(suiteOf().dir, "corrupt.blob");
+    const e = await rejection(client.fetchBlob(repo(), desc, dest));
+    expect(e.code).toBe("DigestMismatch");
+    expect(e.status).toBe(502);
+    expect(e.message).toContain(desc.digest);
+    expect(existsSync(dest)).toBe(false);
+    expect(existsSync(`${dest}.partial`)).toBe(false);
+  });
+
+  test("more bytes than the descriptor's size are TooLarge, and nothing is left at dest", async () => {
+    const { desc } = await blobOf(64 << 10);
+    const dest = join(suiteOf().dir, "short.blob");
+    const e = await rejection(client.fetchBlob(repo(), { ...desc, size: desc.size - 10 }, dest));
+    expect(e.code).toBe("TooLarge");
+    expect(existsSync(dest)).toBe(false);
+    expect(existsSync(`${dest}.partial`)).toBe(false);
+  });
+
+  test("a connection dropped mid-blob resumes with Range from where it stopped", async () => {
+    const { data, desc } = await blobOf(4 << 20);
+    const relay = await startRelay(suiteOf().reg.port, 1 << 20);
+    try {
+      const viaRelay = new RegistryClient({ dockerConfigPath: null, retryBaseMs: 20 });
+      const dest = join(suiteOf().dir, "resumed.blob");
+      const r = await viaRelay.fetchBlob(`127.0.0.1:${relay.port}/tests/blobs`, desc, dest);
+      expect(relay.cuts()).toBe(1);
+      expect(relay.connections()).toBeGreaterThanOrEqual(2);
+      expect(sha256(await readFile(dest))).toBe(sha256(data));
+      const ranges = relay.sent.join("").match(/range: bytes=(\d+)-/gi) ?? [];
+      expect(ranges.length).toBe(1);
+      const from = Number(/(\d+)-/.exec(ranges[0]!)![1]);
+      expect(from).toBeGreaterThan(0);
+      expect(from).toBeLessThan(1 << 20);
+      // Only the rest came again.
+      expect(r.downloaded).toBe(desc.size);
+    } finally {
+      relay.stop();
+    }
+  });
+
+  test("a partial file left by an earlier run is re-hashed and continued; a bad prefix is DigestMismatch", async () => {
+    const { data, desc } = await blobOf(1 << 20);
+    const dest = join(suiteOf().dir, "continued.blob");
+    await writeFile(`${dest}.partial`, data.subarray(0, 300_000));
+    const r = await client.fetchBlob(repo(), desc, dest);
+    expect(r.downloaded).toBe(desc.size - 300_000);
+    expect(sha256(await readFile(dest))).toBe(sha256(data));
+
+    const dest2 = join(suiteOf().dir, "bad-prefix.blob");
+    await writeFile(`${dest2}.partial`, new Uint8Array(300_000));
+    const e = await rejection(client.fetchBlob(repo(), desc, dest2));
+    expect(e.code).toBe("DigestMismatch");
+    expect(existsSync(dest2)).toBe(false);
+    expect(existsSync(`${dest2}.partial`)).toBe(false);
+  });
+
+  test("two fetches of one blob to one dest at once both succeed with one valid file", async () => {
+    const { data, desc } = await blobOf(2 << 20);
+    const dest = join(suiteOf().dir, "raced.blob");
+    const other = new RegistryClient({ dockerConfigPath: null });
+    const [a, b] = await Promise.all([client.fetchBlob(repo(), desc, dest), other.fetchBlob(repo(), desc, dest)]);
+    expect(a.path).toBe(dest);
+    expect(b.path).toBe(dest);
+    expect(a.downloaded + b.downloaded).toBe(desc.size);
+    expect(sha256(await readFile(dest))).toBe(sha256(data));
+    expect(existsSync(`${dest}.partial`)).toBe(false);
+  });
+
+  test("a chunked push (PATCH per chunk) and a repeated push give the same descriptor", async () => {
+    const chunked = new RegistryClient({ dockerConfigPath: null, chunkSize: 64 << 10 });
+    const file = join(suiteOf().dir, "upload.bin");
+    const data = new Uint8Array(randomBytes((200 << 10) + 7));
+    await writeFile(file, data);
+    const d = await chunked.pushBlob(repo(), file);
+    expect(d.digest).toBe(`sha256:${sha256(data)}`);
+    expect(d.size).toBe(data.length);
+    expect(await chunked.hasBlob(repo(), d.digest)).toBe(true);
+    expect(await chunked.pushBlob(repo(), data)).toEqual(d);
+    expect(sha256(await client.readBlob(repo(), d, 1 << 20))).toBe(sha256(data));
+  });
+
+  test("a manifest whose bytes do not match the digest asked for is DigestMismatch", async () => {
+    const img = await pushBusyboxImage(client, `${repo()}:m`, { workDir: join(suiteOf().dir, "m") });
+    const stored = suiteOf().reg.blobDataPath(img.manifestDigest);
+    const text = await readFile(stored, "utf8");
+    await writeFile(stored, text.replace('"schemaVersion":2', '"schemaVersion": 2'));
+    const e = await rejection(client.resolve(`${repo()}@${img.manifestDigest}`));
+    expect(e.code).toBe("DigestMismatch");
+    expect(e.message).toContain(img.manifestDigest);
+  });
+});
+
+const alice = { username: "alice", password: "s3cret-pass" };
+
+describe.skipIf(!!skip)(suite("Basic auth (htpasswd) and Docker's config file"), () => {
+  const suiteOf = registrySuite("registry-basic", { basicAuth: [alice] });
+  let img: PushedImage;
+
+  beforeAll(async () => {
+    const { reg, dir } = suiteOf();
+    const writer = new RegistryClient({ dockerConfigPath: null, credentials: { [reg.host]: alice } });
+    img = await pushBusyboxImage(writer, `${reg.host}/private/busybox:1`, { workDir: join(dir, "bb") });
+  });
+
+  test("the right password resolves and fetches", async () => {
+    const { reg, dir } = suiteOf();
+    const c = new RegistryClient({ dockerConfigPath: null, credentials: { [reg.host]: alice } });
+    const r = await c.resolve(img.ref);
+    expect(r.manifestDigest).toBe(img.manifestDigest);
+    expect(r.config.Env).toContain("FOO=bar");
+    const f = await c.fetchBlob(img.ref, r.layers[0]!, join(dir, "layer"));
+    expect(f.size).toBe(r.layers[0]!.size);
+  });
+
+  test("a wrong password, or none, is Unauthorized (401) naming the registry", async () => {
+    const { reg } = suiteOf();
+    const wrong = new RegistryClient({ dockerConfigPath: null, credentials: { [reg.host]: { ...alice, password: "nope" } } });
+    const e = await rejection(wrong.resolve(img.ref));
+    expect(e.code).toBe("Unauthorized");
+    expect(e.status).toBe(401);
+    expect(e.message).toContain(reg.host);
+    expect(e.message).toContain("rejected the credentials");
+    const none = await rejection(new RegistryClient({ dockerConfigPath: null }).resolve(img.ref));
+    expect(none.code).toBe("Unauthorized");
+    expect(none.message).toContain("needs credentials");
+  });
+
+  test("credentials from Docker's config file, named directly or by $DOCKER_CONFIG", async () => {
+    const { reg, dir } = suiteOf();
+    const cfgDir = join(dir, "docker-config");
+    await mkdir(cfgDir, { recursive: true });
+    const auth = Buffer.from(`${alice.username}:${alice.password}`).toString("base64");
+    await writeFile(join(cfgDir, "config.json"), JSON.stringify({ auths: { [`http://${reg.host}`]: { auth }, "https://index.docker.io/v1/": { auth: "eDp5" } } }));
+    const c = new RegistryClient({ dockerConfigPath: join(cfgDir, "config.json") });
+    expect((await c.resolve(img.ref)).manifestDigest).toBe(img.manifestDigest);
+
+    const before = process.env.DOCKER_CONFIG;
+    process.env.DOCKER_CONFIG = cfgDir;
+    try {
+      expect((await new RegistryClient().resolve(img.ref)).manifestDigest).toBe(img.manifestDigest);
+    } finally {
+      if (before === undefined) delete process.env.DOCKER_CONFIG;
+      else process.env.DOCKER_CONFIG = before;
+    }
+    // The caller's credentials win over the file's.
+    const e = await rejection(new RegistryClient({ dockerConfigPath: join(cfgDir, "config.json"), credentials: { [reg.host]: { ...alice, password: "x" } } }).resolve(img.ref));
+    expect(e.code).toBe("Unauthorized");
+  });
+});
+
+describe.skipIf(!!skip)(suite("Bearer tokens from a token server the registry trusts"), () => {
+  const suiteOf = registrySuite("registry-token", { basicAuth: [alice], token: true });
+
+  test("push and resolve with a token per scope, fetched once and then cached", async () => {
+    const { reg, dir, tokens } = suiteOf();
+    // The registry itself asks for a Bearer token from the token server.
+    const bare = await fetch(`http://${reg.host}/v2/team/busybox/manifests/1`);
+    expect(bare.status).toBe(401);
+    expect(bare.headers.get("www-authenticate")).toStartWith(`Bearer realm="${tokens!.auth.realm}"`);
+    const c = new RegistryClient({ dockerConfigPath: null, credentials: { [reg.host]: alice } });
+    const img = await pushBusyboxImage(c, `${reg.host}/team/busybox:1`, { workDir: join(dir, "bb") });
+    expect(tokens!.requests.some((r) => r.scope.includes("repository:team/busybox:pull,push") && r.user === "alice")).toBe(true);
+
+    const reader = new RegistryClient({ dockerConfigPath: null, credentials: { [reg.host]: alice } });
+    const r = await reader.resolve(img.ref);
+    expect(r.manifestDigest).toBe(img.manifestDigest);
+    expect(r.config.WorkingDir).toBe("/work");
+    const after = tokens!.requests.length;
+    await reader.resolve(img.ref);
+    await reader.fetchBlob(img.ref, r.layers[0]!, join(dir, "layer"));
+    expect(tokens!.requests.length).toBe(after);
+  });
+
+  test("a wrong password, or none, is Unauthorized at the token server", async () => {
+    const { reg } = suiteOf();
+    const wrong = await rejection(new RegistryClient({ dockerConfigPath: null, credentials: { [reg.host]: { ...alice, password: "no" } } }).resolve(`${reg.host}/team/busybox:1`));
+    expect(wrong.code).toBe("Unauthorized");
+    expect(wrong.status).toBe(401);
+    expect(wrong.message).toContain("rejected the credentials of alice");
+    const none = await rejection(new RegistryClient({ dockerConfigPath: null }).resolve(`${reg.host}/team/busybox:1`));
+    expect(none.code).toBe("Unauthorized");
   });
 });
