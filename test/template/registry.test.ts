@@ -206,11 +206,11 @@ async function startRelay(targetPort: number, cutAfter: number): Promise<{ port:
     const upstream = connect(targetPort, "127.0.0.1");
     sockets.add(client).add(upstream);
     let down = 0;
-    client.on("data", (d) => {
+    client.on("data", (d: Buffer) => {
       sent.push(d.toString("latin1"));
       upstream.write(d);
     });
-    upstream.on("data", (d) => {
+    upstream.on("data", (d: Buffer) => {
       if (cuts === 0 && down + d.length > cutAfter) {
         cuts++;
         client.write(d.subarray(0, cutAfter - down), () => {
