@@ -456,3 +456,77 @@ describe.skipIf(!!skip)(suite("Bearer tokens from a token server the registry tr
     expect(none.code).toBe("Unauthorized");
   });
 });
+
+describe.skipIf(!!skip)(suite("retries, timeouts, nesting"), () => {
+  const suiteOf = registrySuite("registry-faults");
+
+  test("5xx answers are retried with backoff; past the tries they are Unreachable (502)", async () => {
+    const { reg, dir } = suiteOf();
+    const writer = new RegistryClient({ dockerConfigPath: null });
+    await pushBusyboxImage(writer, `${reg.host}/tests/busybox:1`, { workDir: join(dir, "bb") });
+    let failFirst = 2;
+    let seen = 0;
+    // A front that answers 503 to the first requests, then passes requests to the registry.
+    const front = Bun.serve({
+      hostname: "127.0.0.1",
+      port: 0,
+      async fetch(req) {
+        seen++;
+        if (failFirst-- > 0) return new Response("busy", { status: 503 });
+        const u = new URL(req.url);
+        return fetch(`http://${reg.host}${u.pathname}${u.search}`, { method: req.method, headers: req.headers });
+      },
+    });
+    try {
+      const c = new RegistryClient({ dockerConfigPath: null, retryBaseMs: 10 });
+      const r = await c.resolve(`127.0.0.1:${front.port}/tests/busybox:1`);
+      expect(r.config.Env).toContain("FOO=bar");
+      expect(seen).toBeGreaterThanOrEqual(4);
+      failFirst = 1000;
+      const e = await rejection(new RegistryClient({ dockerConfigPath: null, retryBaseMs: 10, tries: 3 }).resolve(`127.0.0.1:${front.port}/tests/busybox:1`));
+      expect(e.code).toBe("Unreachable");
+      expect(e.status).toBe(502);
+      expect(e.message).toContain("answered 503 (after 3 tries)");
+    } finally {
+      front.stop(true);
+    }
+  });
+
+  test("a closed port is Unreachable (502); a registry that never answers is Timeout (504)", async () => {
+    const closed = Bun.listen({ hostname: "127.0.0.1", port: 0, socket: { data() {} } });
+    const port = closed.port;
+    closed.stop(true);
+    const e = await rejection(new RegistryClient({ dockerConfigPath: null, retryBaseMs: 10, tries: 2 }).resolve(`127.0.0.1:${port}/x/y:1`));
+    expect(e.code).toBe("Unreachable");
+    expect(e.message).toContain(`127.0.0.1:${port}`);
+
+    const silent = Bun.listen({ hostname: "127.0.0.1", port: 0, socket: { data() {} } });
+    try {
+      const t = await rejection(new RegistryClient({ dockerConfigPath: null, retryBaseMs: 10, tries: 2, timeoutMs: 300 }).resolve(`127.0.0.1:${silent.port}/x/y:1`));
+      expect(t.code).toBe("Timeout");
+      expect(t.status).toBe(504);
+      expect(t.message).toContain("did not answer in time (after 2 tries)");
+    } finally {
+      silent.stop(true);
+    }
+  });
+
+  test("indexes nested 4 deep resolve; 5 deep is Protocol", async () => {
+    const { reg, dir } = suiteOf();
+    const c = new RegistryClient({ dockerConfigPath: null });
+    const img = await pushBusyboxImage(c, `${reg.host}/tests/nest:leaf`, { workDir: join(dir, "nest") });
+    const leaf = await c.getManifest(img.ref);
+    let child: { mediaType: string; digest: string; size: number } = { mediaType: MEDIA.ociManifest, digest: leaf.digest, size: leaf.bytes.length };
+    const tops: string[] = [];
+    for (let depth = 1; depth <= 5; depth++) {
+      const index = { schemaVersion: 2, mediaType: MEDIA.ociIndex, manifests: [{ ...child, platform: { os: "linux", architecture: "amd64" } }] };
+      const d = await c.pushManifest(`${reg.host}/tests/nest:depth${depth}`, index, MEDIA.ociIndex);
+      child = { mediaType: MEDIA.ociIndex, digest: d.digest, size: d.size };
+      tops.push(`${reg.host}/tests/nest:depth${depth}`);
+    }
+    expect((await c.resolve(tops[3]!)).manifestDigest).toBe(leaf.digest);
+    const e = await rejection(c.resolve(tops[4]!));
+    expect(e.code).toBe("Protocol");
+    expect(e.message).toContain("deeper than 4");
+  });
+});

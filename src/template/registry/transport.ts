@@ -214,14 +214,14 @@ export class Transport {
         }
         if (next === auth) {
           this.dropTokens(challenge);
-          throw new RegistryError("Unauthorized", `${spec.what}: registry ${host} rejected the credentials for ${spec.ref.registry}`);
+          throw await this.refused(spec);
         }
         auth = next;
         answer = await this.follow(spec, start, auth, controller);
         if (answer.res.status === 401) {
           await answer.res.body?.cancel().catch(() => {});
           this.dropTokens(challenge);
-          throw new RegistryError("Unauthorized", `${spec.what}: registry ${host} rejected the credentials for ${spec.ref.registry}`);
+          throw await this.refused(spec);
         }
       }
       const res = answer.res;
@@ -264,6 +264,18 @@ export class Transport {
       url = next.href;
       if (res.status === 303) method = "GET";
     }
+  }
+
+  /** The error for a second 401: the credentials were wrong, or there were none and anonymous access is not enough. */
+  private async refused(spec: RequestSpec): Promise<RegistryError> {
+    const creds = await this.creds.get(spec.ref.registry);
+    const host = spec.ref.endpoint;
+    return new RegistryError(
+      "Unauthorized",
+      creds
+        ? `${spec.what}: registry ${host} rejected the credentials of ${creds.username} for ${spec.ref.registry}`
+        : `${spec.what}: registry ${host} refused anonymous access; it needs credentials and none are configured for ${spec.ref.registry}`,
+    );
   }
 
   /** https, or http to a host that allows it. */
