@@ -208,14 +208,16 @@ export class Transport {
         await answer.res.body?.cancel().catch(() => {});
         if (!challenge) throw new RegistryError("Unauthorized", `${spec.what}: registry ${host} answered 401 without a Basic or Bearer challenge`);
         this.challenges.set(host, challenge);
-        const next = await this.authorization(spec.ref, spec.actions, challenge);
+        let next = await this.authorization(spec.ref, spec.actions, challenge);
+        if (next !== undefined && next === auth && challenge.scheme === "bearer") {
+          // The cached token was refused (expired early, or the registry restarted): one fresh token.
+          this.dropTokens(challenge);
+          next = await this.authorization(spec.ref, spec.actions, challenge);
+        }
         if (next === undefined) {
           throw new RegistryError("Unauthorized", `${spec.what}: registry ${host} needs credentials and none are configured for ${spec.ref.registry}`);
         }
-        if (next === auth) {
-          this.dropTokens(challenge);
-          throw await this.refused(spec);
-        }
+        if (next === auth) throw await this.refused(spec);
         auth = next;
         answer = await this.follow(spec, start, auth, controller);
         if (answer.res.status === 401) {
@@ -244,7 +246,8 @@ export class Transport {
     let url = start;
     let method: string = spec.method;
     for (let hop = 0; ; hop++) {
-      const headers: Record<string, string> = { ...spec.headers };
+      // identity: a registry or CDN that compressed on the fly would have fetch hash other bytes than the blob's.
+      const headers: Record<string, string> = { "accept-encoding": "identity", ...spec.headers };
       if (auth && new URL(url).origin === origin) headers.authorization = auth;
       const res = await fetch(url, {
         method,
@@ -357,7 +360,8 @@ export class Transport {
     let res: Response;
     let body: Uint8Array;
     try {
-      res = await fetch(url, { headers, signal: controller.signal, redirect: "follow" });
+      // Not followed: a realm's redirect would carry the credentials elsewhere.
+      res = await fetch(url, { headers, signal: controller.signal, redirect: "manual" });
       body = await readBounded(res, res.ok ? MAX_TOKEN_BODY : MAX_ERROR_BODY, what);
     } catch (e) {
       throw networkError(e, what, url.host, timedOut);
