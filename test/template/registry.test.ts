@@ -8,7 +8,17 @@ import { existsSync } from "node:fs";
 import { mkdir, readFile, writeFile } from "node:fs/promises";
 import { connect, createServer, type Server, type Socket } from "node:net";
 import { join } from "node:path";
-import { RegistryClient, RegistryError, MEDIA, parseImageRef, type Descriptor } from "../../src/template/registry.ts";
+import {
+  type Descriptor,
+  isLoopbackHost,
+  MEDIA,
+  parseDockerConfig,
+  parseImageRef,
+  RegistryClient,
+  RegistryError,
+  selectPlatform,
+} from "../../src/template/registry.ts";
+import { parseChallenges } from "../../src/template/registry/auth.ts";
 import { sha256 } from "../helpers/tmp.ts";
 import {
   pushBusyboxImage,
@@ -63,6 +73,59 @@ describe("image references", () => {
       expect((err as RegistryError).status).toBe(400);
     },
   );
+});
+
+describe("challenges, platforms, Docker's config file", () => {
+  test("WWW-Authenticate: several challenges, quoted commas, unknown schemes dropped", () => {
+    expect(parseChallenges('Bearer realm="https://auth.example/token",service="reg",scope="repository:a/b:pull,push"')).toEqual([
+      { scheme: "bearer", params: { realm: "https://auth.example/token", service: "reg", scope: "repository:a/b:pull,push" } },
+    ]);
+    expect(parseChallenges('Negotiate abc, Basic realm="x y", Bearer realm=http://t/')).toEqual([
+      { scheme: "basic", params: { realm: "x y" } },
+      { scheme: "bearer", params: { realm: "http://t/" } },
+    ]);
+    expect(parseChallenges(null)).toEqual([]);
+  });
+
+  test("platform selection: variants, arm64's default v8, no-variant entries first", () => {
+    const d = (architecture: string, variant?: string, n = 0): Descriptor => ({
+      mediaType: MEDIA.ociManifest,
+      digest: `sha256:${String(n).repeat(64).slice(0, 64)}`,
+      size: 1,
+      platform: { os: "linux", architecture, ...(variant ? { variant } : {}) },
+    });
+    const entries = [d("arm", "v6", 1), d("arm", "v7", 2), d("arm64", undefined, 3), d("amd64", "v3", 4), d("amd64", undefined, 5), d("386", undefined, 6)];
+    expect(selectPlatform(entries, { os: "linux", architecture: "arm", variant: "v7" })?.digest).toBe(entries[1]!.digest);
+    expect(selectPlatform(entries, { os: "linux", architecture: "arm" })?.digest).toBe(entries[1]!.digest);
+    expect(selectPlatform(entries, { os: "linux", architecture: "arm64", variant: "v8" })?.digest).toBe(entries[2]!.digest);
+    expect(selectPlatform(entries, { os: "linux", architecture: "amd64" })?.digest).toBe(entries[4]!.digest);
+    expect(selectPlatform([entries[3]!], { os: "linux", architecture: "amd64" })?.digest).toBe(entries[3]!.digest);
+    expect(selectPlatform(entries, { os: "windows", architecture: "amd64" })).toBeUndefined();
+  });
+
+  test("Docker's config file: base64 user:password per registry, Hub's old key, bad JSON is Unauthorized", () => {
+    const auth = (s: string) => Buffer.from(s).toString("base64");
+    const m = parseDockerConfig(
+      JSON.stringify({ auths: { "https://index.docker.io/v1/": { auth: auth("hub:pw") }, "http://127.0.0.1:5000": { auth: auth("me:a:b") }, "ghcr.io": {} }, credsStore: "desktop" }),
+      "config.json",
+    );
+    expect(m.get("docker.io")).toEqual({ username: "hub", password: "pw" });
+    expect(m.get("127.0.0.1:5000")).toEqual({ username: "me", password: "a:b" });
+    expect(m.has("ghcr.io")).toBe(false);
+    let err: unknown;
+    try {
+      parseDockerConfig("{", "/x/config.json");
+    } catch (e) {
+      err = e;
+    }
+    expect((err as RegistryError).code).toBe("Unauthorized");
+    expect((err as RegistryError).message).toContain("/x/config.json");
+  });
+
+  test("loopback hosts (plain http allowed) and others", () => {
+    for (const h of ["localhost", "localhost:5000", "127.0.0.1", "127.8.9.10:443", "[::1]:5000"]) expect(isLoopbackHost(h)).toBe(true);
+    for (const h of ["registry-1.docker.io", "10.0.0.1:5000", "localhost.example.com", "[::2]"]) expect(isLoopbackHost(h)).toBe(false);
+  });
 });
 
 describe.skipIf(!!skip)(suite("anonymous registry"), () => {
@@ -528,5 +591,66 @@ describe.skipIf(!!skip)(suite("retries, timeouts, nesting"), () => {
     const e = await rejection(c.resolve(tops[4]!));
     expect(e.code).toBe("Protocol");
     expect(e.message).toContain("deeper than 4");
+  });
+});
+
+describe.skipIf(!!skip)(suite("https and credentials stay where they belong"), () => {
+  test("a realm or redirect to plain http off loopback is refused before any connection", async () => {
+    const front = Bun.serve({
+      hostname: "127.0.0.1",
+      port: 0,
+      fetch(req) {
+        const u = new URL(req.url);
+        if (u.pathname.includes("/manifests/")) return new Response("", { status: 401, headers: { "www-authenticate": 'Bearer realm="http://192.0.2.1/token",service="x"' } });
+        return new Response(null, { status: 307, headers: { location: "http://192.0.2.1/blob" } });
+      },
+    });
+    try {
+      const c = new RegistryClient({ dockerConfigPath: null, tries: 1 });
+      const realm = await rejection(c.resolve(`127.0.0.1:${front.port}/x/y:1`));
+      expect(realm.code).toBe("Protocol");
+      expect(realm.message).toContain("refusing http://192.0.2.1");
+      const desc = { mediaType: MEDIA.ociLayerGzip, digest: `sha256:${"0".repeat(64)}`, size: 1 };
+      // A fresh client: this one remembers the bad realm.
+      const redirect = await rejection(new RegistryClient({ dockerConfigPath: null, tries: 1 }).readBlob(`127.0.0.1:${front.port}/x/y:1`, desc));
+      expect(redirect.code).toBe("Protocol");
+      expect(redirect.message).toContain("refusing http://192.0.2.1");
+      expect(redirect.message).toContain(`blob ${desc.digest}`);
+    } finally {
+      front.stop(true);
+    }
+  });
+
+  test("a redirect to another origin gets the blob without the Authorization header", async () => {
+    const body = new TextEncoder().encode("blob bytes behind a redirect");
+    const digest = `sha256:${sha256(body)}`;
+    const authorizations: (string | null)[] = [];
+    const cdn = Bun.serve({
+      hostname: "127.0.0.1",
+      port: 0,
+      fetch(req) {
+        authorizations.push(req.headers.get("authorization"));
+        return new Response(body);
+      },
+    });
+    const registry = Bun.serve({
+      hostname: "127.0.0.1",
+      port: 0,
+      fetch(req) {
+        if (req.headers.get("authorization") !== `Basic ${Buffer.from("alice:pw").toString("base64")}`) {
+          return new Response("", { status: 401, headers: { "www-authenticate": 'Basic realm="r"' } });
+        }
+        return new Response(null, { status: 307, headers: { location: `http://localhost:${cdn.port}/data` } });
+      },
+    });
+    try {
+      const c = new RegistryClient({ dockerConfigPath: null, credentials: { [`127.0.0.1:${registry.port}`]: { username: "alice", password: "pw" } } });
+      const got = await c.readBlob(`127.0.0.1:${registry.port}/x/y`, { mediaType: "application/octet-stream", digest, size: body.length });
+      expect(new TextDecoder().decode(got)).toBe("blob bytes behind a redirect");
+      expect(authorizations).toEqual([null]);
+    } finally {
+      registry.stop(true);
+      cdn.stop(true);
+    }
   });
 });
