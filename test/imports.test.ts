@@ -20,8 +20,9 @@ const allowed: Record<string, string[]> = {
   "src/orchestrator": ["src/orchestrator", "src/vmm", "src/network", "src/snapshot", "src/blockdev/client.ts",
     "src/blockdev/protocol.ts", "src/storage/image_config.ts", "ffi"],
   "src/api": ["src/api", "src/orchestrator"],
-  // Template builds and the host-side builders of the guest's artifacts (kernel, tools disk, sealed layers).
-  "src/template": ["src/template", "src/storage", "ffi"],
+  // Template builds and the host-side builders of the guest's artifacts (kernel, tools disk, sealed layers);
+  // OCI layer conversion asks blockd for the devices it mounts and seals (its client only).
+  "src/template": ["src/template", "src/storage", "src/blockdev/client.ts", "ffi"],
   // The node's composition root wires every part together.
   "src/node": ["src", "ffi", "guest", "package.json"],
   "src/cli": ["src/cli", "src/storage", "src/blockdev/client.ts", "src/blockdev/protocol.ts", "ffi", "package.json"],

@@ -6,6 +6,7 @@
 import { mkdir, open, readdir, readFile, rename, rm, stat, writeFile } from "node:fs/promises";
 import { join } from "node:path";
 import { loadDefinition, TemplateBuildError, type BuildStep, type LoadedDefinition } from "./definition.ts";
+import { processAlive } from "./layer_cache.ts";
 import { runStep } from "./step.ts";
 
 export { TemplateBuildError, type BuildStep } from "./definition.ts";
@@ -302,14 +303,5 @@ async function removeAbandonedBuilds(cacheDir: string): Promise<void> {
     if (Number.isInteger(pid) && pid > 0 && processAlive(pid)) continue;
     // Best effort: one that cannot be removed (still mounted) is tried again by the next build.
     await removeTree(join(cacheDir, name)).catch(() => {});
-  }
-}
-
-function processAlive(pid: number): boolean {
-  try {
-    process.kill(pid, 0);
-    return true;
-  } catch (e) {
-    return (e as NodeJS.ErrnoException).code === "EPERM";
   }
 }

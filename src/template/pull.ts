@@ -1,0 +1,178 @@
+// pullImage: an OCI image from a registry as a stack of sealed overlaybd layers (lowest first) and
+// the parts of its config a sandbox inherits. Tar layers are converted onto the cached empty ext4
+// layer, each result cached by chain ID, the download of layer i+1 overlapping the conversion of
+// layer i; overlaybd-native layers are used as they are (digest verified, no conversion).
+
+import { rm } from "node:fs/promises";
+import { join } from "node:path";
+import type { BlockdClient } from "../blockdev/client.ts";
+import { convertLayer, DEFAULT_DISK_BYTES, emptyExt4Layer, type ConvertContext, type ConvertedLayer } from "./convert.ts";
+import { ConvertError } from "./convert_error.ts";
+import { chainId, type LayerCache } from "./layer_cache.ts";
+import type { Descriptor, ImageRef, OciImageConfig, RegistryClient } from "./registry.ts";
+
+export interface PullProgress {
+  /** resolving: reading manifests and config; layers: downloading and converting; done. */
+  phase: "resolving" | "layers" | "done";
+  layersDone: number;
+  layersTotal: number;
+  /** Layers found converted in the cache (no download). */
+  layersCached: number;
+  /** Blob bytes downloaded so far, of the blobs this pull needs. */
+  bytesDownloaded: number;
+  bytesTotal: number;
+  /** Downloaded bytes per second since the pull started. */
+  bytesPerSecond: number;
+  /** Tar bytes applied in the layer being converted. */
+  bytesApplied: number;
+  elapsedMs: number;
+}
+
+/** What a sandbox of the image inherits from its config. */
+export interface ImageRunConfig {
+  /** Env entries as a map (`KEY=value` split at the first `=`). */
+  env: Record<string, string>;
+  workingDir: string;
+  user: string;
+  entrypoint: string[];
+  cmd: string[];
+  /** `"8080/tcp"` keys. */
+  exposedPorts: string[];
+  labels: Record<string, string>;
+}
+
+export interface PulledImage {
+  /** The image pinned to its manifest digest. */
+  ref: ImageRef;
+  manifestDigest: string;
+  /** Sealed overlaybd layer files, lowest first (the empty ext4 layer first for converted images). */
+  layers: string[];
+  config: ImageRunConfig;
+  diskSizeMB: number;
+  overlaybdNative: boolean;
+  /** Layers this pull converted (or took as native blobs), and layers it found in the cache. */
+  converted: number;
+  cached: number;
+}
+
+export interface PullOptions {
+  registry: RegistryClient;
+  cache: LayerCache;
+  blockd: BlockdClient;
+  /** Virtual disk size of a converted image [20480 MiB]; the sandbox's disk. */
+  diskSizeMB?: number;
+  /** [linux/amd64] */
+  platform?: string;
+  onProgress?: (p: PullProgress) => void;
+}
+
+export async function pullImage(ref: string | ImageRef, opts: PullOptions): Promise<PulledImage> {
+  const started = performance.now();
+  const diskBytes = opts.diskSizeMB !== undefined ? opts.diskSizeMB * 2 ** 20 : DEFAULT_DISK_BYTES;
+  const p: PullProgress = { phase: "resolving", layersDone: 0, layersTotal: 0, layersCached: 0, bytesDownloaded: 0, bytesTotal: 0, bytesPerSecond: 0, bytesApplied: 0, elapsedMs: 0 };
+  const say = () => {
+    p.elapsedMs = Math.round(performance.now() - started);
+    p.bytesPerSecond = p.elapsedMs > 0 ? Math.round((p.bytesDownloaded * 1000) / p.elapsedMs) : 0;
+    try {
+      opts.onProgress?.({ ...p });
+    } catch {} // a progress callback's failure is the caller's
+  };
+  say();
+  const image = await opts.registry.resolve(ref, opts.platform ? { platform: opts.platform } : {});
+  const descs = image.layers;
+  const config = runConfig(image.config);
+  if (!image.overlaybdNative && image.config.diffIds.length !== descs.length) {
+    throw new ConvertError("CorruptLayer", `image config lists ${image.config.diffIds.length} diff_ids for ${descs.length} layers`);
+  }
+  const ctx: ConvertContext = { cache: opts.cache, blockd: opts.blockd };
+  await opts.cache.init();
+  await opts.cache.gc(); // room first: what this pull makes is the most recently used
+
+  // The chain of every layer, known before anything is downloaded.
+  const bottom = image.overlaybdNative ? undefined : await emptyExt4Layer(ctx, diskBytes);
+  const chains: string[] = [];
+  for (let i = 0; i < descs.length; i++) {
+    const id = image.overlaybdNative ? descs[i]!.digest : image.config.diffIds[i]!;
+    chains.push(i === 0 && !bottom ? id : chainId(i === 0 ? bottom!.chain : chains[i - 1]!, id));
+  }
+  const needed = await Promise.all(chains.map(async (c) => !(await Bun.file(opts.cache.layerPath(c)).exists())));
+  p.phase = "layers";
+  p.layersTotal = descs.length;
+  p.layersCached = needed.filter((n) => !n).length;
+  p.bytesTotal = descs.reduce((s, d, i) => s + (needed[i] ? d.size : 0), 0);
+  say();
+
+  const work = await opts.cache.workDir();
+  const fetched = new Map<number, Promise<string>>();
+  const fetchLayer = (i: number): Promise<string> => {
+    let f = fetched.get(i);
+    if (!f) {
+      const d: Descriptor = descs[i]!;
+      let last = 0;
+      f = opts.registry.fetchBlob(image.ref, d, join(work, `${i}.blob`), {
+        onProgress: (bytes) => {
+          p.bytesDownloaded += bytes - last;
+          last = bytes;
+          say();
+        },
+      }).then((b) => b.path);
+      f.catch(() => {}); // awaited where it is used; a prefetch nobody reaches must not go unhandled
+      fetched.set(i, f);
+    }
+    return f;
+  };
+  // Every layer of this image is kept from GC while the pull runs.
+  opts.cache.hold(chains);
+  const stack: ConvertedLayer[] = bottom ? [bottom] : [];
+  let converted = 0;
+  try {
+    for (let i = 0; i < descs.length; i++) {
+      const next = needed.indexOf(true, i + 1);
+      const blob = async () => {
+        if (next >= 0) void fetchLayer(next); // the next download runs while this layer converts
+        return fetchLayer(i);
+      };
+      let layer: ConvertedLayer;
+      if (image.overlaybdNative) {
+        const r = await opts.cache.get(chains[i]!, blob);
+        layer = { chain: chains[i]!, path: r.path, converted: r.made };
+      } else {
+        layer = await convertLayer(ctx, stack, { blob, diffId: image.config.diffIds[i]!, digest: descs[i]!.digest }, diskBytes, (lp) => {
+          p.bytesApplied = lp.tarBytes;
+          say();
+        });
+      }
+      if (layer.converted) converted++;
+      stack.push(layer);
+      const file = fetched.get(i);
+      if (file) await rm(await file.catch(() => ""), { force: true }).catch(() => {});
+      p.layersDone = i + 1;
+      p.bytesApplied = 0;
+      say();
+    }
+  } finally {
+    opts.cache.release(chains);
+    await rm(work, { recursive: true, force: true }).catch(() => {});
+  }
+  p.phase = "done";
+  say();
+  return {
+    ref: image.ref,
+    manifestDigest: image.manifestDigest,
+    layers: stack.map((l) => l.path),
+    config,
+    diskSizeMB: Math.round(diskBytes / 2 ** 20),
+    overlaybdNative: image.overlaybdNative,
+    converted,
+    cached: descs.length - converted,
+  };
+}
+
+function runConfig(c: OciImageConfig): ImageRunConfig {
+  const env: Record<string, string> = {};
+  for (const kv of c.Env) {
+    const eq = kv.indexOf("=");
+    if (eq > 0) env[kv.slice(0, eq)] = kv.slice(eq + 1);
+  }
+  return { env, workingDir: c.WorkingDir, user: c.User, entrypoint: c.Entrypoint ?? [], cmd: c.Cmd ?? [], exposedPorts: c.ExposedPorts, labels: c.Labels };
+}
