@@ -1,6 +1,7 @@
 // A blob download to a file: bytes go to `<dest>.partial`, hashed (sha256) as they arrive; a
 // dropped connection resumes with `Range: bytes=N-` (a partial left by an earlier run is re-hashed
-// first, so the hash always covers the whole file); the registry may send at most the descriptor's
+// first, so the hash always covers the whole file, and when the whole does not match, the blob is
+// downloaded once more from byte 0); the registry may send at most the descriptor's
 // size; the file is renamed to dest only when its digest matches. A mismatch deletes the partial.
 // One download per dest at a time in this process: a second caller for the same dest waits for it.
 import { open, rename, rm, stat } from "node:fs/promises";
@@ -60,7 +61,7 @@ export async function fetchBlobToFile(t: Transport, ref: ImageRef, desc: Descrip
   return done;
 }
 
-async function download(t: Transport, ref: ImageRef, desc: Descriptor, dest: string, opts: FetchBlobOptions): Promise<FetchedBlob> {
+async function download(t: Transport, ref: ImageRef, desc: Descriptor, dest: string, opts: FetchBlobOptions, carried = 0): Promise<FetchedBlob> {
   const what = `blob ${desc.digest} of ${formatImageRef(ref)}`;
   if (!SHA256_DIGEST.test(desc.digest)) throw new RegistryError("Protocol", `${what}: not a sha256 digest`);
   if (!Number.isSafeInteger(desc.size) || desc.size < 0) throw new RegistryError("Protocol", `${what}: size ${desc.size} is not a byte count`);
@@ -80,9 +81,10 @@ async function download(t: Transport, ref: ImageRef, desc: Descriptor, dest: str
   const partial = `${dest}.partial`;
   let offset = (await sizeOf(partial)) ?? 0;
   if (offset > total) offset = 0;
+  const resumedFrom = offset;
   let hasher = await hashPrefix(partial, offset);
   const file = await open(partial, offset === 0 ? "w" : "r+");
-  let downloaded = 0;
+  let downloaded = carried;
   try {
     if (offset === 0) await file.truncate(0);
     let failures = 0;
@@ -162,6 +164,8 @@ async function download(t: Transport, ref: ImageRef, desc: Descriptor, dest: str
   const got = hasher.digest("hex");
   if (got !== want) {
     await rm(partial, { force: true });
+    // The partial an earlier run left may be what was wrong: one more download, from byte 0.
+    if (resumedFrom > 0) return download(t, ref, desc, dest, opts, downloaded);
     throw new RegistryError("DigestMismatch", `${what}: registry ${ref.endpoint} sent bytes whose sha256 is ${got}`);
   }
   await rename(partial, dest);
