@@ -7,6 +7,7 @@ import { timingSafeEqual } from "node:crypto";
 import { ApiError, badRequest, notFound, unauthorized } from "./errors.ts";
 import { readBoundedJson } from "./body.ts";
 import { swaggerUiResponse } from "./swagger_ui.ts";
+import { isUploadRequest } from "./templates.ts";
 
 export interface ApiOptions {
   apiKey: string;
@@ -17,6 +18,8 @@ export interface ApiOptions {
 }
 
 const PLUGIN_UI = "/swagger/_plugin_ui";
+/** The parsed body of a route that reads `request.body` itself. */
+const UNREAD_BODY = Object.freeze({});
 
 /** Paths answered without an API key (E2B and AgentENV leave these open). */
 const OPEN_PATHS = new Set(["/health", "/metrics", "/swagger", "/swagger/", "/swagger/json"]);
@@ -43,12 +46,15 @@ export function createApi(opts: ApiOptions) {
       if (path === PLUGIN_UI) return notFound("route not found: the API's UI is /swagger").response();
       return swaggerUiResponse(path);
     })
-    .onParse(async ({ request, contentType }) => {
+    .onParse(async ({ request, contentType, path }) => {
+      // A template file upload streams its own body (bounded by the builder), whatever its type.
+      if (isUploadRequest(request.method, path)) return UNREAD_BODY;
       if (contentType === "" || contentType.startsWith("application/json")) return readBoundedJson(request, opts.maxBodyBytes);
       throw new ApiError(415, `content type '${contentType}' is not accepted: send application/json`);
     })
     .onBeforeHandle(({ request, path }) => {
       if (OPEN_PATHS.has(path) || path.startsWith("/swagger/assets/")) return;
+      if (isUploadRequest(request.method, path)) return; // signed URL, checked by the route
       if (!keyMatches(presentedKey(request.headers), key)) throw unauthorized();
     })
     .onError(({ code, error, request, path }) => {

@@ -48,6 +48,8 @@ export const SETTINGS = {
   templateCache: setting("AENV_TEMPLATE_CACHE", "template_cache", "$AENV_HOME/templates", str, "built templates (base), keyed by their definition's hash"),
   runDir: setting("AENV_RUN_DIR", "run_dir", "/run/aenv", str, "VM run directories (sockets, consoles, a cold boot's RAM): tmpfs"),
   slotPrefix: setting("AENV_SLOT_PREFIX", "slot_prefix", "aenv-", str, "names of this node's network namespaces and host veths"),
+  maxBuilds: setting("AENV_MAX_BUILDS", "max_builds", "2", int(1, 64), "template builds running at once; up to 8 more wait, past that: 429"),
+  buildTimeoutS: setting("AENV_BUILD_TIMEOUT_S", "build_timeout_s", "3600", int(60, 86_400), "a template build's limit, boot to checkpoint"),
   snapshotStore: setting("AENV_SNAPSHOT_STORE", "snapshot_store", "$AENV_HOME/snapshots", str, "where snapshots live: a directory (local or shared FS) or s3://bucket/prefix"),
 };
 

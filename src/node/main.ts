@@ -9,6 +9,8 @@ import { ApiError } from "../api/errors.ts";
 import { SandboxProxy } from "../api/proxy.ts";
 import { serveNode } from "../api/server.ts";
 import { sandboxRoutes } from "../api/sandboxes.ts";
+import { templateRoutes } from "../api/templates.ts";
+import { TemplateBuilder } from "../orchestrator/builder.ts";
 import { BlockdClient } from "../blockdev/client.ts";
 import { SlotPool } from "../network/index.ts";
 import { Orchestrator } from "../orchestrator/orchestrator.ts";
@@ -29,6 +31,7 @@ const templates = new TemplateStore(store.db);
 let step = "starting";
 let orch: Orchestrator | undefined;
 let proxy: SandboxProxy | undefined;
+let builder: TemplateBuilder | undefined;
 let failed: string | undefined;
 const notReady = () => (orch ? undefined : failed ? `start failed at ${step}: ${failed}` : `starting: ${step}`);
 
@@ -42,6 +45,10 @@ const app = createApi({
     if (!orch) throw new ApiError(503, notReady() ?? "starting");
     return orch;
   }, { domain: cfg.domain || null, defaultTimeoutS: cfg.defaultTimeoutS }))
+  .use(templateRoutes(() => {
+    if (!builder) throw new ApiError(503, notReady() ?? "starting");
+    return builder;
+  }))
   .get("/metrics", () => new Response(prometheus(), { headers: { "content-type": "text/plain; version=0.0.4" } }), { detail: { hide: true } });
 const server = serveNode(app, { hostname: cfg.host, port: cfg.port, proxy: () => proxy });
 
@@ -118,6 +125,10 @@ async function start(): Promise<void> {
   o.warmUp();
   o.startReaper(cfg.reaperIntervalMs);
   proxy = new SandboxProxy(o, { domain: cfg.domain });
+  builder = new TemplateBuilder(o, store.db, {
+    filesDir: join(cfg.home, "template-files"), stepsDir: join(cfg.home, "template-steps"),
+    maxConcurrent: cfg.maxBuilds, buildTimeoutMs: cfg.buildTimeoutS * 1000,
+  });
   orch = o;
   progress(`ready (${((performance.now() - t0) / 1000).toFixed(1)} s)`);
 }
@@ -130,6 +141,7 @@ start().catch((e) => {
 for (const sig of ["SIGINT", "SIGTERM"] as const) {
   process.on(sig, async () => {
     console.log(`aenv node: ${sig}: stopping (sandboxes, blockd and VMMs keep running)`);
+    builder?.close();
     orch?.close();
     server.stop();
     // What operations left for after their answers (a pause's slot and device) is finished, for

@@ -35,6 +35,7 @@ export interface EnvdInit {
   currentToken: string | null;
   envVars: Record<string, string>;
   defaultUser?: string;
+  defaultWorkdir?: string;
 }
 
 /**
@@ -53,6 +54,7 @@ export async function initEnvd(baseUrl: string, init: EnvdInit, timeoutMs: numbe
       accessToken: init.accessToken,
       envVars: init.envVars,
       defaultUser: init.defaultUser ?? "user",
+      ...(init.defaultWorkdir ? { defaultWorkdir: init.defaultWorkdir } : {}),
       timestamp: new Date().toISOString(),
       aenvEntropy: entropy,
     });

@@ -107,6 +107,32 @@ interface Live {
   slot: Slot;
 }
 
+export interface VmSize {
+  cpuCount: number;
+  memoryMB: number;
+  diskSizeMB: number;
+}
+
+/** What a cold boot has taken so far (given back by giveBackBoot). */
+interface BootHeld {
+  slot?: Slot;
+  vm?: Vmm;
+  /** The rootfs device, once acquired. */
+  devices: string[];
+}
+
+/** A template build's VM (Orchestrator.startBuildVm). Its envd has no token: only the node reaches it. */
+export interface BuildVm {
+  readonly envdUrl: string;
+  alive(): boolean;
+  /** Pauses the VM, seals its rootfs upper into `layerPath` (the disk carries on over a fresh upper), resumes. */
+  seal(layerPath: string): Promise<void>;
+  /** Memory and device state plus the sealed upper into a new checkpoint for `templateId`, over `stack`; the VM is left stopped-in-place. */
+  checkpoint(templateId: string, stack: string[]): Promise<VmCheckpoint>;
+  /** Stops the VM and gives back its slot and device; idempotent. */
+  stop(): Promise<void>;
+}
+
 function randomId(len = 20): string {
   const alphabet = "abcdefghijklmnopqrstuvwxyz0123456789";
   const bytes = crypto.getRandomValues(new Uint8Array(len));
@@ -150,6 +176,8 @@ export class Orchestrator {
   private tools: Promise<{ id: string; path: string }> | undefined;
   /** One checkpointing boot per template at a time. */
   private readonly preparing = new Map<string, Promise<VmCheckpoint>>();
+  /** Checkpoints of template builds not yet published: kept from collectCheckpoints. */
+  private readonly buildCheckpoints = new Set<string>();
   /** The checkpoint collection running now, and whether it must go round once more. */
   private collecting: Promise<string[]> | undefined;
   private collectAgain = false;
@@ -303,23 +331,12 @@ export class Orchestrator {
       const cpDir = join(this.opts.home, "checkpoints", `template-${tpl.id}`);
       await rm(cpDir, { recursive: true, force: true });
       mkdirSync(cpDir, { recursive: true });
-      let slot: Slot | undefined;
-      let vm: Vmm | undefined;
-      const devices: string[] = [];
+      const held: BootHeld = { devices: [] };
       try {
-        slot = await this.slots.acquire();
-        const upperDir = join(this.opts.home, "sandboxes", id, "upper");
-        const { drives } = await this.devices(devices, tpl.layers, upperDir, tpl.diskSizeMB);
-        vm = await this.driver.boot({
-          id, runDir: join(this.opts.runRoot, id), kernel: this.guest.kernel, initrd: this.guest.initrd,
-          cmdline: this.guest.cmdline(slot), vcpus: tpl.cpuCount, memMiB: tpl.memoryMB, drives,
-          net: { tap: slot.tap, mac: slot.guestMac }, netnsPath: slot.netnsPath,
-        });
-        const v = vm;
-        await waitEnvdReady(`http://${slot.nsIp}:${ENVD_PORT}`, this.envdTimeoutMs, () => v.state !== "stopped");
+        const vm = await this.coldBoot(id, tpl.layers, tpl, held);
         await vm.snapshot(cpDir, { resumable: false });
         const layer = join(cpDir, "rootfs.layer");
-        await this.blockd.call("restack", { id: devices[0], layerPath: layer });
+        await this.blockd.call("restack", { id: held.devices[0], layerPath: layer });
         const cp: VmCheckpoint = { dir: cpDir, layers: [...tpl.layers, layer], envdToken: null };
         this.templates.setCheckpoint(tpl.id, cp);
         if (tpl.kind === "template") this.prepareDevices(cp, tpl.diskSizeMB);
@@ -328,16 +345,108 @@ export class Orchestrator {
         await rm(cpDir, { recursive: true, force: true });
         throw e;
       } finally {
-        await vm?.stop().catch(() => {});
-        await this.giveBackDevice(devices[0] ?? null);
-        await rm(join(this.opts.home, "sandboxes", id), { recursive: true, force: true });
-        await rm(join(this.opts.runRoot, id), { recursive: true, force: true });
-        if (slot) await this.slots.release(slot).catch(() => {});
+        await this.giveBackBoot(id, held);
         this.preparing.delete(tpl.id);
       }
     })();
     this.preparing.set(tpl.id, p);
     return p;
+  }
+
+  /**
+   * A VM cold-booted from `layers` (tools disk, rootfs with a fresh upper, a slot) until envd
+   * answers; what it took is recorded in `held` as it is taken, for giveBackBoot.
+   */
+  private async coldBoot(id: string, layers: string[], size: VmSize, held: BootHeld): Promise<Vmm> {
+    held.slot = await this.slots.acquire();
+    const slot = held.slot;
+    const upperDir = join(this.opts.home, "sandboxes", id, "upper");
+    const { drives } = await this.devices(held.devices, layers, upperDir, size.diskSizeMB);
+    const vm = await this.driver.boot({
+      id, runDir: join(this.opts.runRoot, id), kernel: this.guest.kernel, initrd: this.guest.initrd,
+      cmdline: this.guest.cmdline(slot), vcpus: size.cpuCount, memMiB: size.memoryMB, drives,
+      net: { tap: slot.tap, mac: slot.guestMac }, netnsPath: slot.netnsPath,
+    });
+    held.vm = vm;
+    await waitEnvdReady(`http://${slot.nsIp}:${ENVD_PORT}`, this.envdTimeoutMs, () => vm.state !== "stopped");
+    return vm;
+  }
+
+  /** Stops a cold-booted VM and gives back its device, slot and directories; idempotent. */
+  private async giveBackBoot(id: string, held: BootHeld): Promise<void> {
+    await held.vm?.stop().catch(() => {});
+    held.vm = undefined;
+    await this.giveBackDevice(held.devices.shift() ?? null);
+    await rm(join(this.opts.home, "sandboxes", id), { recursive: true, force: true });
+    await rm(join(this.opts.runRoot, id), { recursive: true, force: true });
+    if (held.slot) await this.slots.release(held.slot).catch(() => {});
+    held.slot = undefined;
+  }
+
+  // ─── template builds ───────────────────────────────────────────────────────
+
+  /**
+   * A VM for a template build, cold-booted from a clean layer stack (a restore would bring back a
+   * page cache that does not match layers added by cached steps). The builder runs steps through
+   * its envd, seals the rootfs upper after each step and checkpoints it when ready.
+   */
+  async startBuildVm(layers: string[], size: VmSize): Promise<BuildVm> {
+    if (this.closed) throw new OrchestratorError(503, "the node is shutting down");
+    const id = `bld${randomId(12)}`;
+    const held: BootHeld = { devices: [] };
+    let vm: Vmm;
+    try {
+      vm = await this.coldBoot(id, layers, size, held);
+    } catch (e) {
+      await this.giveBackBoot(id, held);
+      throw asOrchestratorError(e, "booting the build VM");
+    }
+    const device = held.devices[0]!;
+    return {
+      envdUrl: `http://${held.slot!.nsIp}:${ENVD_PORT}`,
+      alive: () => vm.state !== "stopped",
+      seal: async (layerPath) => {
+        await vm.pause();
+        try {
+          await this.blockd.call("restack", { id: device, layerPath });
+        } finally {
+          await vm.resume();
+        }
+      },
+      checkpoint: async (templateId, stack) => {
+        const dir = join(this.opts.home, "checkpoints", `template-${templateId}-${randomId(8)}`);
+        this.buildCheckpoints.add(dir);
+        try {
+          await vm.snapshot(dir, { resumable: false });
+          const layer = join(dir, "rootfs.layer");
+          await this.blockd.call("restack", { id: device, layerPath: layer });
+          return { dir, layers: [...stack, layer], envdToken: null };
+        } catch (e) {
+          this.discardBuildCheckpoint(dir);
+          throw e;
+        }
+      },
+      stop: () => this.giveBackBoot(id, held),
+    };
+  }
+
+  /** A build checkpoint that will not be published: its directory goes. */
+  discardBuildCheckpoint(dir: string): void {
+    this.buildCheckpoints.delete(dir);
+    rm(dir, { recursive: true, force: true }).catch((e) => console.error(`orchestrator: removing ${dir}: ${(e as Error).message}`));
+  }
+
+  /**
+   * A finished build becomes the template (a new one, or in place of its previous build: sandboxes
+   * of the old build keep its checkpoint until they go). Devices are prepared for the new stack.
+   */
+  publishTemplate(t: TemplateRecord): void {
+    const old = this.templates.list("template").find((x) => x.id === t.id);
+    this.templates.upsert(t);
+    if (t.checkpoint) this.buildCheckpoints.delete(t.checkpoint.dir);
+    if (old?.checkpoint && old.checkpoint.dir !== t.checkpoint?.dir) this.prepareDevices(old.checkpoint, old.diskSizeMB, 0);
+    if (t.checkpoint) this.prepareDevices(t.checkpoint, t.diskSizeMB);
+    this.collectCheckpointsLater();
   }
 
   /** The node's one tools disk device (a reference taken once; every VM opens the same file). */
@@ -408,10 +517,14 @@ export class Orchestrator {
       const url = `http://${rt.slot.nsIp}:${ENVD_PORT}`;
       await waitEnvdReady(url, this.envdTimeoutMs, () => vm.state !== "stopped");
       clock.lap("guest");
+      // A built or pulled template's env, user and working directory; the request's env wins.
+      const config = this.templates.resolve(rec.templateId)?.config;
       await initEnvd(url, {
         accessToken: rec.envdAccessToken,
         currentToken: cp.envdToken,
-        envVars: { ...rec.envVars, E2B_SANDBOX_ID: rec.id, E2B_TEMPLATE_ID: rec.templateId },
+        envVars: { ...config?.env, ...rec.envVars, E2B_SANDBOX_ID: rec.id, E2B_TEMPLATE_ID: rec.templateId },
+        defaultUser: config?.user,
+        defaultWorkdir: config?.workdir,
       }, 30_000);
       clock.lap("init");
       return rt;
@@ -631,7 +744,7 @@ export class Orchestrator {
     const t: TemplateRecord = {
       id: snapId, alias, kind: "snapshot", names: [`${alias ?? snapId}:default`], cpuCount: src.cpuCount,
       memoryMB: src.memoryMB, diskSizeMB: src.diskSizeMB, layers: cp.layers, checkpoint: cp, sourceSandboxId: id,
-      envdVersion: src.envdVersion, createdAt: Date.now(),
+      envdVersion: src.envdVersion, createdAt: Date.now(), config: this.templates.resolve(src.templateId)?.config ?? null,
     };
     try {
       this.templates.insert(t);
@@ -822,6 +935,7 @@ export class Orchestrator {
     for (const l of this.templates.layersInUse()) used.add(join(l, ".."));
     for (const t of [...this.templates.list("template"), ...this.templates.list("snapshot")]) if (t.checkpoint) used.add(t.checkpoint.dir);
     for (const p of this.preparing.keys()) used.add(join(root, `template-${p}`));
+    for (const d of this.buildCheckpoints) used.add(d);
     const removed: string[] = [];
     for (const name of names) {
       const dir = join(root, name);
@@ -830,28 +944,6 @@ export class Orchestrator {
       removed.push(dir);
     }
     return removed;
-  }
-
-  /**
-   * Work an operation leaves for after its answer (giving back what it no longer needs); its
-   * failure is logged. `settledCleanups` waits for all of it (tests, shutdown).
-   */
-  private afterReply(id: string, op: string, work: () => Promise<void>): void {
-    const p = (this.cleanups.get(id) ?? Promise.resolve())
-      .then(work)
-      .catch((e) => console.error(`orchestrator: after ${op} of ${id}: ${(e as Error).message}`))
-      .finally(() => { if (this.cleanups.get(id) === p) this.cleanups.delete(id); });
-    this.cleanups.set(id, p);
-  }
-
-  /** Resolves once the work operations left for after their answers has ended. */
-  async settledCleanups(): Promise<void> {
-    while (this.cleanups.size) await Promise.all([...this.cleanups.values()]);
-  }
-
-  /** Starts a collection after an operation; its failure is logged, never the operation's. */
-  private collectCheckpointsLater(): void {
-    this.collectCheckpoints().catch((e) => console.error(`orchestrator: collecting checkpoints: ${(e as Error).message}`));
   }
 
   /**

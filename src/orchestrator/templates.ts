@@ -32,6 +32,27 @@ export interface TemplateRecord {
   sourceSandboxId: string | null;
   envdVersion: string;
   createdAt: number;
+  /** What its sandboxes start with (a built or pulled template); null: envd's defaults. */
+  config?: TemplateConfig | null;
+}
+
+/**
+ * A template's run-time defaults, from its image's OCI config or its build's ENV/USER/WORKDIR:
+ * envd gets them at every create (`/init` env vars, default user and working directory).
+ */
+export interface TemplateConfig {
+  env: Record<string, string>;
+  user?: string;
+  workdir?: string;
+  startCmd?: string;
+  readyCmd?: string;
+  /** EXPOSE and LABEL steps: kept, not acted on. */
+  exposed?: string[];
+  labels?: Record<string, string>;
+  /** The build that made it (E2B's buildID). */
+  buildId?: string;
+  /** Tags (E2B `name:tag`): each names this template's one kept build; `default` always does. */
+  tags?: { tag: string; createdAt: number }[];
 }
 
 export class TemplateStoreError extends Error {
@@ -41,7 +62,7 @@ export class TemplateStoreError extends Error {
 interface Row {
   id: string; alias: string | null; kind: string; names: string; cpu_count: number; memory_mb: number;
   disk_size_mb: number; layers: string; checkpoint: string; source_sandbox_id: string | null;
-  envd_version: string; created_at: number;
+  envd_version: string; created_at: number; config: string | null;
 }
 
 function toRecord(r: Row): TemplateRecord {
@@ -49,6 +70,7 @@ function toRecord(r: Row): TemplateRecord {
     id: r.id, alias: r.alias, kind: r.kind as TemplateKind, names: JSON.parse(r.names), cpuCount: r.cpu_count,
     memoryMB: r.memory_mb, diskSizeMB: r.disk_size_mb, layers: JSON.parse(r.layers), checkpoint: JSON.parse(r.checkpoint),
     sourceSandboxId: r.source_sandbox_id, envdVersion: r.envd_version, createdAt: r.created_at,
+    config: r.config === null ? null : JSON.parse(r.config),
   };
 }
 
@@ -66,17 +88,18 @@ export class TemplateStore {
       checkpoint TEXT NOT NULL,
       source_sandbox_id TEXT,
       envd_version TEXT NOT NULL,
-      created_at INTEGER NOT NULL
+      created_at INTEGER NOT NULL,
+      config TEXT
     )`);
+    // Databases made before the config column: added in place (NULL: envd's defaults).
+    const cols = db.query<{ name: string }, []>("PRAGMA table_info(templates)").all().map((c) => c.name);
+    if (!cols.includes("config")) db.run("ALTER TABLE templates ADD COLUMN config TEXT");
   }
 
   insert(t: TemplateRecord): void {
     try {
-      this.db.query(`INSERT INTO templates VALUES ($id, $alias, $kind, $names, $cpu, $mem, $disk, $layers, $checkpoint, $src, $envd, $created)`).run({
-        id: t.id, alias: t.alias, kind: t.kind, names: JSON.stringify(t.names), cpu: t.cpuCount, mem: t.memoryMB,
-        disk: t.diskSizeMB, layers: JSON.stringify(t.layers), checkpoint: JSON.stringify(t.checkpoint),
-        src: t.sourceSandboxId, envd: t.envdVersion, created: t.createdAt,
-      });
+      this.db.query(`INSERT INTO templates (id, alias, kind, names, cpu_count, memory_mb, disk_size_mb, layers, checkpoint,
+        source_sandbox_id, envd_version, created_at, config) VALUES ($id, $alias, $kind, $names, $cpu, $mem, $disk, $layers, $checkpoint, $src, $envd, $created, $config)`).run(this.params(t));
     } catch (e) {
       const msg = (e as Error).message;
       if (msg.includes("templates.alias")) throw new TemplateStoreError(`alias '${t.alias}' is taken`);
@@ -84,11 +107,41 @@ export class TemplateStore {
     }
   }
 
-  /** By id, alias, or a tag-qualified name (`name:default`, `id:default`). */
+  private params(t: TemplateRecord) {
+    return {
+      id: t.id, alias: t.alias, kind: t.kind, names: JSON.stringify(t.names), cpu: t.cpuCount, mem: t.memoryMB,
+      disk: t.diskSizeMB, layers: JSON.stringify(t.layers), checkpoint: JSON.stringify(t.checkpoint),
+      src: t.sourceSandboxId, envd: t.envdVersion, created: t.createdAt, config: t.config ? JSON.stringify(t.config) : null,
+    };
+  }
+
+  /** A finished build in place of the template's previous one (same id), or a new template. */
+  upsert(t: TemplateRecord): void {
+    if (!this.db.query("SELECT 1 FROM templates WHERE id = ?").get(t.id)) return this.insert(t);
+    try {
+      this.db.query(`UPDATE templates SET alias = $alias, kind = $kind, names = $names, cpu_count = $cpu, memory_mb = $mem,
+        disk_size_mb = $disk, layers = $layers, checkpoint = $checkpoint, source_sandbox_id = $src, envd_version = $envd,
+        created_at = $created, config = $config WHERE id = $id`).run(this.params(t));
+    } catch (e) {
+      const msg = (e as Error).message;
+      if (msg.includes("templates.alias")) throw new TemplateStoreError(`alias '${t.alias}' is taken`);
+      throw new TemplateStoreError(`update template ${t.id}: ${msg}`);
+    }
+  }
+
+  /**
+   * By id, alias, or a tag-qualified name (`name:tag`, `id:tag`): `default` names every template,
+   * another tag only a template whose `names` list it.
+   */
   resolve(ref: string): TemplateRecord | undefined {
-    const bare = ref.endsWith(":default") ? ref.slice(0, -":default".length) : ref;
+    const colon = ref.lastIndexOf(":");
+    const bare = colon < 0 ? ref : ref.slice(0, colon);
+    const tag = colon < 0 ? "default" : ref.slice(colon + 1);
     const r = this.db.query<Row, [string, string]>("SELECT * FROM templates WHERE id = ? OR alias = ? LIMIT 1").get(bare, bare);
-    return r ? toRecord(r) : undefined;
+    if (!r) return undefined;
+    const t = toRecord(r);
+    if (tag === "default" || t.names.includes(`${t.alias ?? t.id}:${tag}`)) return t;
+    return undefined;
   }
 
   setCheckpoint(id: string, checkpoint: VmCheckpoint | null): void {

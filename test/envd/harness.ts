@@ -3,6 +3,7 @@
 import { chmodSync, chownSync, mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { Sandbox } from "e2b";
+import { connectFrames } from "../../src/orchestrator/envd_process.ts";
 
 export const USER_UID = 65534; // "nobody" on the host: an unprivileged uid that surely exists
 const MAIN = join(import.meta.dir, "../../guest/envd/main.ts");
@@ -197,19 +198,6 @@ export async function rawExchange(port: number, head: string, body: (i: number) 
 }
 
 /** A streaming response's envelopes as they arrive, JSON-decoded: for asserting order while a stream is open. */
-export async function* jsonFrames(res: Response): AsyncGenerator<[number, any]> {
-  let buf = new Uint8Array(0);
-  for await (const chunk of res.body as AsyncIterable<Uint8Array>) {
-    const next = new Uint8Array(buf.length + chunk.length);
-    next.set(buf);
-    next.set(chunk, buf.length);
-    buf = next;
-    while (buf.length >= 5) {
-      const len = new DataView(buf.buffer, buf.byteOffset).getUint32(1);
-      if (buf.length < 5 + len) break;
-      yield [buf[0]!, JSON.parse(new TextDecoder().decode(buf.subarray(5, 5 + len)))];
-      buf = buf.subarray(5 + len);
-    }
-  }
-  if (buf.length) throw new Error("trailing bytes after the last envelope");
+export function jsonFrames(res: Response): AsyncGenerator<[number, any]> {
+  return connectFrames(res.body as AsyncIterable<Uint8Array>);
 }

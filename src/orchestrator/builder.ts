@@ -1,0 +1,747 @@
+// Template builds as E2B's template API drives them: a build is requested (a template ID and a
+// build ID), its COPY files are uploaded by hash, then started with a parent (another template, or
+// an image through the node's ImageSource) and steps. The build VM is cold-booted from the
+// parent's layers plus every cached step's layer; the remaining steps run through its envd, each
+// sealed into a layer of its own and recorded in the step cache under the hash of (parent, step,
+// the state before it). startCmd runs in the background, readyCmd is polled, and the ready VM is
+// checkpointed: the template is published only then, so a failed build leaves nothing behind.
+import type { Database } from "bun:sqlite";
+import { createHash, createHmac, randomUUID, timingSafeEqual } from "node:crypto";
+import { mkdirSync } from "node:fs";
+import { mkdir, open, rename, rm, stat } from "node:fs/promises";
+import { join, posix } from "node:path";
+import { runProcess, uploadFile, type ProcessSpec } from "./envd_process.ts";
+import { Orchestrator, OrchestratorError, type BuildVm } from "./orchestrator.ts";
+import type { TemplateConfig, TemplateRecord } from "./templates.ts";
+
+/** A build API failure with the HTTP status the API answers it with. */
+export class TemplateBuildError extends Error {
+  constructor(readonly status: number, message: string) {
+    super(message);
+    this.name = "TemplateBuildError";
+  }
+}
+
+/** A step failed inside the build: the status's reason names it (E2B's step numbering: 1 = first step). */
+class StepFailed extends Error {
+  constructor(message: string, readonly step: string) {
+    super(message);
+    this.name = "StepFailed";
+  }
+}
+
+export type BuildStatus = "waiting" | "building" | "ready" | "error";
+export type LogLevel = "debug" | "info" | "warn" | "error";
+
+export interface BuildLogEntry {
+  timestamp: string;
+  level: LogLevel;
+  message: string;
+  step?: string;
+}
+
+export interface BuildStep {
+  type: string;
+  args?: string[];
+  filesHash?: string;
+  force?: boolean;
+}
+
+export interface RegistryAuth {
+  type: string;
+  username?: string;
+  password?: string;
+}
+
+/** The body of POST /v2/templates/{templateID}/builds/{buildID} (E2B's TemplateBuildStartV2). */
+export interface BuildSpec {
+  fromImage?: string;
+  fromTemplate?: string;
+  fromImageRegistry?: RegistryAuth;
+  force?: boolean;
+  startCmd?: string;
+  readyCmd?: string;
+  steps?: BuildStep[];
+}
+
+/** An OCI image as a clean layer stack plus its config (the node composes it from src/template). */
+export interface PulledImage {
+  /** A stable name of the image's content (its manifest digest): the step cache's root. */
+  digest: string;
+  layers: string[];
+  diskSizeMB: number;
+  env: Record<string, string>;
+  user?: string;
+  workdir?: string;
+}
+
+export interface ImageSource {
+  pull(ref: string, auth: { username: string; password: string } | undefined, log: (message: string) => void, signal: AbortSignal): Promise<PulledImage>;
+}
+
+export interface BuilderOptions {
+  /** Uploaded COPY archives, by template and hash. */
+  filesDir: string;
+  /** Sealed step layers of the step cache. */
+  stepsDir: string;
+  /** Builds running at once on this node; more wait ("waiting") up to maxQueued, then 429. */
+  maxConcurrent?: number;
+  maxQueued?: number;
+  /** A build's whole run, boot to checkpoint. */
+  buildTimeoutMs?: number;
+  /** Log entries kept per build (the oldest go first; logsOffset still counts them). */
+  maxLogEntries?: number;
+  /** One COPY archive's size. */
+  maxUploadBytes?: number;
+  /** readyCmd is polled this often, up to readyTimeoutMs (E2B: 2 s, 10 min). */
+  readyIntervalMs?: number;
+  readyTimeoutMs?: number;
+  /** startCmd without readyCmd waits with this command (E2B: `sleep 20`). */
+  defaultReadyCmd?: string;
+  /** Builds (finished or not) whose status this node keeps answering. */
+  maxBuildsKept?: number;
+  /** Where fromImage parents come from; none: fromImage is refused. */
+  images?: ImageSource;
+}
+
+const DEFAULTS = {
+  maxConcurrent: 2, maxQueued: 8, buildTimeoutMs: 60 * 60_000, maxLogEntries: 10_000, maxUploadBytes: 1024 ** 3,
+  readyIntervalMs: 2000, readyTimeoutMs: 10 * 60_000, defaultReadyCmd: "sleep 20", maxBuildsKept: 256,
+};
+/** Entries one status call returns (E2B's page size). */
+export const LOG_PAGE = 100;
+/** Steps of one build, and a step's args (count and bytes). */
+const MAX_STEPS = 256;
+const MAX_ARGS = 256;
+const MAX_ARG_BYTES = 64 * 1024;
+/** USER's account creation (E2B: 60 s); each bookkeeping command in the VM (sync, mkdir). */
+const USER_STEP_MS = 60_000;
+const SHORT_CMD_MS = 120_000;
+/** A failed step's reason carries this much of its output's end. */
+const OUTPUT_TAIL = 4096;
+
+const STEP_TYPES = new Set(["RUN", "COPY", "ADD", "ENV", "ARG", "WORKDIR", "USER", "EXPOSE", "LABEL", "VOLUME"]);
+/** Steps that change the disk: their upper is sealed into a layer. */
+const DISK_STEPS = new Set(["RUN", "COPY", "ADD", "WORKDIR", "USER"]);
+const NAME = /^[a-zA-Z0-9][a-zA-Z0-9_.-]{0,127}$/;
+const TAG = /^[a-zA-Z0-9][a-zA-Z0-9_.-]{0,127}$/;
+const HASH = /^[0-9a-f]{64}$/;
+
+/** `name` or `name:tag` → its parts (tag undefined when none was given). */
+export function splitName(ref: string): { name: string; tag?: string } {
+  const colon = ref.lastIndexOf(":");
+  return colon < 0 ? { name: ref } : { name: ref.slice(0, colon), tag: ref.slice(colon + 1) };
+}
+
+function sha256(text: string): string {
+  return createHash("sha256").update(text).digest("hex");
+}
+
+function randomId(len = 20): string {
+  const alphabet = "abcdefghijklmnopqrstuvwxyz0123456789";
+  let s = "";
+  for (const b of crypto.getRandomValues(new Uint8Array(len))) s += alphabet[b % 36];
+  return s;
+}
+
+class Build {
+  status: BuildStatus = "waiting";
+  reason: { message: string; step?: string } | undefined;
+  spec: BuildSpec | undefined;
+  started = false;
+  readonly createdAt = Date.now();
+  updatedAt = Date.now();
+  /** Absolute index of logs[0]: entries before it were dropped by the bound. */
+  private logBase = 0;
+  private readonly logs: BuildLogEntry[] = [];
+
+  constructor(readonly templateId: string, readonly buildId: string, private readonly maxLogs: number) {}
+
+  log(level: LogLevel, message: string, step?: string): void {
+    this.logs.push({ timestamp: new Date().toISOString(), level, message, ...(step !== undefined ? { step } : {}) });
+    if (this.logs.length > this.maxLogs) {
+      this.logs.shift();
+      this.logBase++;
+    }
+  }
+
+  /** Entries from absolute index `offset` (dropped ones are skipped), at most `limit`. */
+  entries(offset: number, limit: number, level?: LogLevel): BuildLogEntry[] {
+    const from = Math.max(0, offset - this.logBase);
+    const all = this.logs.slice(from, from + limit);
+    return level ? all.filter((e) => e.level === level) : all;
+  }
+
+  finished(): boolean {
+    return this.status === "ready" || this.status === "error";
+  }
+}
+
+interface Request {
+  templateId: string;
+  name: string;
+  tags: string[];
+  cpuCount?: number;
+  memoryMB?: number;
+  builds: Map<string, Build>;
+}
+
+/** The builder's state that changes step by step (the next step's key covers it). */
+interface StepState {
+  env: Record<string, string>;
+  /** ARG values: build-time only, not kept in the template. */
+  args: Record<string, string>;
+  user: string;
+  workdir: string;
+  exposed: string[];
+  labels: Record<string, string>;
+}
+
+interface PlannedStep {
+  index: number;
+  step: BuildStep;
+  key: string;
+  /** The state the step runs in. */
+  before: StepState;
+  archive?: string;
+}
+
+export class TemplateBuilder {
+  private readonly o: Required<Omit<BuilderOptions, "images">> & { images?: ImageSource };
+  private readonly requests = new Map<string, Request>();
+  /** Requested names not yet published → their template ID (one ID per name). */
+  private readonly pendingNames = new Map<string, string>();
+  private readonly queue: Build[] = [];
+  private running = 0;
+  private readonly uploadSecret = crypto.getRandomValues(new Uint8Array(32));
+  private readonly aborts = new Set<AbortController>();
+
+  constructor(private readonly orch: Orchestrator, private readonly db: Database, opts: BuilderOptions) {
+    this.o = { ...DEFAULTS, ...opts };
+    mkdirSync(this.o.filesDir, { recursive: true });
+    mkdirSync(this.o.stepsDir, { recursive: true });
+    db.run(`CREATE TABLE IF NOT EXISTS template_steps (
+      key TEXT PRIMARY KEY,
+      layer TEXT,
+      created_at INTEGER NOT NULL
+    )`);
+  }
+
+  // ─── requests ──────────────────────────────────────────────────────────────
+
+  /** POST /v3/templates: a template ID (the name's, if it exists) and a new build ID. */
+  request(body: { name?: string; alias?: string; tags?: string[]; cpuCount?: number; memoryMB?: number }) {
+    const full = body.name ?? body.alias;
+    if (!full) throw new TemplateBuildError(400, "name is required (name or name:tag)");
+    const { name, tag } = splitName(full);
+    if (!NAME.test(name)) throw new TemplateBuildError(400, `name '${name}': letters, digits, '_', '.', '-', at most 128, starting with a letter or digit`);
+    const tags = [...new Set([...(tag !== undefined ? [tag] : []), ...(body.tags ?? [])])];
+    for (const t of tags) if (!TAG.test(t)) throw new TemplateBuildError(400, `tag '${t}': letters, digits, '_', '.', '-', at most 128`);
+    if (tags.length === 0) tags.push("default");
+    const existing = this.orch.templates.resolve(name);
+    if (existing && existing.kind !== "template") throw new TemplateBuildError(409, `'${name}' is a snapshot, not a template`);
+    if (existing && existing.alias !== name && existing.id === name) throw new TemplateBuildError(409, `'${name}' is a template ID; build under its alias '${existing.alias}'`);
+    const templateId = existing?.id ?? this.pendingNames.get(name) ?? randomId();
+    this.pendingNames.set(name, templateId);
+    const buildId = randomUUID();
+    let req = this.requests.get(templateId);
+    if (!req) {
+      req = { templateId, name, tags, builds: new Map() };
+      this.requests.set(templateId, req);
+    }
+    Object.assign(req, { name, tags, cpuCount: body.cpuCount, memoryMB: body.memoryMB });
+    req.builds.set(buildId, new Build(templateId, buildId, this.o.maxLogEntries));
+    this.forgetOldBuilds();
+    return { templateID: templateId, buildID: buildId, public: false, names: tags.map((t) => `${name}:${t}`), tags, aliases: [name] };
+  }
+
+  /** Finished builds beyond maxBuildsKept are forgotten, oldest first. */
+  private forgetOldBuilds(): void {
+    const all = [...this.requests.values()].flatMap((r) => [...r.builds.values()]);
+    let extra = all.length - this.o.maxBuildsKept;
+    for (const b of all.sort((a, c) => a.updatedAt - c.updatedAt)) {
+      if (extra <= 0) break;
+      if (!b.finished() && b.started) continue;
+      this.requests.get(b.templateId)?.builds.delete(b.buildId);
+      extra--;
+    }
+  }
+
+  private build(templateId: string, buildId: string): Build {
+    const b = this.requests.get(templateId)?.builds.get(buildId);
+    if (!b) throw new TemplateBuildError(404, `build ${buildId} of template ${templateId} not found`);
+    return b;
+  }
+
+  // ─── files ─────────────────────────────────────────────────────────────────
+
+  private knownTemplate(templateId: string): void {
+    if (!this.requests.has(templateId) && !this.orch.templates.resolve(templateId)) throw new TemplateBuildError(404, `template ${templateId} not found`);
+  }
+
+  private archivePath(templateId: string, hash: string): string {
+    return join(this.o.filesDir, templateId, `${hash}.tar`);
+  }
+
+  /** The signature an upload URL carries (the SDK sends no API key with its PUT). */
+  uploadSignature(templateId: string, hash: string): string {
+    return createHmac("sha256", this.uploadSecret).update(`${templateId}/${hash}`).digest("hex");
+  }
+
+  /** GET /templates/{templateID}/files/{hash}: whether it is here; the path and query to PUT it to. */
+  async fileStatus(templateId: string, hash: string): Promise<{ present: boolean; uploadPath: string }> {
+    if (!HASH.test(hash)) throw new TemplateBuildError(400, "the files hash is 64 lowercase hex digits (sha256)");
+    this.knownTemplate(templateId);
+    const present = await stat(this.archivePath(templateId, hash)).then(() => true, () => false);
+    return { present, uploadPath: `/templates/${templateId}/files/${hash}?signature=${this.uploadSignature(templateId, hash)}` };
+  }
+
+  /**
+   * PUT of a COPY archive (tar or tar.gz as the SDK makes it). The hash names it but cannot be
+   * checked here: the SDK hashes paths, modes, sizes and contents of the files, not the archive.
+   * So an archive is kept per template, and the step cache keys on the archive's own sha256.
+   */
+  async putFile(templateId: string, hash: string, signature: string, body: ReadableStream<Uint8Array> | null): Promise<void> {
+    if (!HASH.test(hash)) throw new TemplateBuildError(400, "the files hash is 64 lowercase hex digits (sha256)");
+    const want = Buffer.from(this.uploadSignature(templateId, hash));
+    const got = Buffer.from(signature);
+    if (got.length !== want.length || !timingSafeEqual(got, want)) throw new TemplateBuildError(401, "upload URL signature does not match: ask GET /templates/{templateID}/files/{hash} for the URL");
+    this.knownTemplate(templateId);
+    if (!body) throw new TemplateBuildError(400, "the upload has no body");
+    const dir = join(this.o.filesDir, templateId);
+    await mkdir(dir, { recursive: true });
+    const tmp = join(dir, `.${hash}.${randomId(8)}`);
+    const fh = await open(tmp, "w");
+    const h = createHash("sha256");
+    let total = 0;
+    try {
+      for await (const chunk of body) {
+        total += chunk.byteLength;
+        if (total > this.o.maxUploadBytes) throw new TemplateBuildError(413, `the archive is larger than ${this.o.maxUploadBytes} bytes`);
+        h.update(chunk);
+        await fh.write(chunk);
+      }
+      await fh.close();
+      await Bun.write(`${this.archivePath(templateId, hash)}.sha256`, h.digest("hex"));
+      await rename(tmp, this.archivePath(templateId, hash));
+    } catch (e) {
+      await fh.close().catch(() => {});
+      await rm(tmp, { force: true });
+      throw e;
+    }
+  }
+
+  // ─── start and status ──────────────────────────────────────────────────────
+
+  /** POST /v2/templates/{templateID}/builds/{buildID}: checked, then run now or queued. */
+  async start(templateId: string, buildId: string, spec: BuildSpec): Promise<void> {
+    const b = this.build(templateId, buildId);
+    if (b.started) throw new TemplateBuildError(409, `build ${buildId} has already been started`);
+    await this.check(templateId, spec);
+    if (this.running >= this.o.maxConcurrent && this.queue.length >= this.o.maxQueued)
+      throw new TemplateBuildError(429, `this node runs ${this.o.maxConcurrent} builds and queues ${this.o.maxQueued}: try again later`);
+    b.started = true;
+    b.spec = spec;
+    b.log("info", `Build ${buildId} accepted`);
+    this.queue.push(b);
+    this.pump();
+  }
+
+  private async check(templateId: string, spec: BuildSpec): Promise<void> {
+    const hasImage = typeof spec.fromImage === "string" && spec.fromImage !== "";
+    const hasTemplate = typeof spec.fromTemplate === "string" && spec.fromTemplate !== "";
+    if (hasImage === hasTemplate) throw new TemplateBuildError(400, "give exactly one of fromImage and fromTemplate");
+    const reg = spec.fromImageRegistry;
+    if (reg) {
+      if (!hasImage) throw new TemplateBuildError(400, "fromImageRegistry goes with fromImage");
+      if (reg.type !== "registry") throw new TemplateBuildError(400, `fromImageRegistry type '${reg.type}' is not supported: only 'registry' (username and password)`);
+      if (typeof reg.username !== "string" || typeof reg.password !== "string" || !reg.username) throw new TemplateBuildError(400, "fromImageRegistry needs username and password");
+    }
+    if (hasTemplate) {
+      const parent = this.orch.templates.resolve(spec.fromTemplate!);
+      if (!parent) throw new TemplateBuildError(404, `template '${spec.fromTemplate}' not found`);
+      if (parent.id === templateId) throw new TemplateBuildError(400, "a template cannot be built from itself");
+    } else if (!this.o.images) {
+      throw new TemplateBuildError(400, "fromImage is not supported by this node (no image puller configured): build fromTemplate");
+    }
+    const steps = spec.steps ?? [];
+    if (!Array.isArray(steps) || steps.length > MAX_STEPS) throw new TemplateBuildError(400, `steps: a list of at most ${MAX_STEPS}`);
+    for (const [i, s] of steps.entries()) {
+      const where = `step ${i + 1}`;
+      if (!s || typeof s.type !== "string" || !STEP_TYPES.has(s.type)) throw new TemplateBuildError(400, `${where}: type must be one of ${[...STEP_TYPES].join(", ")}`);
+      const args = s.args ?? [];
+      if (!Array.isArray(args) || args.length > MAX_ARGS || args.some((a) => typeof a !== "string" || Buffer.byteLength(a) > MAX_ARG_BYTES))
+        throw new TemplateBuildError(400, `${where}: args must be at most ${MAX_ARGS} strings of at most ${MAX_ARG_BYTES} bytes`);
+      const need = (n: number) => { if (args.length < n) throw new TemplateBuildError(400, `${where} (${s.type}) needs ${n} argument(s)`); };
+      switch (s.type) {
+        case "RUN": case "WORKDIR": case "USER": need(1); if (!args[0]) throw new TemplateBuildError(400, `${where} (${s.type}): empty argument`); break;
+        case "ENV": case "ARG": case "LABEL":
+          if (args.length % 2 !== 0 || args.length === 0) throw new TemplateBuildError(400, `${where} (${s.type}): args are key, value pairs`);
+          break;
+        case "COPY": case "ADD": {
+          need(2);
+          if (!s.filesHash || !HASH.test(s.filesHash)) throw new TemplateBuildError(400, `${where} (COPY): filesHash (sha256 hex) is required`);
+          if (args[3] && !/^[0-7]{3,4}$/.test(args[3])) throw new TemplateBuildError(400, `${where} (COPY): mode '${args[3]}' is not octal`);
+          const present = await stat(this.archivePath(templateId, s.filesHash)).then(() => true, () => false);
+          if (!present) throw new TemplateBuildError(400, `${where} (COPY ${args[0]}): files ${s.filesHash} were not uploaded (GET then PUT /templates/${templateId}/files/${s.filesHash})`);
+          break;
+        }
+      }
+    }
+    for (const [k, v] of [["startCmd", spec.startCmd], ["readyCmd", spec.readyCmd]] as const)
+      if (v !== undefined && v !== null && (typeof v !== "string" || Buffer.byteLength(v) > MAX_ARG_BYTES)) throw new TemplateBuildError(400, `${k}: a string of at most ${MAX_ARG_BYTES} bytes`);
+  }
+
+  /** GET .../status: the build's state and its log entries from `offset` (at most LOG_PAGE). */
+  status(templateId: string, buildId: string, offset = 0, limit = LOG_PAGE, level?: LogLevel) {
+    const b = this.build(templateId, buildId);
+    const entries = b.entries(offset, Math.min(limit, LOG_PAGE), level);
+    return {
+      templateID: templateId,
+      buildID: buildId,
+      status: b.status,
+      logs: entries.map((e) => `[${e.timestamp}] ${e.message}`),
+      logEntries: entries,
+      ...(b.reason ? { reason: { ...b.reason, logEntries: b.entries(0, Number.MAX_SAFE_INTEGER, "error").slice(-LOG_PAGE) } } : {}),
+    };
+  }
+
+  /** Running builds are cut short (nothing is published); queued ones fail. */
+  close(): void {
+    for (const a of this.aborts) a.abort(new Error("the node is shutting down"));
+    for (const b of this.queue.splice(0)) this.fail(b, new Error("the node is shutting down"));
+  }
+
+  private pump(): void {
+    while (this.running < this.o.maxConcurrent && this.queue.length > 0) {
+      const b = this.queue.shift()!;
+      this.running++;
+      void this.run(b).finally(() => {
+        this.running--;
+        this.pump();
+      });
+    }
+  }
+
+  private fail(b: Build, e: unknown): void {
+    const step = e instanceof StepFailed ? e.step : undefined;
+    const message = (e as Error).message ?? String(e);
+    b.status = "error";
+    b.reason = { message, ...(step !== undefined ? { step } : {}) };
+    b.log("error", `Build failed: ${message}`, step);
+    b.updatedAt = Date.now();
+  }
+
+  // ─── the build ─────────────────────────────────────────────────────────────
+
+  private async run(b: Build): Promise<void> {
+    const spec = b.spec!;
+    const req = this.requests.get(b.templateId)!;
+    const abort = new AbortController();
+    this.aborts.add(abort);
+    const timer = setTimeout(() => abort.abort(new Error(`the build ran past its limit of ${this.o.buildTimeoutMs / 1000} s`)), this.o.buildTimeoutMs);
+    const deadline = Date.now() + this.o.buildTimeoutMs;
+    let vm: BuildVm | undefined;
+    let checkpointDir: string | undefined;
+    b.status = "building";
+    try {
+      const parent = await this.parent(b, spec, abort.signal);
+      const steps = spec.steps ?? [];
+      const plan = await this.plan(b.templateId, parent, steps);
+      const n = steps.length;
+      const label = (p: PlannedStep) => `[${p.index + 1}/${n}] ${p.step.type} ${(p.step.args ?? []).join(" ")}`.trimEnd();
+      // The longest cached prefix: force (the build's or a step's) bypasses the cache from there on.
+      const stack = [...parent.layers];
+      let hits = 0;
+      for (const p of plan) {
+        if (spec.force || p.step.force) break;
+        const row = this.db.query<{ layer: string | null }, [string]>("SELECT layer FROM template_steps WHERE key = ?").get(p.key);
+        if (!row || (row.layer !== null && !(await stat(row.layer).then(() => true, () => false)))) break;
+        if (row.layer !== null) stack.push(row.layer);
+        b.log("info", `CACHED ${label(p)}`, String(p.index + 1));
+        hits++;
+      }
+      b.log("info", `Booting the build VM (${stack.length} layers)`);
+      vm = await this.orch.startBuildVm(stack, parent.size);
+      for (const p of plan.slice(hits)) {
+        if (abort.signal.aborted) throw abort.signal.reason;
+        b.log("info", label(p), String(p.index + 1));
+        await this.runStep(vm, b, p, deadline, abort.signal);
+        if (DISK_STEPS.has(p.step.type)) {
+          await this.exec(vm, b, { cmd: "/bin/sync", args: [], user: "root" }, SHORT_CMD_MS, String(p.index + 1), abort.signal);
+          const layer = join(this.o.stepsDir, `${p.key}-${randomId(6)}.layer`);
+          await vm.seal(layer);
+          stack.push(layer);
+          this.db.query("INSERT OR IGNORE INTO template_steps VALUES (?, ?, ?)").run(p.key, layer, Date.now());
+        } else {
+          this.db.query("INSERT OR IGNORE INTO template_steps VALUES (?, NULL, ?)").run(p.key, Date.now());
+        }
+      }
+      const final = plan.length ? after(plan[plan.length - 1]!) : parent.state;
+      await this.startAndWait(vm, b, spec, final, deadline, abort.signal);
+      await this.exec(vm, b, { cmd: "/bin/sync", args: [], user: "root" }, SHORT_CMD_MS, "finalize", abort.signal);
+      b.log("info", "Checkpointing the ready VM");
+      const cp = await vm.checkpoint(b.templateId, stack);
+      checkpointDir = cp.dir;
+      if (abort.signal.aborted) throw abort.signal.reason;
+      this.publish(req, b, parent, stack, cp, final, spec);
+      checkpointDir = undefined;
+      b.status = "ready";
+      b.log("info", `Template ${req.name} (${b.templateId}) is ready`);
+    } catch (e) {
+      this.fail(b, e instanceof OrchestratorError ? new Error(e.message) : e);
+    } finally {
+      clearTimeout(timer);
+      this.aborts.delete(abort);
+      await vm?.stop().catch(() => {});
+      if (checkpointDir) this.orch.discardBuildCheckpoint(checkpointDir);
+      b.updatedAt = Date.now();
+    }
+  }
+
+  /** The parent's clean layer stack, VM size and run-time state. */
+  private async parent(b: Build, spec: BuildSpec, signal: AbortSignal): Promise<{ root: string; layers: string[]; size: { cpuCount: number; memoryMB: number; diskSizeMB: number }; state: StepState; envdVersion: string }> {
+    const req = this.requests.get(b.templateId)!;
+    const stateOf = (c: { env?: Record<string, string>; user?: string; workdir?: string } | null | undefined, labels: Record<string, string> = {}, exposed: string[] = []): StepState => {
+      const user = c?.user || "user";
+      return { env: { ...c?.env }, args: {}, user, workdir: c?.workdir || (user === "root" ? "/root" : `/home/${user}`), labels, exposed };
+    };
+    if (spec.fromTemplate) {
+      const t = this.orch.templates.resolve(spec.fromTemplate);
+      if (!t) throw new Error(`template '${spec.fromTemplate}' is gone`);
+      b.log("info", `FROM template ${t.alias ?? t.id}`, "base");
+      return {
+        root: sha256(JSON.stringify({ template: t.id, layers: t.layers })),
+        layers: t.layers,
+        size: { cpuCount: req.cpuCount ?? t.cpuCount, memoryMB: req.memoryMB ?? t.memoryMB, diskSizeMB: t.diskSizeMB },
+        state: stateOf(t.config, { ...t.config?.labels }, [...(t.config?.exposed ?? [])]),
+        envdVersion: t.envdVersion,
+      };
+    }
+    b.log("info", `FROM image ${spec.fromImage}`, "base");
+    const reg = spec.fromImageRegistry;
+    const img = await this.o.images!.pull(spec.fromImage!, reg ? { username: reg.username!, password: reg.password! } : undefined, (m) => b.log("info", m, "base"), signal);
+    const base = this.orch.templates.resolve("base");
+    return {
+      root: sha256(JSON.stringify({ image: img.digest })),
+      layers: img.layers,
+      size: { cpuCount: req.cpuCount ?? base?.cpuCount ?? 2, memoryMB: req.memoryMB ?? base?.memoryMB ?? 512, diskSizeMB: img.diskSizeMB },
+      state: stateOf(img),
+      envdVersion: base?.envdVersion ?? "0.6.13",
+    };
+  }
+
+  /** Each step's cache key and the state it runs in (ENV, ARG, USER, WORKDIR carry forward). */
+  private async plan(templateId: string, parent: { root: string; state: StepState }, steps: BuildStep[]): Promise<PlannedStep[]> {
+    let key = parent.root;
+    let state = parent.state;
+    const out: PlannedStep[] = [];
+    for (const [index, step] of steps.entries()) {
+      let archive: string | undefined;
+      let archiveSum: string | undefined;
+      if (step.type === "COPY" || step.type === "ADD") {
+        archive = this.archivePath(templateId, step.filesHash!);
+        archiveSum = (await Bun.file(`${archive}.sha256`).text().catch(() => "")).trim();
+      }
+      key = sha256(JSON.stringify({ parent: key, type: step.type, args: step.args ?? [], filesHash: step.filesHash ?? null, archiveSum: archiveSum ?? null, state }));
+      const p: PlannedStep = { index, step, key, before: state, archive };
+      out.push(p);
+      state = after(p);
+    }
+    return out;
+  }
+
+  private async runStep(vm: BuildVm, b: Build, p: PlannedStep, deadline: number, signal: AbortSignal): Promise<void> {
+    const args = p.step.args ?? [];
+    const s = p.before;
+    const step = String(p.index + 1);
+    const left = () => Math.max(1000, deadline - Date.now());
+    const env = { ...s.env, ...s.args };
+    switch (p.step.type) {
+      case "RUN":
+        await this.exec(vm, b, { cmd: "/bin/bash", args: ["-lc", args[0]!], user: args[1] || s.user, cwd: s.workdir, envs: env }, left(), step, signal);
+        return;
+      case "WORKDIR": {
+        const dir = posix.resolve(s.workdir, args[0]!);
+        await this.exec(vm, b, { cmd: "/bin/bash", args: ["-c", '[ -d "$D" ] || { mkdir -p "$D" && chown "$U": "$D"; }'], user: "root", envs: { D: dir, U: s.user } }, SHORT_CMD_MS, step, signal);
+        return;
+      }
+      case "USER":
+        await this.exec(vm, b, { cmd: "/bin/bash", args: ["-c", 'id -u "$U" >/dev/null 2>&1 || useradd -m -s /bin/bash "$U"'], user: "root", envs: { U: args[0]! } }, USER_STEP_MS, step, signal);
+        return;
+      case "COPY": case "ADD": {
+        const inGuest = `/tmp/.aenv-copy-${p.step.filesHash}-${randomId(6)}`;
+        await uploadFile(vm.envdUrl, null, "root", inGuest, p.archive!, left());
+        await this.exec(vm, b, {
+          cmd: "/bin/bash", args: ["-c", COPY_SCRIPT], user: "root",
+          envs: { ARCHIVE: inGuest, SRC: args[0]!, DEST: posix.resolve(s.workdir, args[1]!) + (args[1]!.endsWith("/") ? "/" : ""), OWNER: args[2] || s.user, MODE: args[3] ?? "" },
+        }, left(), step, signal);
+        return;
+      }
+      default:
+        return; // ENV, ARG, EXPOSE, LABEL, VOLUME: state only (see after()).
+    }
+  }
+
+  /** Runs a command in the build VM, its output into the build's log; a non-zero exit fails the step. */
+  private async exec(vm: BuildVm, b: Build, spec: ProcessSpec, timeoutMs: number, step: string, signal: AbortSignal): Promise<void> {
+    let tail = "";
+    let partial = "";
+    const onOutput = (text: string) => {
+      tail = (tail + text).slice(-OUTPUT_TAIL);
+      const lines = (partial + text).split("\n");
+      partial = lines.pop()!;
+      for (const l of lines) b.log("info", l, step);
+    };
+    let result;
+    try {
+      result = await runProcess(vm.envdUrl, null, spec, { timeoutMs, signal, onOutput });
+    } catch (e) {
+      if (signal.aborted) throw signal.reason;
+      throw new StepFailed(`step ${step}: ${(e as Error).message}`, step);
+    }
+    if (partial) b.log("info", partial, step);
+    if (result.exitCode !== 0) {
+      const what = spec.cmd === "/bin/bash" && spec.args[0] === "-lc" ? spec.args[1] : [spec.cmd, ...spec.args].join(" ");
+      throw new StepFailed(`step ${step} (${what}) failed: ${result.status || `exit code ${result.exitCode}`}; output:\n${tail.trimEnd()}`, step);
+    }
+  }
+
+  /** startCmd in the background (its output logged until the checkpoint), then readyCmd until it passes. */
+  private async startAndWait(vm: BuildVm, b: Build, spec: BuildSpec, s: StepState, deadline: number, signal: AbortSignal): Promise<void> {
+    const readyCmd = spec.readyCmd || (spec.startCmd ? this.o.defaultReadyCmd : undefined);
+    if (!spec.startCmd && !readyCmd) return;
+    const env = { ...s.env };
+    const startAbort = new AbortController();
+    let startEnded: string | undefined;
+    if (spec.startCmd) {
+      b.log("info", `Start command: ${spec.startCmd}`, "finalize");
+      const stream = runProcess(vm.envdUrl, null, { cmd: "/bin/bash", args: ["-lc", spec.startCmd], user: s.user, cwd: s.workdir, envs: env }, {
+        signal: AbortSignal.any([startAbort.signal, signal]),
+        onOutput: (t) => { for (const l of t.split("\n")) if (l) b.log("info", `[start] ${l}`, "finalize"); },
+      });
+      stream.then((r) => { startEnded = `the start command exited (${r.status})`; b.log("info", startEnded, "finalize"); }, () => {});
+    }
+    try {
+      if (!readyCmd) return;
+      b.log("info", `Waiting for the ready command: ${readyCmd}`, "finalize");
+      const until = Math.min(deadline, Date.now() + this.o.readyTimeoutMs);
+      for (;;) {
+        if (signal.aborted) throw signal.reason;
+        try {
+          await this.exec(vm, b, { cmd: "/bin/bash", args: ["-lc", readyCmd], user: s.user, cwd: s.workdir, envs: env }, Math.max(1000, until - Date.now()), "finalize", signal);
+          b.log("info", "Ready", "finalize");
+          return;
+        } catch (e) {
+          if (!(e instanceof StepFailed)) throw e;
+        }
+        if (Date.now() + this.o.readyIntervalMs > until)
+          throw new StepFailed(`the ready command did not succeed within ${Math.round(this.o.readyTimeoutMs / 1000)} s${startEnded ? ` (${startEnded})` : ""}`, "finalize");
+        await Bun.sleep(this.o.readyIntervalMs);
+      }
+    } finally {
+      // Only our stream goes: the start command keeps running into the checkpoint.
+      startAbort.abort();
+    }
+  }
+
+  private publish(req: Request, b: Build, parent: { envdVersion: string; size: { cpuCount: number; memoryMB: number; diskSizeMB: number } }, stack: string[], cp: TemplateRecord["checkpoint"], s: StepState, spec: BuildSpec): void {
+    const old = this.orch.templates.resolve(req.templateId);
+    // One build per template is kept: its earlier tags move to it with the requested ones.
+    const now = Date.now();
+    const tags = new Map((old?.config?.tags ?? []).map((t) => [t.tag, t]));
+    for (const t of ["default", ...req.tags]) tags.set(t, { tag: t, createdAt: now });
+    const config: TemplateConfig = {
+      env: s.env, user: s.user, workdir: s.workdir, startCmd: spec.startCmd, readyCmd: spec.readyCmd,
+      exposed: s.exposed, labels: s.labels, buildId: b.buildId, tags: [...tags.values()],
+    };
+    const rec: TemplateRecord = {
+      id: req.templateId, alias: req.name, kind: "template", names: [...tags.keys()].map((t) => `${req.name}:${t}`),
+      cpuCount: parent.size.cpuCount, memoryMB: parent.size.memoryMB, diskSizeMB: parent.size.diskSizeMB,
+      layers: stack, checkpoint: cp, sourceSandboxId: null, envdVersion: parent.envdVersion, createdAt: now, config,
+    };
+    this.orch.publishTemplate(rec);
+    this.pendingNames.delete(req.name);
+  }
+
+  // ─── tags ──────────────────────────────────────────────────────────────────
+
+  private retag(ref: string, change: (tags: Map<string, { tag: string; createdAt: number }>) => void): TemplateRecord {
+    const t = this.orch.templates.resolve(ref);
+    if (!t || t.kind !== "template") throw new TemplateBuildError(404, `template '${ref}' not found`);
+    const tags = new Map((t.config?.tags ?? [{ tag: "default", createdAt: t.createdAt }]).map((x) => [x.tag, x]));
+    change(tags);
+    const config: TemplateConfig = { env: {}, ...t.config, tags: [...tags.values()] };
+    const rec = { ...t, config, names: [...tags.keys()].map((x) => `${t.alias ?? t.id}:${x}`) };
+    this.orch.templates.upsert(rec);
+    return rec;
+  }
+
+  /** POST /templates/tags: `target` is `name:tag` of the build to tag. */
+  assignTags(target: string, tags: string[]): { buildID: string; tags: string[] } {
+    if (tags.length === 0) throw new TemplateBuildError(400, "tags: at least one");
+    for (const t of tags) if (!TAG.test(t)) throw new TemplateBuildError(400, `tag '${t}': letters, digits, '_', '.', '-', at most 128`);
+    const now = Date.now();
+    const rec = this.retag(target, (m) => { for (const t of tags) m.set(t, { tag: t, createdAt: now }); });
+    return { buildID: rec.config?.buildId ?? rec.id, tags };
+  }
+
+  /** DELETE /templates/tags. `default` always names the template's build and is not removed. */
+  removeTags(name: string, tags: string[]): void {
+    if (tags.includes("default")) throw new TemplateBuildError(400, "the tag 'default' cannot be removed");
+    const missing: string[] = [];
+    this.retag(splitName(name).name, (m) => { for (const t of tags) if (!m.delete(t)) missing.push(t); });
+    if (missing.length) throw new TemplateBuildError(404, `tag(s) not found: ${missing.join(", ")}`);
+  }
+
+  /** GET /templates/{templateID}/tags. */
+  listTags(ref: string): { tag: string; buildID: string; createdAt: string }[] {
+    const t = this.orch.templates.resolve(ref);
+    if (!t || t.kind !== "template") throw new TemplateBuildError(404, `template '${ref}' not found`);
+    const buildID = t.config?.buildId ?? t.id;
+    return (t.config?.tags ?? [{ tag: "default", createdAt: t.createdAt }]).map((x) => ({ tag: x.tag, buildID, createdAt: new Date(x.createdAt).toISOString() }));
+  }
+}
+
+/** The state after a step (the next step's `before`). */
+function after(p: PlannedStep): StepState {
+  const s = { ...p.before, env: { ...p.before.env }, args: { ...p.before.args }, labels: { ...p.before.labels }, exposed: [...p.before.exposed] };
+  const a = p.step.args ?? [];
+  switch (p.step.type) {
+    case "ENV": for (let i = 0; i + 1 < a.length; i += 2) s.env[a[i]!] = a[i + 1]!; break;
+    case "ARG": for (let i = 0; i + 1 < a.length; i += 2) s.args[a[i]!] = a[i + 1]!; break;
+    case "LABEL": for (let i = 0; i + 1 < a.length; i += 2) s.labels[a[i]!] = a[i + 1]!; break;
+    case "EXPOSE": s.exposed.push(...a); break;
+    case "WORKDIR": s.workdir = posix.resolve(p.before.workdir, a[0]!); break;
+    case "USER": s.user = a[0]!; break;
+  }
+  return s;
+}
+
+/**
+ * COPY in the guest, as root: the archive (tar, gzip or not) is unpacked with its modes into a
+ * scratch directory, owned by OWNER (and given MODE when set), and SRC (a path or glob relative to
+ * the build context) is copied to DEST as Docker does: a directory's contents into DEST, one file
+ * to DEST (or into it when DEST ends in '/' or is a directory), several into DEST/.
+ */
+const COPY_SCRIPT = String.raw`set -euo pipefail
+t=$(mktemp -d /tmp/.aenv-copy.XXXXXX)
+trap 'rm -rf "$t" "$ARCHIVE"' EXIT
+tar -xpf "$ARCHIVE" -C "$t" --no-same-owner
+chown -R "$OWNER:" "$t"
+if [ -n "$MODE" ]; then find "$t" -mindepth 1 -exec chmod "$MODE" {} +; fi
+cd "$t"
+shopt -s nullglob dotglob
+IFS=
+srcs=( $SRC )
+if [ ${"$"}{#srcs[@]} -eq 0 ]; then echo "COPY: nothing matches $SRC" >&2; exit 1; fi
+if [ ${"$"}{#srcs[@]} -gt 1 ] || [[ "$DEST" == */ ]]; then
+  mkdir -p "$DEST"
+  for s in "${"$"}{srcs[@]}"; do if [ -d "$s" ] && [ ! -L "$s" ]; then cp -a "$s/." "$DEST/"; else cp -a "$s" "$DEST/"; fi; done
+else
+  s=${"$"}{srcs[0]}
+  if [ -d "$s" ] && [ ! -L "$s" ]; then mkdir -p "$DEST"; cp -a "$s/." "$DEST/"
+  elif [ -d "$DEST" ]; then cp -a "$s" "$DEST/"
+  else mkdir -p "$(dirname "$DEST")"; cp -a "$s" "$DEST"; fi
+fi
+`;
