@@ -5,7 +5,7 @@
 // and the upper sealed into one layer by blockd's restack. Results are cached by chain ID
 // (layer_cache.ts): a layer shared by several images is converted once.
 
-import { mkdir, rm } from "node:fs/promises";
+import { mkdir, readFile, rm } from "node:fs/promises";
 import { dirname, join } from "node:path";
 import type { BlockdClient } from "../blockdev/client.ts";
 import type { ApplyMessage } from "./apply_worker.ts";
@@ -53,6 +53,23 @@ export interface ConvertedLayer {
   stats?: ApplyStats;
 }
 
+/**
+ * The cache ready for this blockd: work folders of conversions whose process died are undone
+ * first (their mounts unmounted, their blockd devices deleted), then removed.
+ */
+export function initCache(ctx: ConvertContext): Promise<void> {
+  return ctx.cache.init(async (work) => {
+    const mounts = (await readFile("/proc/self/mountinfo", "utf8")).split("\n").map((l) => l.split(" ")[4] ?? "")
+      .map((p) => p.replace(/\\([0-7]{3})/g, (_, o: string) => String.fromCharCode(parseInt(o, 8))))
+      .filter((p) => p.startsWith(`${work}/`));
+    for (const m of mounts) await run(["umount", "--lazy", m], CONVERT_TIMEOUT_MS.mount, "umount");
+    const devices = await ctx.blockd.call<{ id: string; config: { upper?: { data: string } } | null }[]>("list");
+    for (const d of devices) {
+      if (d.config?.upper?.data.startsWith(`${work}/`)) await ctx.blockd.call("delete", { id: d.id });
+    }
+  });
+}
+
 /** The chain ID of the empty ext4 layer of a virtual size: the bottom of every converted image. */
 export function emptyExt4Chain(sizeBytes: number): string {
   return `sha256:${new Bun.CryptoHasher("sha256").update(`${EMPTY_VERSION} ${MKFS_ARGS.join(" ")} ${sizeBytes}`).digest("hex")}`;
@@ -63,6 +80,7 @@ export async function emptyExt4Layer(ctx: ConvertContext, sizeBytes: number): Pr
   if (!Number.isSafeInteger(sizeBytes) || sizeBytes < 64 << 20 || sizeBytes % (1 << 20)) {
     throw new RangeError(`virtual disk size must be a whole number of MiB, at least 64 MiB (got ${sizeBytes})`);
   }
+  await initCache(ctx);
   const chain = emptyExt4Chain(sizeBytes);
   let out: string | undefined;
   try {
@@ -99,6 +117,7 @@ export async function convertLayer(
 ): Promise<ConvertedLayer> {
   const parent = parents.at(-1);
   if (!parent) throw new RangeError("convertLayer needs its parents: at least the empty ext4 layer");
+  await initCache(ctx);
   const chain = chainId(parent.chain, input.diffId);
   let done: ApplyMessage & { type: "done" } | undefined;
   let out: string | undefined;

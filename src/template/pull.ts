@@ -6,7 +6,7 @@
 import { rm } from "node:fs/promises";
 import { join } from "node:path";
 import type { BlockdClient } from "../blockdev/client.ts";
-import { convertLayer, DEFAULT_DISK_BYTES, emptyExt4Layer, type ConvertContext, type ConvertedLayer } from "./convert.ts";
+import { convertLayer, DEFAULT_DISK_BYTES, emptyExt4Layer, initCache, type ConvertContext, type ConvertedLayer } from "./convert.ts";
 import { ConvertError } from "./convert_error.ts";
 import { chainId, type LayerCache } from "./layer_cache.ts";
 import type { Descriptor, ImageRef, OciImageConfig, RegistryClient } from "./registry.ts";
@@ -85,7 +85,7 @@ export async function pullImage(ref: string | ImageRef, opts: PullOptions): Prom
     throw new ConvertError("CorruptLayer", `image config lists ${image.config.diffIds.length} diff_ids for ${descs.length} layers`);
   }
   const ctx: ConvertContext = { cache: opts.cache, blockd: opts.blockd };
-  await opts.cache.init();
+  await initCache(ctx);
   await opts.cache.gc(); // room first: what this pull makes is the most recently used
 
   // The chain of every layer, known before anything is downloaded.

@@ -279,6 +279,18 @@ describe.skipIf(!canRun)(canRun ? "OCI layer conversion" : `OCI layer conversion
     expect(err.code).toBe("DigestMismatch");
     expect(await leftovers()).toEqual(clean);
   }, 120_000);
+  test("a conversion killed mid-way (its work folder mounted, its device in blockd) is undone by the next process's first call", async () => {
+    const crashed = join(dir, "cache2", "work", "999999999-deadbeef");
+    await mkdir(crashed, { recursive: true });
+    const dev = await client.call("create", { lowers: [base.path], upperDir: join(crashed, "upper"), size: SIZE, loop: true });
+    await mkdir(join(crashed, "mnt"));
+    await sh(["mount", "-t", "ext4", dev.loop, join(crashed, "mnt")]);
+    const again = new LayerCache(join(dir, "cache2"));
+    await emptyExt4Layer({ cache: again, blockd: client }, SIZE);
+    expect(existsSync(crashed)).toBe(false);
+    expect(readFileSync("/proc/self/mountinfo", "utf8")).not.toContain(crashed);
+    expect(((await client.call("list")) as { id: string }[]).some((d) => d.id === dev.id)).toBe(false);
+  }, 120_000);
 });
 
 describe("layer cache GC (real files, no blockd)", () => {
