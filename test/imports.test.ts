@@ -30,8 +30,10 @@ const allowed: Record<string, string[]> = {
   "guest/envd": ["guest/envd"],
   // What runs inside the VM: nothing of the host's code (its host-side builders are src/template/artifacts.ts).
   "guest": ["guest"],
-  "bench": ["bench", "src", "ffi", "guest", "test/helpers"],
-  "test": ["test", "src", "ffi", "guest", "bench"],
+  // Peers share verified layers over iroh: the ChunkSource seam and layer files of storage, nothing above it.
+  "p2p": ["p2p", "src/storage", "ffi"],
+  "bench": ["bench", "src", "ffi", "guest", "test/helpers", "p2p"],
+  "test": ["test", "src", "ffi", "guest", "bench", "p2p"],
 };
 
 function ruleFor(file: string): [string, string[]] | undefined {
