@@ -7,7 +7,7 @@
 import { open, rename, rm } from "node:fs/promises";
 import type { ChunkSource, LayerDigest } from "../src/storage/remote/source.ts";
 import { NoPeerError, PeerDigestMismatchError, PeerError, ShortReadError } from "./errors.ts";
-import type { PeerNode } from "./node.ts";
+import type { PeerClient } from "./worker.ts";
 import { MAX_READ } from "./protocol.ts";
 import { sha256OfFile } from "./shelf.ts";
 
@@ -72,7 +72,7 @@ export class PeerChunkSource implements ChunkSource {
   private readonly penalties = new Map<string, number>();
   private turn = 0;
 
-  constructor(private readonly node: PeerNode, opts: Partial<PeerSourceOptions> = {}) {
+  constructor(private readonly node: PeerClient, opts: Partial<PeerSourceOptions> = {}) {
     this.opts = { ...DEFAULT_SOURCE_OPTIONS, ...opts };
     this.name = `peers of ${node.id.slice(0, 10)}`;
   }

@@ -1,16 +1,16 @@
 // Peer transfer of one sealed layer over iroh against raw loopback TCP between the same two
 // processes (this one fetches, bench/p2p/server.ts serves), each fetch written to a file and
 // verified by sha256. Rows: TCP (one connection), iroh with 1 and 8 streams on one connection
-// (PeerChunkSource.fetchLayer), and iroh with W Bun Workers on each side, each its own endpoint.
+// (PeerChunkSource.fetchLayer on the main thread), and iroh with W PeerWorkers on each side (a Bun
+// Worker each, with its own endpoint).
 //   bun bench/p2p/run.ts [--mib 256] [--workers 1,2,4]
 import { mkdirSync, rmSync } from "node:fs";
 import { open } from "node:fs/promises";
 import { join } from "node:path";
 import { SecretKey } from "@number0/iroh";
-import { loadOrCreateSecretKey, MAX_READ, PeerChunkSource, PeerNode, type PeerConfig, sha256OfFile } from "../../p2p/index.ts";
+import { loadOrCreateSecretKey, MAX_READ, PeerChunkSource, PeerNode, PeerWorker, type PeerConfig, sha256OfFile } from "../../p2p/index.ts";
 import type { LayerDigest } from "../../src/storage/remote/source.ts";
 import { sealedLayer } from "../../src/template/artifacts.ts";
-import type { WorkerJob } from "./worker.ts";
 
 const arg = (name: string, dflt: string) => {
   const i = process.argv.indexOf(`--${name}`);
@@ -102,18 +102,28 @@ async function tcpFetch(dest: string): Promise<void> {
   await verify(dest);
 }
 
+/** W PeerWorkers here, each reading every W-th range from its own serving PeerWorker there, 4 requests in flight each. */
 async function workerFetch(w: number, dest: string): Promise<void> {
   const fh = await open(dest, "w");
   await fh.truncate(size);
-  await fh.close();
   const ranges: [number, number][][] = Array.from({ length: w }, () => []);
   let i = 0;
   for (let off = 0; off < size; off += MAX_READ) ranges[i++ % w]!.push([off, Math.min(MAX_READ, size - off)]);
-  await Promise.all(ranges.map((r, k) => new Promise<void>((resolve, reject) => {
-    const wk = new Worker(new URL("./worker.ts", import.meta.url).href);
-    wk.onmessage = (ev) => { wk.terminate(); ev.data.ok ? resolve() : reject(new Error(ev.data.error)); };
-    wk.postMessage({ role: "fetch", home: clientHomes[k]!, peer: srv.workers[k]!, digest: digest as LayerDigest, dest, ranges: r, streams: 4 } satisfies WorkerJob);
-  })));
+  const fetchers = await Promise.all(ranges.map((_, k) =>
+    PeerWorker.start({ home: clientHomes[k]!, bindAddr: "127.0.0.1:0", peers: [srv.workers[k]!] })));
+  try {
+    await Promise.all(ranges.flatMap((r, k) => Array.from({ length: 4 }, async () => {
+      for (let next = r.shift(); next; next = r.shift()) {
+        const [off, len] = next;
+        const { data } = await fetchers[k]!.read(srv.workers[k]!.id, digest as LayerDigest, off, len);
+        if (data.length !== len) throw new Error(`short read at ${off}`);
+        await fh.write(data, 0, len, off);
+      }
+    })));
+  } finally {
+    await Promise.all(fetchers.map((f) => f.close()));
+    await fh.close();
+  }
   await verify(dest);
 }
 

@@ -1,23 +1,20 @@
 // The serving process of bench/p2p: one layer file over iroh (a PeerNode on the main thread and
 // one per worker) and over raw TCP (one request "offset length" as two u64 BE, answered with the
-// bytes), so both paths run between the same two processes. Prints its addresses as one JSON line.
+// bytes), so both paths run between the same two processes; PeerWorkers serve the worker rows. Prints its addresses as one JSON line.
 // Usage: bun bench/p2p/server.ts DIR LAYER DIGEST ALLOW_ID[,…] WORKER_ALLOW_ID[,…]
 import { open } from "node:fs/promises";
 import { join } from "node:path";
-import { PeerNode, type PeerConfig } from "../../p2p/index.ts";
+import { PeerNode, PeerWorker } from "../../p2p/index.ts";
 import type { LayerDigest } from "../../src/storage/remote/source.ts";
-import type { WorkerJob } from "./worker.ts";
 
 const [dir, path, digest, allow, workerAllow] = process.argv.slice(2) as [string, string, LayerDigest, string, string];
 const size = Bun.file(path).size;
 const layer = { path, digest, size };
 const main = await PeerNode.start({ home: join(dir, "srv-main"), bindAddr: "127.0.0.1:0", allow: allow.split(","),
   layers: async (d) => (d === digest ? layer : undefined) });
-const workers: PeerConfig[] = await Promise.all(workerAllow.split(",").filter(Boolean).map((id, i) => new Promise<PeerConfig>((resolve, reject) => {
-  const w = new Worker(new URL("./worker.ts", import.meta.url).href);
-  w.onmessage = (ev) => (ev.data.ok ? resolve(ev.data.peer) : reject(new Error(ev.data.error)));
-  w.postMessage({ role: "serve", home: join(dir, `srv-w${i}`), allow: [id], layer } satisfies WorkerJob);
-})));
+// One serving PeerWorker per fetching worker, each allowing just that one.
+const workers = await Promise.all(workerAllow.split(",").filter(Boolean).map((id, i) =>
+  PeerWorker.start({ home: join(dir, `srv-w${i}`), bindAddr: "127.0.0.1:0", allow: [id], layers: async (d) => (d === digest ? layer : undefined) })));
 
 interface Conn { buf: Uint8Array; pending: Uint8Array | undefined; off: number; end: number; head: number[]; busy: boolean }
 const fh = await open(path, "r");
@@ -60,4 +57,4 @@ async function pumpOnce(s: Bun.Socket<Conn>): Promise<void> {
   }
 }
 
-console.log(JSON.stringify({ tcpPort: tcp.port, main: main.self(), workers }));
+console.log(JSON.stringify({ tcpPort: tcp.port, main: main.self(), workers: workers.map((w) => w.self()) }));

@@ -6,6 +6,7 @@ import { Endpoint, EndpointAddr, EndpointId, presetMinimal, RelayMode, SecretKey
 import {
   encodeFrame,
   keyPath,
+  LayerShelf,
   LAYERS_ALPN_BYTES,
   MAX_READ,
   NoPeerError,
@@ -13,6 +14,7 @@ import {
   PeerDigestMismatchError,
   PeerNode,
   PeerRefusedError,
+  PeerWorker,
   readFrame,
   sha256OfFile,
   UnknownDigestError,
@@ -154,6 +156,28 @@ describe("fetching layers", () => {
     expect(originReads).toBeGreaterThan(0);
     expect(r.originBytes).toBeGreaterThan(0);
     expect((await sha256OfFile(r.path)).digest).toBe(layer.digest);
+  }, 120_000);
+});
+
+describe("worker threads", () => {
+  test("a PeerWorker serves (asking its owner's shelf) and fetches; its errors keep their classes", async () => {
+    const shelf = new LayerShelf();
+    await shelf.add(layer.path);
+    const server = await PeerWorker.start({ home: scratchDir("p2p-ws"), bindAddr: "127.0.0.1:0", layers: shelf.provider });
+    const fetcher = await PeerWorker.start({ home: scratchDir("p2p-wc"), bindAddr: "127.0.0.1:0", peers: [server.self()] });
+    try {
+      await server.setPeers([fetcher.self()]);
+      const r = await new PeerChunkSource(fetcher).fetchLayer(layer.digest, join(dir, "worker.layer"));
+      expect(r.peers).toEqual([server.id]);
+      expect((await sha256OfFile(r.path)).digest).toBe(layer.digest);
+      expect((await server.stats()).bytesServed).toBe(layer.size);
+      const unknown = `sha256:${"1".repeat(64)}` as LayerDigest;
+      const err = await fetcher.read(server.id, unknown, 0, 10).catch((e) => e);
+      expect(err).toBeInstanceOf(UnknownDigestError);
+      expect((err as UnknownDigestError).peerId).toBe(server.id);
+    } finally {
+      await Promise.all([server.close(), fetcher.close()]);
+    }
   }, 120_000);
 });
 
