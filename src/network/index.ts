@@ -19,3 +19,15 @@ export {
 export { DEFAULT_ACQUIRE_TIMEOUT_MS, MAX_WAITERS, SlotPool, type PoolStats, type ReconcileReport, type SlotPoolOptions } from "./pool.ts";
 export { NAMESPACE_SYSCTLS, netnsExecArgv } from "./slot.ts";
 export { HOST_COUNTERS, hostRuleset, slotRuleset } from "./rulesets.ts";
+export { Egress, type AppliedPolicy, type EgressOptions } from "./egress.ts";
+export {
+  DEFAULT_ALWAYS_DENIED,
+  MAX_RULES,
+  OPEN_POLICY,
+  PolicyError,
+  PolicyMatcher,
+  hasDomainRules,
+  parseEgressPolicy,
+  type EgressPolicy,
+} from "./policy.ts";
+export { resolve4 } from "./dns.ts";

@@ -1,0 +1,203 @@
+// A sandbox's egress policy: parsed and validated from E2B's `allow_internet_access` and `network`
+// (pure functions, no system calls), and the decision the domain proxy takes for one connection.
+//
+// Order of a decision (the nftables chains in egress.ts take the same order for IP traffic):
+//   1. the node's always-denied ranges (internal networks, the slot CIDR): refused, whatever the policy;
+//   2. allowOut (a CIDR holding the destination, or a domain matching the name): allowed;
+//   3. denyOut (CIDR or domain): refused;
+//   4. otherwise the internet default: allowed unless `allow_internet_access` is false.
+
+import { isIPv6 } from "node:net";
+import { formatIpv4, parseCidr, parseIpv4, type Cidr } from "./addressing.ts";
+import { NetworkError } from "./command.ts";
+
+/** Entries per list (allowOut, denyOut): one `nft -f` transaction with this many elements stays well under a second. */
+export const MAX_RULES = 10_000;
+/** Extra ports treated as HTTPS by the domain proxy (80 and 443 always are). */
+export const MAX_HTTPS_PORTS = 16;
+export const DEFAULT_PROXIED_PORTS = [80, 443] as const;
+
+/** A policy the API refuses: `field` names the offending input (`network.allowOut[2]`); answered as 400. */
+export class PolicyError extends NetworkError {
+  readonly status = 400;
+  constructor(readonly field: string, message: string) {
+    super("BadPolicy", `${field}: ${message}`);
+    this.name = "PolicyError";
+  }
+}
+
+export interface EgressPolicy {
+  /** Destinations not named by a rule are allowed (E2B's default) unless false. */
+  internet: boolean;
+  allowCidrs: string[];
+  denyCidrs: string[];
+  /** Lowercase names; `*.example.com` matches every name below example.com (not example.com itself). */
+  allowDomains: string[];
+  denyDomains: string[];
+  /** TCP ports whose connections go through the domain proxy when the policy has domain rules. */
+  proxiedPorts: number[];
+}
+
+/** E2B's default: the internet, nothing else named. */
+export const OPEN_POLICY: EgressPolicy = { internet: true, allowCidrs: [], denyCidrs: [], allowDomains: [], denyDomains: [], proxiedPorts: [...DEFAULT_PROXIED_PORTS] };
+
+export function hasDomainRules(p: EgressPolicy): boolean {
+  return p.allowDomains.length > 0 || p.denyDomains.length > 0;
+}
+
+const LABEL = /^(?!-)[a-z0-9-]{1,63}(?<!-)$/;
+
+/** `example.com` or `*.example.com`, lowercased; undefined when `s` is not a domain. */
+export function parseDomain(s: string): string | undefined {
+  const d = s.toLowerCase().replace(/\.$/, "");
+  if (d.length === 0 || d.length > 253) return undefined;
+  const labels = d.startsWith("*.") ? d.slice(2).split(".") : d.split(".");
+  if (!labels.every((l) => LABEL.test(l))) return undefined;
+  // A name of digits and dots only would be an IP address written wrong, not a host name.
+  if (labels.every((l) => /^\d+$/.test(l))) return undefined;
+  return d;
+}
+
+/** "a.b.c.d" or "a.b.c.d/n" as a CIDR string (an address is its /32); undefined when not IPv4. */
+function parseIpv4Entry(s: string): string | undefined {
+  if (!/^[\d.]+(\/\d{1,2})?$/.test(s)) return undefined;
+  const c = parseCidr(s.includes("/") ? s : `${s}/32`);
+  return `${formatIpv4(c.base)}/${c.prefixLen}`;
+}
+
+interface ParsedList {
+  cidrs: string[];
+  domains: string[];
+}
+
+function parseList(field: string, v: unknown): ParsedList {
+  const out: ParsedList = { cidrs: [], domains: [] };
+  if (v === undefined || v === null) return out;
+  if (!Array.isArray(v)) throw new PolicyError(field, "must be an array of CIDRs, IP addresses or domains");
+  if (v.length > MAX_RULES) throw new PolicyError(field, `at most ${MAX_RULES} entries`);
+  v.forEach((e, i) => {
+    const f = `${field}[${i}]`;
+    if (typeof e !== "string" || e.length === 0 || e.length > 256) throw new PolicyError(f, "must be a non-empty string of at most 256 characters");
+    const s = e.trim();
+    if (/^[\d./]+$/.test(s)) {
+      let c: string | undefined;
+      try {
+        c = parseIpv4Entry(s);
+      } catch (err) {
+        throw new PolicyError(f, `${JSON.stringify(e)} is not a valid IPv4 address or CIDR (${(err as Error).message})`);
+      }
+      if (!c) throw new PolicyError(f, `${JSON.stringify(e)} is not a valid IPv4 address or CIDR`);
+      out.cidrs.push(c);
+      return;
+    }
+    if (s.includes(":")) {
+      // IPv6: accepted as E2B does, but sandboxes have no IPv6 route, so it changes nothing.
+      const [addr, len, ...rest] = s.split("/");
+      const lenOk = len === undefined || (/^\d{1,3}$/.test(len) && Number(len) <= 128);
+      if (rest.length > 0 || !isIPv6(addr!) || !lenOk) throw new PolicyError(f, `${JSON.stringify(e)} is not a valid IPv6 address or CIDR`);
+      return;
+    }
+    const d = parseDomain(s);
+    if (!d) throw new PolicyError(f, `${JSON.stringify(e)} is not a CIDR, an IP address or a domain (example.com, *.example.com)`);
+    out.domains.push(d);
+  });
+  return out;
+}
+
+function parsePorts(field: string, v: unknown): number[] {
+  if (v === undefined || v === null) return [];
+  if (!Array.isArray(v)) throw new PolicyError(field, "must be an array of ports");
+  if (v.length > MAX_HTTPS_PORTS) throw new PolicyError(field, `at most ${MAX_HTTPS_PORTS} ports`);
+  return v.map((p, i) => {
+    if (!Number.isInteger(p) || p < 1 || p > 65535) throw new PolicyError(`${field}[${i}]`, `${JSON.stringify(p)} is not a port (1..65535)`);
+    return p as number;
+  });
+}
+
+/**
+ * The egress policy of `allow_internet_access` and `network` (E2B's SandboxNetworkConfig, or the
+ * body of PUT /sandboxes/{id}/network). PolicyError naming the field on anything malformed.
+ */
+export function parseEgressPolicy(allowInternetAccess: unknown, network: unknown): EgressPolicy {
+  if (allowInternetAccess !== undefined && allowInternetAccess !== null && typeof allowInternetAccess !== "boolean") {
+    throw new PolicyError("allow_internet_access", "must be a boolean");
+  }
+  if (network !== undefined && network !== null && (typeof network !== "object" || Array.isArray(network))) {
+    throw new PolicyError("network", "must be an object");
+  }
+  const n = (network ?? {}) as Record<string, unknown>;
+  const allow = parseList("network.allowOut", n.allowOut);
+  const deny = parseList("network.denyOut", n.denyOut);
+  const ports = parsePorts("network.httpsPorts", n.httpsPorts);
+  return {
+    internet: allowInternetAccess !== false,
+    allowCidrs: allow.cidrs,
+    denyCidrs: deny.cidrs,
+    allowDomains: allow.domains,
+    denyDomains: deny.domains,
+    proxiedPorts: [...new Set([...DEFAULT_PROXIED_PORTS, ...ports])].sort((a, b) => a - b),
+  };
+}
+
+export function cidrContains(c: Cidr, ip: number): boolean {
+  return ip >= c.base && ip < c.base + 2 ** (32 - c.prefixLen);
+}
+
+/** Whether `name` matches `pattern` (`example.com` exactly, `*.example.com` anything below it). */
+export function domainMatches(pattern: string, name: string): boolean {
+  const n = name.toLowerCase().replace(/\.$/, "");
+  if (pattern.startsWith("*.")) return n.endsWith(pattern.slice(1));
+  return n === pattern;
+}
+
+/** A policy with its CIDRs parsed once, for deciding many connections. */
+export class PolicyMatcher {
+  private readonly allow: Cidr[];
+  private readonly deny: Cidr[];
+  private readonly always: Cidr[];
+
+  constructor(readonly policy: EgressPolicy, alwaysDenied: string[]) {
+    this.allow = policy.allowCidrs.map(parseCidr);
+    this.deny = policy.denyCidrs.map(parseCidr);
+    this.always = alwaysDenied.map(parseCidr);
+  }
+
+  alwaysDenied(ip: string): boolean {
+    const n = parseIpv4(ip);
+    return this.always.some((c) => cidrContains(c, n));
+  }
+
+  /**
+   * The decision for a connection to `ip` that claims `name` (undefined when it names none):
+   * `by` says which rule decided (`allowOut`, `denyOut`, `internal`, `default`).
+   */
+  decide(ip: string, name?: string): { allow: boolean; by: "internal" | "allowOut" | "denyOut" | "default"; domain?: string } {
+    const n = parseIpv4(ip);
+    if (this.always.some((c) => cidrContains(c, n))) return { allow: false, by: "internal" };
+    const allowDomain = name === undefined ? undefined : this.policy.allowDomains.find((d) => domainMatches(d, name));
+    if (allowDomain) return { allow: true, by: "allowOut", domain: allowDomain };
+    if (this.allow.some((c) => cidrContains(c, n))) return { allow: true, by: "allowOut" };
+    const denyDomain = name === undefined ? undefined : this.policy.denyDomains.find((d) => domainMatches(d, name));
+    if (denyDomain) return { allow: false, by: "denyOut", domain: denyDomain };
+    if (this.deny.some((c) => cidrContains(c, n))) return { allow: false, by: "denyOut" };
+    return { allow: this.policy.internet, by: "default" };
+  }
+}
+
+/**
+ * Ranges no sandbox reaches whatever its policy allows (the node may add its own networks):
+ * "this" network, RFC 1918, CGNAT, loopback, link-local (cloud metadata at 169.254.169.254),
+ * IETF protocol assignments, multicast and reserved.
+ */
+export const DEFAULT_ALWAYS_DENIED = [
+  "0.0.0.0/8",
+  "10.0.0.0/8",
+  "100.64.0.0/10",
+  "127.0.0.0/8",
+  "169.254.0.0/16",
+  "172.16.0.0/12",
+  "192.0.0.0/24",
+  "192.168.0.0/16",
+  "224.0.0.0/4",
+  "240.0.0.0/4",
+];

@@ -1,0 +1,143 @@
+// Egress policies on real slots: a fake guest (harness.ts) behind the slot sends traffic to a test
+// "internet" (internet.ts), a namespace of this run reached through the host's routing over a veth
+// of this run. Nothing leaves for the host's real networks.
+import { afterAll, beforeAll, describe, expect, test } from "bun:test";
+import { DEFAULT_ALWAYS_DENIED, Egress, PolicyError, parseEgressPolicy, type SlotPool } from "../../src/network/index.ts";
+import { netnsExecArgv, type Slot } from "../../src/network/index.ts";
+import { canRun, eventually, hostCounter, slotTestScaffold, startFakeGuest } from "./harness.ts";
+import { fromGuest, startInternet, type TestInternet } from "./internet.ts";
+
+describe("egress policy input", () => {
+  test("E2B's fields become a policy; allow_internet_access false denies the internet", () => {
+    const p = parseEgressPolicy(false, { allowOut: ["1.2.3.4", "10.0.0.0/8", "*.Example.com", "api.example.org"], denyOut: ["0.0.0.0/0", "::/0"], httpsPorts: [8443] });
+    expect(p).toEqual({
+      internet: false, allowCidrs: ["1.2.3.4/32", "10.0.0.0/8"], denyCidrs: ["0.0.0.0/0"],
+      allowDomains: ["*.example.com", "api.example.org"], denyDomains: [], proxiedPorts: [80, 443, 8443],
+    });
+    expect(parseEgressPolicy(undefined, undefined).internet).toBe(true);
+  });
+
+  test("malformed entries are refused naming the field", () => {
+    const field = (f: () => unknown) => {
+      try {
+        f();
+      } catch (e) {
+        expect(e).toBeInstanceOf(PolicyError);
+        return (e as PolicyError).field;
+      }
+      return "accepted";
+    };
+    expect(field(() => parseEgressPolicy(true, { allowOut: ["1.2.3.4", "300.1.1.1"] }))).toBe("network.allowOut[1]");
+    expect(field(() => parseEgressPolicy(true, { denyOut: ["10.0.0.1/8"] }))).toBe("network.denyOut[0]");
+    expect(field(() => parseEgressPolicy(true, { denyOut: ["exa mple.com"] }))).toBe("network.denyOut[0]");
+    expect(field(() => parseEgressPolicy(true, { allowOut: ["*.*.com"] }))).toBe("network.allowOut[0]");
+    expect(field(() => parseEgressPolicy(true, { allowOut: ["-bad.com"] }))).toBe("network.allowOut[0]");
+    expect(field(() => parseEgressPolicy(true, { allowOut: "1.2.3.4" }))).toBe("network.allowOut");
+    expect(field(() => parseEgressPolicy(true, { httpsPorts: [0] }))).toBe("network.httpsPorts[0]");
+    expect(field(() => parseEgressPolicy("yes", {}))).toBe("allow_internet_access");
+    expect(field(() => parseEgressPolicy(true, { allowOut: ["1.2.3.4/33"] }))).toBe("network.allowOut[0]");
+  });
+});
+
+describe.skipIf(!canRun)("egress by CIDR", () => {
+  const t = slotTestScaffold();
+  let net: TestInternet;
+
+  beforeAll(async () => {
+    net = await startInternet();
+  });
+  afterAll(async () => {
+    await net?.stop();
+  });
+
+  async function setup(extra: { proxyPort?: number } = {}): Promise<{ pool: SlotPool; egress: Egress; slot: Slot; guest: string }> {
+    const pool = t.newPool({ size: 0 });
+    await pool.start();
+    const egress = new Egress(pool.config, { alwaysDenied: DEFAULT_ALWAYS_DENIED, resolvers: [net.ips[0]!], uplinks: [net.uplink], ...extra });
+    await egress.start();
+    const slot = await pool.acquire();
+    const guest = t.keep(await startFakeGuest(slot, "guest"));
+    return { pool, egress, slot, guest: guest.netns };
+  }
+
+  const http = (ip: string) => ({ op: "http", ip, port: 80, host: "h" });
+
+  test("no policy: nothing leaves; E2B's default: the internet, as the uplink's address", async () => {
+    const { egress, slot, guest } = await setup();
+    expect(await fromGuest(guest, [http(net.ips[0]!)])).not.toEqual([`h@${net.ips[0]}`]);
+    await egress.apply(slot, "sbx1", parseEgressPolicy(undefined, undefined));
+    expect(await fromGuest(guest, [http(net.ips[0]!), http(net.ips[1]!), { op: "tcp", ip: net.ips[0], port: 7 }])).toEqual([`h@${net.ips[0]}`, `h@${net.ips[1]}`, "connected"]);
+    await egress.clear(slot);
+    expect(await fromGuest(guest, [{ op: "tcp", ip: net.ips[0], port: 7 }])).not.toEqual(["connected"]);
+  }, 60_000);
+
+  test("allow_internet_access false blocks everything but DNS to the node's resolver", async () => {
+    const { egress, slot, guest } = await setup();
+    await egress.apply(slot, "sbx1", parseEgressPolicy(false, undefined));
+    const out = await fromGuest(guest, [http(net.ips[0]!), { op: "tcp", ip: net.ips[1], port: 7 }, { op: "dns", server: net.ips[0], name: "two.test" }, { op: "dns", server: net.ips[1], name: "a.test" }]);
+    expect(out.slice(0, 2)).toEqual(["refused", "refused"]); // a TCP reset answers the SYN
+    expect(out[2]).toEqual(net.zone["two.test"]);
+    expect(Array.isArray(out[3])).toBe(false); // DNS elsewhere is ordinary traffic: refused
+    expect(await egress.refusedPackets(slot)).toBeGreaterThan(0);
+  }, 60_000);
+
+  test("CIDR rules: allowOut wins over denyOut, the rest follows the internet default", async () => {
+    const { egress, slot, guest } = await setup();
+    const [a, b, c] = net.ips as [string, string, string];
+    await egress.apply(slot, "sbx1", parseEgressPolicy(false, { allowOut: [`${a}/32`] }));
+    expect(await fromGuest(guest, [http(a), http(b)])).toEqual([`h@${a}`, "refused"]);
+    const subnet = `${a.split(".").slice(0, 3).join(".")}.0/24`;
+    await egress.apply(slot, "sbx1", parseEgressPolicy(true, { allowOut: [b], denyOut: [subnet] }));
+    expect(await fromGuest(guest, [http(a), http(b), http(c)])).toEqual(["refused", `h@${b}`, "refused"]);
+    await egress.apply(slot, "sbx1", parseEgressPolicy(true, { denyOut: [c] }));
+    expect(await fromGuest(guest, [http(a), http(b), http(c)])).toEqual([`h@${a}`, `h@${b}`, "refused"]);
+  }, 60_000);
+
+  test("the host, other slots and internal ranges are refused whatever the policy allows", async () => {
+    const { pool, egress, slot, guest } = await setup();
+    const other = await pool.acquire();
+    t.keep(await startFakeGuest(other, "other"));
+    const host = Bun.listen({ hostname: net.hostIp, port: 0, socket: { data() {} } });
+    try {
+      await egress.apply(slot, "sbx1", parseEgressPolicy(true, { allowOut: ["0.0.0.0/0", net.internalIp, other.nsIp, net.hostIp, slot.hostIp] }));
+      const before = hostCounter("internal_refused");
+      const out = await fromGuest(guest, [
+        { op: "tcp", ip: net.internalIp, port: 7 },
+        { op: "tcp", ip: other.nsIp, port: 18080 },
+        { op: "tcp", ip: net.hostIp, port: host.port },
+        { op: "tcp", ip: slot.hostIp, port: host.port },
+        { op: "tcp", ip: "169.254.169.254", port: 80 },
+        { op: "tcp", ip: net.ips[0], port: 7 }, // control
+      ]);
+      expect(out.slice(0, 5).filter((o) => o === "connected")).toEqual([]);
+      expect(out[5]).toBe("connected");
+      expect(hostCounter("internal_refused")).toBeGreaterThan(before);
+    } finally {
+      host.stop(true);
+    }
+  }, 60_000);
+
+  test("a live policy change cuts an open connection the new policy refuses", async () => {
+    const { egress, slot, guest } = await setup();
+    const [a, b] = net.ips as [string, string];
+    await egress.apply(slot, "sbx1", parseEgressPolicy(true, undefined));
+    // Two echo clients inside the guest, writing every 100 ms and printing what happens.
+    const code = (ip: string) => `const s = require("node:net").connect({host:${JSON.stringify(ip)},port:7});
+      s.on("connect",()=>setInterval(()=>s.write("x"),100)); s.on("data",()=>console.log("echo"));
+      s.on("error",(e)=>console.log("closed "+e.code)); s.on("close",()=>{console.log("closed");process.exit(0)});`;
+    const clients = [a, b].map((ip) => {
+      const p = t.keep(Bun.spawn(netnsExecArgv({ netns: guest }, [process.execPath, "-e", code(ip)]), { stdout: "pipe", stderr: "inherit" }));
+      let out = "";
+      void (async () => {
+        for await (const c of p.stdout) out += new TextDecoder().decode(c);
+      })();
+      return { output: () => out };
+    });
+    await eventually(() => clients.every((c) => c.output().includes("echo")), "both echo clients get echoes");
+    await egress.apply(slot, "sbx1", parseEgressPolicy(true, { denyOut: [a] }));
+    await eventually(() => clients[0]!.output().includes("closed"), "the connection to the denied address is cut");
+    const seen = clients[1]!.output().length;
+    await eventually(() => clients[1]!.output().length > seen + 20, "the allowed connection carries on");
+    expect(clients[1]!.output()).not.toContain("closed");
+  }, 60_000);
+});
