@@ -54,8 +54,16 @@ function detailBody(r: SandboxRecord, domain: string | null) {
     allowInternetAccess: r.allowInternetAccess,
     domain,
     lifecycle: { autoResume: r.autoResume, onTimeout: r.autoPause ? "pause" : "kill" },
-    ...(r.network ? { network: r.network } : {}),
+    ...(r.network ? { network: withoutSecrets(r.network) } : {}),
   };
+}
+
+/** E2B never returns the egress proxy's password. */
+function withoutSecrets(network: unknown): unknown {
+  const n = network as { egressProxy?: Record<string, unknown> };
+  if (!n.egressProxy || typeof n.egressProxy !== "object") return network;
+  const { password: _, ...proxy } = n.egressProxy;
+  return { ...n, egressProxy: proxy };
 }
 
 function snapshotBody(tpl: TemplateRecord) {
@@ -244,6 +252,10 @@ export function sandboxRoutes(getOrch: () => Orchestrator, o: SandboxRoutesOptio
       set.status = 201;
       return sandboxBody(rec, domain);
     }, { params: idParams, body: t.Object({ timeout: t.Optional(Timeout), autoPause: t.Optional(t.Boolean()), memory: t.Optional(t.Boolean()) }), detail: { tags: ["sandboxes"], summary: "Resume (deprecated; use connect)" } })
+    .put("/sandboxes/:sandboxID/network", async ({ params, body, set }) => {
+      await call(() => orch().updateNetwork(params.sandboxID, body));
+      set.status = 204;
+    }, { params: idParams, body: t.Object({}, { additionalProperties: true }), detail: { tags: ["sandboxes"], summary: "Replace the egress policy; live on a running sandbox (its refused connections are cut)" } })
     .post("/sandboxes/:sandboxID/timeout", ({ params, body, set }) => call(() => {
       orch().setTimeout(params.sandboxID, body.timeout);
       set.status = 204;

@@ -6,7 +6,7 @@
 import { existsSync, mkdirSync } from "node:fs";
 import { join } from "node:path";
 import type { BlockdClient } from "../blockdev/client.ts";
-import type { Slot, SlotPool } from "../network/index.ts";
+import { PolicyError, parseEgressPolicy, type Egress, type EgressPolicy, type Slot, type SlotPool } from "../network/index.ts";
 import { readSnapshot, type DriveSpec, type SnapshotInfo, type Vmm, type VmmDriver } from "../vmm/types.ts";
 import type { Json, SnapshotStore } from "../snapshot/index.ts";
 import { link, open as openAsync, readdir, rm } from "node:fs/promises";
@@ -54,6 +54,21 @@ export interface OrchestratorOptions {
   preparedDevices?: number;
   /** Where snapshots are kept so they outlive this node's checkpoints (local dir, shared FS, S3). */
   snapshots?: SnapshotStore;
+  /** Sandbox egress policies (without it a sandbox's slot lets nothing out). */
+  egress?: Egress;
+}
+
+/** The fields of `network` that PUT /sandboxes/{id}/network replaces; the others (inbound) stay. */
+const EGRESS_FIELDS = ["allowOut", "denyOut", "rules", "egressProxy", "httpsPorts"] as const;
+
+/** A sandbox's egress policy from its request fields; a malformed one is a 400 naming the field. */
+export function egressPolicyOf(allowInternetAccess: unknown, network: unknown): EgressPolicy {
+  try {
+    return parseEgressPolicy(allowInternetAccess, network);
+  } catch (e) {
+    if (e instanceof PolicyError) throw new OrchestratorError(400, e.message);
+    throw e;
+  }
 }
 
 /** What a stored snapshot's record carries besides its files (`vmstate`, `mem`, `layer-<i>`). */
@@ -275,6 +290,7 @@ export class Orchestrator {
     if (!tpl) throw new OrchestratorError(404, `template '${o.templateId}' not found`);
     if (this.store.count() >= this.opts.maxSandboxes)
       throw new OrchestratorError(429, `this node holds its maximum of ${this.opts.maxSandboxes} sandboxes`);
+    egressPolicyOf(o.allowInternetAccess, o.network);
     const now = Date.now();
     const startedAt = this.store.nextStartedAt(now);
     const rec: SandboxRecord = {
@@ -494,6 +510,8 @@ export class Orchestrator {
     const save = () => this.store.setRuntime(rec.id, rt);
     rt.slot = await this.slots.acquire();
     save();
+    // The policy is in force before the VM runs; read from the store now, so a PUT meanwhile is not lost.
+    await this.applyEgress(rec.id, rt.slot);
     clock.lap("slot");
     // On a throw, the caller's teardown() gives back what the saved runtime names.
     {
@@ -649,6 +667,42 @@ export class Orchestrator {
       }
     });
     return { rec: out, resumed: true };
+  }
+
+  /**
+   * Puts the stored policy of sandbox `id` in force on `slot`. Called right after each store write
+   * of the policy or the slot (no await in between), so the last call carries the last policy.
+   */
+  private applyEgress(id: string, slot: Slot): Promise<void> {
+    const rec = this.store.get(id);
+    if (!this.opts.egress || !rec) return Promise.resolve();
+    return this.opts.egress.apply(slot, id, egressPolicyOf(rec.allowInternetAccess, rec.network));
+  }
+
+  /**
+   * PUT /sandboxes/{id}/network: replaces the sandbox's egress settings (omitted ones cleared, the
+   * inbound ones kept); a running sandbox gets them live and loses its connections they refuse. A
+   * malformed body is a 400 naming the field, and the policy in force stays.
+   */
+  async updateNetwork(id: string, body: Record<string, unknown>): Promise<void> {
+    const old = this.get(id);
+    const allow = body.allow_internet_access ?? null;
+    const network: Record<string, unknown> = { ...((old.network ?? {}) as Record<string, unknown>) };
+    for (const f of EGRESS_FIELDS) {
+      if (body[f] === undefined) delete network[f];
+      else network[f] = body[f];
+    }
+    egressPolicyOf(allow, network);
+    if (!this.store.setNetwork(id, allow as boolean | null, network)) throw notFound(id);
+    const slot = (this.store.get(id)?.runtime as SandboxRuntime | null)?.slot;
+    if (!slot) return; // paused or not yet placed: applied when it gets a slot
+    try {
+      await this.applyEgress(id, slot);
+    } catch (e) {
+      this.store.setNetwork(id, old.allowInternetAccess, old.network);
+      await this.applyEgress(id, slot).catch(() => {});
+      throw asOrchestratorError(e, `applying the network policy of ${id}`);
+    }
   }
 
   setTimeout(id: string, timeoutS: number): SandboxRecord {
@@ -881,6 +935,7 @@ export class Orchestrator {
 
   private async release(rt: SandboxRuntime): Promise<void> {
     await this.giveBackDevice(rt.rootfsDevice);
+    if (rt.slot) await this.opts.egress?.clear(rt.slot).catch((e) => console.error(`orchestrator: clearing the egress policy of ${rt.slot?.netns}: ${(e as Error).message}`));
     if (rt.slot) await this.slots.release(rt.slot).catch(() => {});
     if (rt.runDir) await rm(rt.runDir, { recursive: true, force: true });
   }
@@ -1011,6 +1066,7 @@ export class Orchestrator {
           if (vm.state === "paused") await vm.resume();
           this.live.set(r.id, { vm, slot: rt.slot });
           this.store.transition(r.id, [r.state], "running", { runtime: { ...rt, vmPid: vm.pid } });
+          await this.applyEgress(r.id, rt.slot); // the pool's start replaced the host table
           out.adopted.push(r.id);
           continue;
         } catch (e) {

@@ -197,6 +197,13 @@ export class SandboxStore {
     return r ? toRecord(r) : undefined;
   }
 
+  /** Replaces the sandbox's network settings (PUT /sandboxes/{id}/network); undefined when it is gone. */
+  setNetwork(id: string, allowInternetAccess: boolean | null, network: unknown): SandboxRecord | undefined {
+    const r = this.db.query<Row, any>("UPDATE sandboxes SET allow_internet_access = $a, network = $n WHERE id = $id AND state != 'killing' RETURNING *")
+      .get({ id, a: allowInternetAccess === null ? null : allowInternetAccess ? 1 : 0, n: JSON.stringify(network ?? null) });
+    return r ? toRecord(r) : undefined;
+  }
+
   /** Records what the sandbox holds (slot, devices, VMM), whatever its state. */
   setRuntime(id: string, runtime: unknown): void {
     this.db.query("UPDATE sandboxes SET runtime = ? WHERE id = ?").run(JSON.stringify(runtime ?? null), id);
