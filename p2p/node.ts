@@ -45,6 +45,8 @@ export type LayerProvider = (digest: LayerDigest) => Promise<{ path: string; siz
 export interface PeerLimits {
   /** Incoming connections held at once; more are refused before their handshake. */
   maxConnections: number;
+  /** Read answers being prepared or sent at once, node-wide (each holds up to MAX_READ bytes); more wait. */
+  maxReads: number;
   /** Requests (bidirectional streams) one connection may have open at once, both directions. */
   streamsPerConnection: number;
   /** A server waits this long for a request frame. */
@@ -57,6 +59,7 @@ export interface PeerLimits {
 
 export const DEFAULT_LIMITS: PeerLimits = {
   maxConnections: 64,
+  maxReads: 64,
   streamsPerConnection: 32,
   requestMs: 5_000,
   answerMs: 60_000,
@@ -106,7 +109,10 @@ export class PeerNode {
   readonly limits: PeerLimits;
   private readonly peers = new Map<string, PeerConfig>();
   private readonly allowed = new Set<string>();
-  private readonly incoming = new Set<Connection>();
+  /** Accepted connections → the remote's endpoint ID. */
+  private readonly incoming = new Map<Connection, string>();
+  private readsInFlight = 0;
+  private readonly readWaiters: (() => void)[] = [];
   private readonly outgoing = new Map<string, Promise<Connection>>();
   private readonly counters: PeerNodeStats = { connections: 0, refused: 0, malformed: 0, haveRequests: 0, readRequests: 0, bytesServed: 0, errors: 0 };
   private closed = false;
@@ -144,7 +150,10 @@ export class PeerNode {
     return { id: this.id, addrs: this.addrs() };
   }
 
-  /** Replace the configured peers (their IDs become allow-listed; `allow` entries stay). */
+  /**
+   * Replace the configured peers (their IDs become allow-listed; `allow` entries stay). A
+   * connection from an ID that is no longer allowed is closed as a refused one.
+   */
   setPeers(peers: PeerConfig[]): void {
     for (const id of this.peers.keys()) if (!(this.opts.allow ?? []).includes(id)) this.allowed.delete(id);
     this.peers.clear();
@@ -153,6 +162,9 @@ export class PeerNode {
       EndpointId.fromString(p.id); // throws on a malformed ID, at configuration time
       this.peers.set(p.id, p);
       this.allowed.add(p.id);
+    }
+    for (const [conn, remote] of this.incoming) {
+      if (!this.allowed.has(remote)) conn.close(CLOSE_NOT_ALLOWED, Array.from(enc.encode(NOT_ALLOWED_REASON)));
     }
   }
 
@@ -195,7 +207,7 @@ export class PeerNode {
   async close(): Promise<void> {
     if (this.closed) return;
     this.closed = true;
-    for (const c of this.incoming) c.close(CLOSE_SHUTDOWN, []);
+    for (const c of this.incoming.keys()) c.close(CLOSE_SHUTDOWN, []);
     for (const p of this.outgoing.values()) p.then((c) => c.close(CLOSE_SHUTDOWN, []), () => {});
     await this.endpoint.close();
     await this.acceptLoop.catch(() => {});
@@ -281,7 +293,7 @@ export class PeerNode {
       return;
     }
     conn.setMaxConcurrentBiStreams(BigInt(this.limits.streamsPerConnection));
-    this.incoming.add(conn);
+    this.incoming.set(conn, remote);
     try {
       for (;;) {
         let bi: BiStream;
@@ -333,7 +345,23 @@ export class PeerNode {
       return;
     }
     this.counters.readRequests++;
-    const l = await layers?.(req.digest);
+    await this.readSlot();
+    try {
+      await this.answerRead(bi, req);
+    } finally {
+      this.readsInFlight--;
+      this.readWaiters.shift()?.();
+    }
+  }
+
+  /** Wait for one of maxReads slots (the wait counts against the answer's timeout). */
+  private async readSlot(): Promise<void> {
+    while (this.readsInFlight >= this.limits.maxReads) await new Promise<void>((r) => this.readWaiters.push(r));
+    this.readsInFlight++;
+  }
+
+  private async answerRead(bi: BiStream, req: { digest: LayerDigest; offset: number; length: number }): Promise<void> {
+    const l = await this.opts.layers?.(req.digest);
     if (!l) return this.answerError(bi, "UnknownDigest", new UnknownDigestError(req.digest).message);
     if (req.offset > l.size) return this.answerError(bi, "Range", `offset ${req.offset} past the layer's end (${l.size})`);
     const n = Math.min(req.length, l.size - req.offset);

@@ -159,6 +159,22 @@ describe("fetching layers", () => {
   }, 120_000);
 });
 
+describe("bounds", () => {
+  test("with one read slot on the server, racing reads wait their turn and each gets its own bytes", async () => {
+    const asker = await peer("asker");
+    const narrow = await peer("narrow", { allow: [asker.node.id], limits: { maxReads: 1 } });
+    await narrow.shelf.add(layer.path);
+    asker.node.setPeers([narrow.node.self()]);
+    const offsets = [0, 3 << 20, 7 << 20, 11 << 20, 19 << 20];
+    const got = await Promise.all(offsets.map((o) => asker.node.read(narrow.node.id, layer.digest, o, 1 << 20)));
+    const file = Bun.file(layer.path);
+    for (const [i, o] of offsets.entries()) {
+      expect(got[i]!.data).toEqual(new Uint8Array(await file.slice(o, o + (1 << 20)).arrayBuffer()));
+    }
+    expect(narrow.node.stats().readRequests).toBe(offsets.length);
+  }, 60_000);
+});
+
 describe("worker threads", () => {
   test("a PeerWorker serves (asking its owner's shelf) and fetches; its errors keep their classes", async () => {
     const shelf = new LayerShelf();
@@ -208,6 +224,16 @@ describe("bad input", () => {
     expect(server.node.stats().refused).toBe(before + 1);
     const src = new PeerChunkSource(stranger.node);
     expect(await src.read(layer.digest, 0, 4096, AbortSignal.timeout(10_000)).catch((e) => e)).toBeInstanceOf(NoPeerError);
+  }, 60_000);
+
+  test("a peer taken off the allow-list loses its open connection and is refused from then on", async () => {
+    const friend = await peer("friend");
+    friend.node.setPeers([server.node.self()]);
+    server.node.setPeers([friend.node.self()]);
+    expect(await friend.node.have(server.node.id, [layer.digest])).toEqual([{ digest: layer.digest, size: layer.size }]);
+    server.node.setPeers([]);
+    const err = await friend.node.have(server.node.id, [layer.digest]).catch((e) => e);
+    expect(err).toBeInstanceOf(PeerRefusedError);
   }, 60_000);
 
   test("malformed frames get a named error answer and the server keeps serving the same connection", async () => {
