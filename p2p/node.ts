@@ -155,13 +155,18 @@ export class PeerNode {
    * connection from an ID that is no longer allowed is closed as a refused one.
    */
   setPeers(peers: PeerConfig[]): void {
+    for (const p of peers) EndpointId.fromString(p.id); // a malformed ID throws here, before anything changes
     for (const id of this.peers.keys()) if (!(this.opts.allow ?? []).includes(id)) this.allowed.delete(id);
     this.peers.clear();
     for (const p of peers) {
       if (p.id === this.id) continue;
-      EndpointId.fromString(p.id); // throws on a malformed ID, at configuration time
       this.peers.set(p.id, p);
       this.allowed.add(p.id);
+    }
+    for (const [id, conn] of this.outgoing) {
+      if (this.peers.has(id)) continue;
+      this.outgoing.delete(id); // no longer a peer: its connection goes
+      conn.then((c) => c.close(CLOSE_SHUTDOWN, []), () => {});
     }
     for (const [conn, remote] of this.incoming) {
       if (!this.allowed.has(remote)) conn.close(CLOSE_NOT_ALLOWED, Array.from(enc.encode(NOT_ALLOWED_REASON)));
