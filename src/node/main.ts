@@ -10,7 +10,10 @@ import { SandboxProxy } from "../api/proxy.ts";
 import { serveNode } from "../api/server.ts";
 import { sandboxRoutes } from "../api/sandboxes.ts";
 import { templateRoutes } from "../api/templates.ts";
-import { TemplateBuilder } from "../orchestrator/builder.ts";
+import { TemplateBuilder, type ImageSource } from "../orchestrator/builder.ts";
+import { LayerCache } from "../template/layer_cache.ts";
+import { pullImage } from "../template/pull.ts";
+import { parseImageRef, RegistryClient } from "../template/registry.ts";
 import { BlockdClient } from "../blockdev/client.ts";
 import { SlotPool } from "../network/index.ts";
 import { Orchestrator } from "../orchestrator/orchestrator.ts";
@@ -125,9 +128,26 @@ async function start(): Promise<void> {
   o.warmUp();
   o.startReaper(cfg.reaperIntervalMs);
   proxy = new SandboxProxy(o, { domain: cfg.domain });
+  // fromImage parents: pulled and converted into the node's layer cache (a layer a template uses is never collected).
+  const layerCache = new LayerCache(join(cfg.home, "image-layers"), { pinned: () => templates.layersInUse() });
+  const images: ImageSource = {
+    async pull(ref, auth, log) {
+      const registry = new RegistryClient(auth ? { credentials: { [parseImageRef(ref).registry]: auth } } : {});
+      let said = 0;
+      const img = await pullImage(ref, {
+        registry, cache: layerCache, blockd,
+        onProgress: (p) => {
+          if (p.phase === "layers" && p.layersDone < p.layersTotal && Date.now() - said < 2000) return;
+          said = Date.now();
+          log(`pull ${p.phase}: ${p.layersDone}/${p.layersTotal} layers (${p.layersCached} cached), ${(p.bytesDownloaded / 2 ** 20).toFixed(1)}/${(p.bytesTotal / 2 ** 20).toFixed(1)} MiB`);
+        },
+      });
+      return { digest: img.manifestDigest, layers: img.layers, diskSizeMB: img.diskSizeMB, env: img.config.env, user: img.config.user, workdir: img.config.workingDir };
+    },
+  };
   builder = new TemplateBuilder(o, store.db, {
     filesDir: join(cfg.home, "template-files"), stepsDir: join(cfg.home, "template-steps"),
-    maxConcurrent: cfg.maxBuilds, buildTimeoutMs: cfg.buildTimeoutS * 1000,
+    maxConcurrent: cfg.maxBuilds, buildTimeoutMs: cfg.buildTimeoutS * 1000, images,
   });
   orch = o;
   progress(`ready (${((performance.now() - t0) / 1000).toFixed(1)} s)`);
@@ -141,12 +161,12 @@ start().catch((e) => {
 for (const sig of ["SIGINT", "SIGTERM"] as const) {
   process.on(sig, async () => {
     console.log(`aenv node: ${sig}: stopping (sandboxes, blockd and VMMs keep running)`);
-    builder?.close();
+    const builds = builder?.close();
     orch?.close();
     server.stop();
-    // What operations left for after their answers (a pause's slot and device) is finished, for
-    // at most 10 s; what is left then is found by the next start.
-    await Promise.race([orch?.settledCleanups(), Bun.sleep(10_000)]);
+    // What operations left for after their answers (a pause's slot and device) is finished, and
+    // build VMs are given back, for at most 10 s; what is left then is found by the next start.
+    await Promise.race([Promise.all([orch?.settledCleanups(), builds]), Bun.sleep(10_000)]);
     store.close();
     process.exit(0);
   });

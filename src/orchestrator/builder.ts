@@ -120,6 +120,11 @@ const SHORT_CMD_MS = 120_000;
 /** A failed step's reason carries this much of its output's end. */
 const OUTPUT_TAIL = 4096;
 
+/** The tools disk's busybox (every VM has it at /agentenv): bookkeeping runs on it whatever the image holds. */
+const BUSYBOX = "/agentenv/bin/busybox";
+/** The image's tools first, the tools disk's applets last. */
+const TOOLS_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin:/agentenv/bin";
+
 const STEP_TYPES = new Set(["RUN", "COPY", "ADD", "ENV", "ARG", "WORKDIR", "USER", "EXPOSE", "LABEL", "VOLUME"]);
 /** Steps that change the disk: their upper is sealed into a layer. */
 const DISK_STEPS = new Set(["RUN", "COPY", "ADD", "WORKDIR", "USER"]);
@@ -215,6 +220,7 @@ export class TemplateBuilder {
   private running = 0;
   private readonly uploadSecret = crypto.getRandomValues(new Uint8Array(32));
   private readonly aborts = new Set<AbortController>();
+  private readonly runs = new Set<Promise<void>>();
 
   constructor(private readonly orch: Orchestrator, private readonly db: Database, opts: BuilderOptions) {
     this.o = { ...DEFAULTS, ...opts };
@@ -262,7 +268,12 @@ export class TemplateBuilder {
     for (const b of all.sort((a, c) => a.updatedAt - c.updatedAt)) {
       if (extra <= 0) break;
       if (!b.finished() && b.started) continue;
-      this.requests.get(b.templateId)?.builds.delete(b.buildId);
+      const req = this.requests.get(b.templateId);
+      req?.builds.delete(b.buildId);
+      if (req && req.builds.size === 0) {
+        this.requests.delete(b.templateId);
+        if (this.pendingNames.get(req.name) === b.templateId) this.pendingNames.delete(req.name);
+      }
       extra--;
     }
   }
@@ -406,20 +417,23 @@ export class TemplateBuilder {
     };
   }
 
-  /** Running builds are cut short (nothing is published); queued ones fail. */
-  close(): void {
+  /** Running builds are cut short (nothing is published) and queued ones fail; resolves once their VMs are given back. */
+  async close(): Promise<void> {
     for (const a of this.aborts) a.abort(new Error("the node is shutting down"));
     for (const b of this.queue.splice(0)) this.fail(b, new Error("the node is shutting down"));
+    await Promise.all(this.runs);
   }
 
   private pump(): void {
     while (this.running < this.o.maxConcurrent && this.queue.length > 0) {
       const b = this.queue.shift()!;
       this.running++;
-      void this.run(b).finally(() => {
+      const r = this.run(b).finally(() => {
         this.running--;
+        this.runs.delete(r);
         this.pump();
       });
+      this.runs.add(r);
     }
   }
 
@@ -463,12 +477,13 @@ export class TemplateBuilder {
       }
       b.log("info", `Booting the build VM (${stack.length} layers)`);
       vm = await this.orch.startBuildVm(stack, parent.size);
+      const shell = await loginShell(vm);
       for (const p of plan.slice(hits)) {
         if (abort.signal.aborted) throw abort.signal.reason;
         b.log("info", label(p), String(p.index + 1));
-        await this.runStep(vm, b, p, deadline, abort.signal);
+        await this.runStep(vm, shell, b, p, deadline, abort.signal);
         if (DISK_STEPS.has(p.step.type)) {
-          await this.exec(vm, b, { cmd: "/bin/sync", args: [], user: "root" }, SHORT_CMD_MS, String(p.index + 1), abort.signal);
+          await this.exec(vm, b, SYNC, SHORT_CMD_MS, String(p.index + 1), abort.signal);
           const layer = join(this.o.stepsDir, `${p.key}-${randomId(6)}.layer`);
           await vm.seal(layer);
           stack.push(layer);
@@ -478,8 +493,8 @@ export class TemplateBuilder {
         }
       }
       const final = plan.length ? after(plan[plan.length - 1]!) : parent.state;
-      await this.startAndWait(vm, b, spec, final, deadline, abort.signal);
-      await this.exec(vm, b, { cmd: "/bin/sync", args: [], user: "root" }, SHORT_CMD_MS, "finalize", abort.signal);
+      await this.startAndWait(vm, shell, b, spec, final, deadline, abort.signal);
+      await this.exec(vm, b, SYNC, SHORT_CMD_MS, "finalize", abort.signal);
       b.log("info", "Checkpointing the ready VM");
       const cp = await vm.checkpoint(b.templateId, stack);
       checkpointDir = cp.dir;
@@ -526,7 +541,8 @@ export class TemplateBuilder {
       root: sha256(JSON.stringify({ image: img.digest })),
       layers: img.layers,
       size: { cpuCount: req.cpuCount ?? base?.cpuCount ?? 2, memoryMB: req.memoryMB ?? base?.memoryMB ?? 512, diskSizeMB: img.diskSizeMB },
-      state: stateOf(img),
+      // An image's sandboxes run as its User (root when it names none) in its WorkingDir (/ when none).
+      state: stateOf({ env: img.env, user: img.user || "root", workdir: img.workdir || "/" }),
       envdVersion: base?.envdVersion ?? "0.6.13",
     };
   }
@@ -551,31 +567,31 @@ export class TemplateBuilder {
     return out;
   }
 
-  private async runStep(vm: BuildVm, b: Build, p: PlannedStep, deadline: number, signal: AbortSignal): Promise<void> {
+  private async runStep(vm: BuildVm, shell: Shell, b: Build, p: PlannedStep, deadline: number, signal: AbortSignal): Promise<void> {
     const args = p.step.args ?? [];
     const s = p.before;
     const step = String(p.index + 1);
     const left = () => Math.max(1000, deadline - Date.now());
     const env = { ...s.env, ...s.args };
+    const script = (text: string, envs: Record<string, string>): ProcessSpec => ({ cmd: BUSYBOX, args: ["sh", "-c", text], user: "root", cwd: "/", envs: { PATH: TOOLS_PATH, ...envs } });
     switch (p.step.type) {
       case "RUN":
-        await this.exec(vm, b, { cmd: "/bin/bash", args: ["-lc", args[0]!], user: args[1] || s.user, cwd: s.workdir, envs: env }, left(), step, signal);
+        await this.exec(vm, b, { ...shell.run(args[0]!), user: args[1] || s.user, cwd: s.workdir, envs: env }, left(), step, signal);
         return;
-      case "WORKDIR": {
-        const dir = posix.resolve(s.workdir, args[0]!);
-        await this.exec(vm, b, { cmd: "/bin/bash", args: ["-c", '[ -d "$D" ] || { mkdir -p "$D" && chown "$U": "$D"; }'], user: "root", envs: { D: dir, U: s.user } }, SHORT_CMD_MS, step, signal);
+      case "WORKDIR":
+        await this.exec(vm, b, script(WORKDIR_SCRIPT, { D: posix.resolve(s.workdir, args[0]!), U: s.user }), SHORT_CMD_MS, step, signal);
         return;
-      }
       case "USER":
-        await this.exec(vm, b, { cmd: "/bin/bash", args: ["-c", 'id -u "$U" >/dev/null 2>&1 || useradd -m -s /bin/bash "$U"'], user: "root", envs: { U: args[0]! } }, USER_STEP_MS, step, signal);
+        await this.exec(vm, b, script(USER_SCRIPT, { U: args[0]! }), USER_STEP_MS, step, signal);
         return;
       case "COPY": case "ADD": {
         const inGuest = `/tmp/.aenv-copy-${p.step.filesHash}-${randomId(6)}`;
+        const head = new Uint8Array(await Bun.file(p.archive!).slice(0, 2).arrayBuffer());
         await uploadFile(vm.envdUrl, null, "root", inGuest, p.archive!, left());
-        await this.exec(vm, b, {
-          cmd: "/bin/bash", args: ["-c", COPY_SCRIPT], user: "root",
-          envs: { ARCHIVE: inGuest, SRC: args[0]!, DEST: posix.resolve(s.workdir, args[1]!) + (args[1]!.endsWith("/") ? "/" : ""), OWNER: args[2] || s.user, MODE: args[3] ?? "" },
-        }, left(), step, signal);
+        await this.exec(vm, b, script(COPY_SCRIPT, {
+          ARCHIVE: inGuest, Z: head[0] === 0x1f && head[1] === 0x8b ? "z" : "", SRC: args[0]!,
+          DEST: posix.resolve(s.workdir, args[1]!) + (args[1]!.endsWith("/") ? "/" : ""), OWNER: args[2] || s.user, MODE: args[3] ?? "",
+        }), left(), step, signal);
         return;
       }
       default:
@@ -602,13 +618,13 @@ export class TemplateBuilder {
     }
     if (partial) b.log("info", partial, step);
     if (result.exitCode !== 0) {
-      const what = spec.cmd === "/bin/bash" && spec.args[0] === "-lc" ? spec.args[1] : [spec.cmd, ...spec.args].join(" ");
+      const what = spec.args[0] === "-lc" ? spec.args[1] : spec.cmd === BUSYBOX ? spec.args[0] : [spec.cmd, ...spec.args].join(" ");
       throw new StepFailed(`step ${step} (${what}) failed: ${result.status || `exit code ${result.exitCode}`}; output:\n${tail.trimEnd()}`, step);
     }
   }
 
   /** startCmd in the background (its output logged until the checkpoint), then readyCmd until it passes. */
-  private async startAndWait(vm: BuildVm, b: Build, spec: BuildSpec, s: StepState, deadline: number, signal: AbortSignal): Promise<void> {
+  private async startAndWait(vm: BuildVm, shell: Shell, b: Build, spec: BuildSpec, s: StepState, deadline: number, signal: AbortSignal): Promise<void> {
     const readyCmd = spec.readyCmd || (spec.startCmd ? this.o.defaultReadyCmd : undefined);
     if (!spec.startCmd && !readyCmd) return;
     const env = { ...s.env };
@@ -616,7 +632,7 @@ export class TemplateBuilder {
     let startEnded: string | undefined;
     if (spec.startCmd) {
       b.log("info", `Start command: ${spec.startCmd}`, "finalize");
-      const stream = runProcess(vm.envdUrl, null, { cmd: "/bin/bash", args: ["-lc", spec.startCmd], user: s.user, cwd: s.workdir, envs: env }, {
+      const stream = runProcess(vm.envdUrl, null, { ...shell.run(spec.startCmd), user: s.user, cwd: s.workdir, envs: env }, {
         signal: AbortSignal.any([startAbort.signal, signal]),
         onOutput: (t) => { for (const l of t.split("\n")) if (l) b.log("info", `[start] ${l}`, "finalize"); },
       });
@@ -629,7 +645,7 @@ export class TemplateBuilder {
       for (;;) {
         if (signal.aborted) throw signal.reason;
         try {
-          await this.exec(vm, b, { cmd: "/bin/bash", args: ["-lc", readyCmd], user: s.user, cwd: s.workdir, envs: env }, Math.max(1000, until - Date.now()), "finalize", signal);
+          await this.exec(vm, b, { ...shell.run(readyCmd), user: s.user, cwd: s.workdir, envs: env }, Math.max(1000, until - Date.now()), "finalize", signal);
           b.log("info", "Ready", "finalize");
           return;
         } catch (e) {
@@ -703,6 +719,20 @@ export class TemplateBuilder {
   }
 }
 
+/** The guest's flush before a layer is sealed: the tools disk's sync, so any image has one. */
+const SYNC: ProcessSpec = { cmd: BUSYBOX, args: ["sync"], user: "root", cwd: "/" };
+
+/** How RUN, startCmd and readyCmd run: bash -lc (E2B's), or sh -lc in an image without bash. */
+interface Shell {
+  run(cmd: string): { cmd: string; args: string[] };
+}
+
+async function loginShell(vm: BuildVm): Promise<Shell> {
+  const r = await runProcess(vm.envdUrl, null, { cmd: BUSYBOX, args: ["test", "-x", "/bin/bash"], user: "root", cwd: "/" }, { timeoutMs: SHORT_CMD_MS });
+  const sh = r.exitCode === 0 ? "/bin/bash" : "/bin/sh";
+  return { run: (cmd) => ({ cmd: sh, args: ["-lc", cmd] }) };
+}
+
 /** The state after a step (the next step's `before`). */
 function after(p: PlannedStep): StepState {
   const s = { ...p.before, env: { ...p.before.env }, args: { ...p.before.args }, labels: { ...p.before.labels }, exposed: [...p.before.exposed] };
@@ -718,30 +748,38 @@ function after(p: PlannedStep): StepState {
   return s;
 }
 
+
+/** WORKDIR: the directory is made (owned by the step's user) when missing. */
+const WORKDIR_SCRIPT = '[ -d "$D" ] || { mkdir -p "$D" && chown "$U:$(id -g "$U")" "$D"; }';
+
+/** USER: a missing account is made (useradd when the image has it, else busybox adduser). */
+const USER_SCRIPT = `id -u "$U" >/dev/null 2>&1 && exit 0
+if command -v useradd >/dev/null 2>&1; then useradd -m -s "$(command -v bash || echo /bin/sh)" "$U"; else adduser -D -s /bin/sh "$U"; fi`;
+
 /**
- * COPY in the guest, as root: the archive (tar, gzip or not) is unpacked with its modes into a
- * scratch directory, owned by OWNER (and given MODE when set), and SRC (a path or glob relative to
- * the build context) is copied to DEST as Docker does: a directory's contents into DEST, one file
- * to DEST (or into it when DEST ends in '/' or is a directory), several into DEST/.
+ * COPY in the guest, as root (POSIX sh): the archive (Z=z when gzip) is unpacked with its modes
+ * into a scratch directory, owned by OWNER (and given MODE when set), and SRC (a path or glob
+ * relative to the build context) is copied to DEST as Docker does: a directory's contents into
+ * DEST, one file to DEST (or into it when DEST ends in '/' or is a directory), several into DEST/.
  */
-const COPY_SCRIPT = String.raw`set -euo pipefail
+const COPY_SCRIPT = `set -eu
 t=$(mktemp -d /tmp/.aenv-copy.XXXXXX)
 trap 'rm -rf "$t" "$ARCHIVE"' EXIT
-tar -xpf "$ARCHIVE" -C "$t" --no-same-owner
-chown -R "$OWNER:" "$t"
-if [ -n "$MODE" ]; then find "$t" -mindepth 1 -exec chmod "$MODE" {} +; fi
+tar -x\${Z}opf "$ARCHIVE" -C "$t"
+chown -R "$OWNER:$(id -g "$OWNER")" "$t"
+if [ -n "$MODE" ]; then chmod -R "$MODE" "$t"; fi
 cd "$t"
-shopt -s nullglob dotglob
 IFS=
-srcs=( $SRC )
-if [ ${"$"}{#srcs[@]} -eq 0 ]; then echo "COPY: nothing matches $SRC" >&2; exit 1; fi
-if [ ${"$"}{#srcs[@]} -gt 1 ] || [[ "$DEST" == */ ]]; then
+set -- $SRC
+if [ "$#" -eq 1 ] && [ ! -e "$1" ] && [ ! -L "$1" ]; then echo "COPY: nothing matches $SRC" >&2; exit 1; fi
+many=0
+[ "$#" -gt 1 ] && many=1
+case "$DEST" in */) many=1 ;; esac
+if [ "$many" = 1 ]; then
   mkdir -p "$DEST"
-  for s in "${"$"}{srcs[@]}"; do if [ -d "$s" ] && [ ! -L "$s" ]; then cp -a "$s/." "$DEST/"; else cp -a "$s" "$DEST/"; fi; done
-else
-  s=${"$"}{srcs[0]}
-  if [ -d "$s" ] && [ ! -L "$s" ]; then mkdir -p "$DEST"; cp -a "$s/." "$DEST/"
-  elif [ -d "$DEST" ]; then cp -a "$s" "$DEST/"
-  else mkdir -p "$(dirname "$DEST")"; cp -a "$s" "$DEST"; fi
+  for s in "$@"; do if [ -d "$s" ] && [ ! -L "$s" ]; then cp -a "$s/." "$DEST/"; else cp -a "$s" "$DEST/"; fi; done
+elif [ -d "$1" ] && [ ! -L "$1" ]; then mkdir -p "$DEST"; cp -a "$1/." "$DEST/"
+elif [ -d "$DEST" ]; then cp -a "$1" "$DEST/"
+else mkdir -p "$(dirname "$DEST")"; cp -a "$1" "$DEST"
 fi
 `;
