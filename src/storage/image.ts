@@ -13,6 +13,9 @@ import { type Segment, SECTOR, clip, mergeAdjacent } from "./lsmt/segment.ts";
 import { SegmentIndex, comboVisit, type PieceSink } from "./lsmt/segment_index.ts";
 import { WritableLayer } from "./lsmt/writable_layer.ts";
 import type { IoLimiter } from "./io_limiter.ts";
+import { handleFromSpec, registerRemoteLayer } from "./remote/layer.ts";
+import { REMOTE_PREFIX } from "./remote/spec.ts";
+import type { LayerDigest } from "./remote/source.ts";
 
 export class Image {
   /** Merged index of the lowers; tag = position in `lowers` (base first). */
@@ -38,10 +41,15 @@ export class Image {
    * Open every layer a config names; the upper's files must already exist. `remoteIo` is the
    * node-wide budget that remote layer backends (registry, S3, peers) draw their reads from.
    */
-  static async open(config: ImageConfig, _opts: { remoteIo?: IoLimiter } = {}): Promise<Image> {
+  static async open(config: ImageConfig, opts: { remoteIo?: IoLimiter } = {}): Promise<Image> {
     const lowers: ReadOnlyLayer[] = [];
     try {
-      for (let i = 0; i < config.lowers.length; i++) lowers.push(await openLayerFile(resolveLayerPath(config.lowers[i]!, i)));
+      for (let i = 0; i < config.lowers.length; i++) {
+        const ref = config.lowers[i]!;
+        const path = resolveLayerPath(ref, i);
+        if (path.startsWith(REMOTE_PREFIX)) registerRemoteLayer(await handleFromSpec(ref.digest as LayerDigest, ref.size!, ref.remote!));
+        lowers.push(await openLayerFile(path, opts));
+      }
       const upper = config.upper ? await WritableLayer.open(config.upper.data, config.upper.index) : undefined;
       return new Image(lowers, upper);
     } catch (e) {

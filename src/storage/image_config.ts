@@ -4,6 +4,7 @@
 import { existsSync } from "node:fs";
 import { isAbsolute, join, resolve } from "node:path";
 import { ConfigError } from "./errors.ts";
+import { type RemoteLayerSpec, parseRemoteSpec, remoteLayerPath } from "./remote/spec.ts";
 
 export interface LayerRef {
   file?: string;
@@ -11,6 +12,8 @@ export interface LayerRef {
   digest?: string;
   size?: number;
   uuid?: string;
+  /** The layer lives elsewhere (needs digest and size): where to fetch it, where to cache it. */
+  remote?: RemoteLayerSpec;
 }
 
 export interface UpperRef {
@@ -54,7 +57,8 @@ export function parseImageConfig(raw: unknown, baseDir = process.cwd()): ImageCo
       if (!Number.isSafeInteger(r.size) || (r.size as number) < 0) throw new ConfigError(`${where}: lowers[${i}].size must be a byte count`);
       ref.size = r.size as number;
     }
-    if (!ref.file && !ref.dir) throw new ConfigError(`${where}: lowers[${i}] names neither "file" nor "dir"`);
+    if (r.remote !== undefined) ref.remote = parseRemoteSpec(r.remote, r.digest, r.size, `${where}: lowers[${i}]`);
+    if (!ref.file && !ref.dir && !ref.remote) throw new ConfigError(`${where}: lowers[${i}] names neither "file" nor "dir"`);
     return ref;
   });
   const cfg: ImageConfig = { lowers };
@@ -89,10 +93,14 @@ export async function loadImageConfig(path: string): Promise<ImageConfig> {
   return parseImageConfig(raw, resolve(path, ".."));
 }
 
-/** The local file of a lower: `file`, else dir/overlaybd.commit, dir/.commit, dir/overlaybd.sealed. */
+/**
+ * The local file of a lower: `file`, else dir/overlaybd.commit, dir/.commit, dir/overlaybd.sealed;
+ * for a remote lower without those, its promoted file or `remote:<digest>` (open_layer.ts).
+ */
 export function resolveLayerPath(ref: LayerRef, i: number): string {
   const candidates = [ref.file, ...(ref.dir ? ["overlaybd.commit", ".commit", "overlaybd.sealed"].map((n) => join(ref.dir!, n)) : [])];
   for (const c of candidates) if (c && existsSync(c)) return c;
+  if (ref.remote && ref.digest) return remoteLayerPath(ref.digest, ref.remote);
   if (ref.digest) throw new ConfigError(`lowers[${i}] (${ref.digest}) is remote; remote layers need a remote backend`);
   throw new ConfigError(`lowers[${i}]: no layer file at ${candidates.filter(Boolean).join(", ")}`);
 }

@@ -4,7 +4,10 @@
 import { statSync } from "node:fs";
 import { FileTypeError, FormatError, hexBytes } from "./errors.ts";
 import type { ReadableFile } from "./file.ts";
+import type { IoLimiter } from "./io_limiter.ts";
 import { LocalFile } from "./local_file.ts";
+import { openRemoteFile } from "./remote/layer.ts";
+import { REMOTE_PREFIX } from "./remote/spec.ts";
 import { hasDamagedLsmtMagic, hasLsmtMagic } from "./lsmt/header.ts";
 import { ReadOnlyLayer } from "./lsmt/readonly_layer.ts";
 import { TarView, isOverlaybdTar } from "./tar.ts";
@@ -65,13 +68,21 @@ export async function unwrap(file: ReadableFile): Promise<{ file: ReadableFile; 
   return { file, wrappers };
 }
 
-export async function openLayerFile(path: string): Promise<ReadOnlyLayer> {
-  requireRegularFile(path);
-  const local = await LocalFile.open(path, {});
+/**
+ * A layer file by path, or a remote layer by `remote:sha256:<hex>` (registered in this thread,
+ * see remote/layer.ts), reading through `remoteIo`, the node-wide remote-I/O budget.
+ */
+export async function openLayerFile(path: string, opts: { remoteIo?: IoLimiter } = {}): Promise<ReadOnlyLayer> {
+  let base: ReadableFile;
+  if (path.startsWith(REMOTE_PREFIX)) base = openRemoteFile(path, opts);
+  else {
+    requireRegularFile(path);
+    base = LocalFile.open(path, {});
+  }
   try {
-    return await ReadOnlyLayer.open((await unwrap(local)).file);
+    return await ReadOnlyLayer.open((await unwrap(base)).file);
   } catch (e) {
-    await local.close();
+    await base.close();
     throw e;
   }
 }

@@ -1,0 +1,66 @@
+// A registry blob (or any HTTP object) read by `Range: bytes=a-b`. Auth comes from an injected
+// headers provider (the composition wires the registry client's tokens in), so storage knows
+// no registry protocol beyond ranges.
+
+import { type ChunkSource, type LayerDigest, SourceError } from "./source.ts";
+
+export type HeadersProvider = (signal: AbortSignal) => Promise<Record<string, string>> | Record<string, string>;
+
+export interface RegistryRangeSourceOptions {
+  /** The blob's URL, e.g. http://host/v2/<name>/blobs/sha256:<hex>. */
+  url: string;
+  /** Headers for each request (Authorization); called per request so tokens can be renewed. */
+  headers?: HeadersProvider;
+  /** Name in errors (default: the URL's host and path). */
+  name?: string;
+}
+
+/** 408, 425, 429 and 5xx may pass; other statuses are the same next time. */
+export function retryableStatus(status: number): boolean {
+  return status === 408 || status === 425 || status === 429 || status >= 500;
+}
+
+export class RegistryRangeSource implements ChunkSource {
+  readonly name: string;
+  constructor(private readonly opts: RegistryRangeSourceOptions) {
+    const u = new URL(opts.url);
+    this.name = opts.name ?? `http ${u.host}${u.pathname}`;
+  }
+
+  async read(digest: LayerDigest, offset: number, length: number, signal: AbortSignal): Promise<Uint8Array> {
+    if (!this.opts.url.includes(digest.slice(7))) throw new SourceError(`serves another blob than ${digest}`, false);
+    const headers = { ...(this.opts.headers ? await this.opts.headers(signal) : {}), Range: `bytes=${offset}-${offset + length - 1}` };
+    const res = await fetch(this.opts.url, { headers, signal });
+    if (res.status !== 206) {
+      await res.body?.cancel().catch(() => {});
+      // A 200 is the whole blob: it ignored the Range, which we do not stream around.
+      throw new SourceError(`HTTP ${res.status} for bytes ${offset}-${offset + length - 1}`, retryableStatus(res.status), res.status);
+    }
+    const cr = res.headers.get("content-range");
+    if (!cr || !cr.startsWith(`bytes ${offset}-${offset + length - 1}/`)) {
+      await res.body?.cancel().catch(() => {});
+      throw new SourceError(`asked bytes ${offset}-${offset + length - 1}, got Content-Range ${JSON.stringify(cr)}`, false, 206);
+    }
+    return readExactly(res, length, this.name);
+  }
+}
+
+/** The body of `res`, which must be exactly `length` bytes: more or fewer is a SourceError. */
+export async function readExactly(res: Response, length: number, what: string): Promise<Uint8Array> {
+  const out = new Uint8Array(length);
+  let got = 0;
+  const reader = res.body!.getReader();
+  try {
+    for (;;) {
+      const { done, value } = await reader.read();
+      if (done) break;
+      if (got + value.length > length) throw new SourceError(`${what}: answered more than the ${length} bytes asked`, true);
+      out.set(value, got);
+      got += value.length;
+    }
+  } finally {
+    reader.releaseLock();
+  }
+  if (got !== length) throw new SourceError(`${what}: answered ${got} of ${length} bytes`, true);
+  return out;
+}

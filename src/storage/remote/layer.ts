@@ -1,0 +1,79 @@
+// Remote layers opened in this thread: a config's remote lower (spec.ts) or a layer registered
+// with live ChunkSource objects (registry auth, peers), both named `remote:sha256:<hex>`.
+
+import type { ReadableFile } from "../file.ts";
+import type { IoLimiter } from "../io_limiter.ts";
+import { BlockCache, type BlockCacheOptions } from "./block_cache.ts";
+import { RemoteSpecError } from "./errors.ts";
+import { RegistryRangeSource } from "./http_source.ts";
+import { RemoteFile } from "./remote_file.ts";
+import { S3RangeSource } from "./s3_source.ts";
+import { type OriginSpec, REMOTE_PREFIX, type RemoteLayerSpec, checkRemoteShape } from "./spec.ts";
+import type { ChunkSource, LayerDigest } from "./source.ts";
+
+/** A remote layer with live sources, registered in this thread by in-process callers. */
+export interface RemoteLayerHandle {
+  digest: LayerDigest;
+  size: number;
+  sources: ChunkSource[];
+  cache: BlockCache;
+  chunkSize?: number;
+  chunkDigests?: string[];
+  download?: boolean;
+}
+
+/** Sources tried before a layer's own (peers); set by the node's composition, per thread. */
+export type SourceProvider = (digest: LayerDigest) => ChunkSource[];
+
+const known = new Map<string, RemoteLayerHandle>();
+let firstSources: SourceProvider | undefined;
+
+/** Make `remote:<digest>` openable in this thread. */
+export function registerRemoteLayer(h: RemoteLayerHandle): string {
+  checkRemoteShape(h.digest, h.size, h.chunkSize, h.chunkDigests, "registerRemoteLayer");
+  known.set(h.digest, h);
+  return REMOTE_PREFIX + h.digest;
+}
+
+export function unregisterRemoteLayer(digest: string): void {
+  known.delete(digest);
+}
+
+/** Sources asked before every remote layer's origins (helper for peers); undefined clears it. */
+export function setFirstSources(p: SourceProvider | undefined): void {
+  firstSources = p;
+}
+
+export function originSource(s: OriginSpec): ChunkSource {
+  if (s.kind === "http") {
+    const headers = s.headers;
+    return new RegistryRangeSource({ url: s.url, headers: headers ? () => headers : undefined });
+  }
+  const { kind: _, ...o } = s;
+  return new S3RangeSource(o);
+}
+
+/** A config lower's remote spec as a registered handle (its cache shared within this thread). */
+export async function handleFromSpec(digest: LayerDigest, size: number, spec: RemoteLayerSpec): Promise<RemoteLayerHandle> {
+  const cache = await BlockCache.shared(spec.cache as BlockCacheOptions);
+  return { digest, size, sources: spec.sources.map(originSource), cache, chunkSize: spec.chunkSize, chunkDigests: spec.chunkDigests, download: spec.download };
+}
+
+/** Open `remote:<digest>` (registered in this thread) as a RemoteFile. */
+export function openRemoteFile(path: string, opts: { remoteIo?: IoLimiter; onDownloadError?: (e: Error) => void } = {}): ReadableFile {
+  const digest = path.slice(REMOTE_PREFIX.length);
+  const h = known.get(digest);
+  if (!h) throw new RemoteSpecError(`no remote layer ${digest} is registered in this process`, path);
+  const f = RemoteFile.open({
+    digest: h.digest,
+    size: h.size,
+    sources: [...(firstSources?.(h.digest) ?? []), ...h.sources],
+    cache: h.cache,
+    limiter: opts.remoteIo,
+    chunkSize: h.chunkSize,
+    chunkDigests: h.chunkDigests,
+  });
+  if ((h.download ?? true) && !f.localPath && h.size <= h.cache.lowBytes)
+    f.download().catch((e: Error) => f.isClosed || (opts.onDownloadError ?? ((err) => console.error(`remote layer ${digest}: background download failed: ${err.message}`)))(e));
+  return f;
+}

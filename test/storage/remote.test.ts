@@ -1,0 +1,326 @@
+// Remote layers on real origins: s3rver, Debian's docker-registry, and a loopback HTTP origin that
+// misbehaves on demand; a real block cache on disk; a kill -9 mid-download.
+import { afterAll, beforeAll, describe, expect, test } from "bun:test";
+import { existsSync, readdirSync, readFileSync } from "node:fs";
+import { join } from "node:path";
+import { S3Client } from "bun";
+import { Image } from "../../src/storage/image.ts";
+import { IoLimiter } from "../../src/storage/io_limiter.ts";
+import { LocalFile } from "../../src/storage/local_file.ts";
+import { WritableLayer } from "../../src/storage/lsmt/writable_layer.ts";
+import { writeZFile } from "../../src/storage/zfile.ts";
+import { BlockCache } from "../../src/storage/remote/block_cache.ts";
+import { LayerDigestError, RemoteReadError } from "../../src/storage/remote/errors.ts";
+import { RegistryRangeSource } from "../../src/storage/remote/http_source.ts";
+import { RemoteFile } from "../../src/storage/remote/remote_file.ts";
+import { S3RangeSource } from "../../src/storage/remote/s3_source.ts";
+import { openLayerFile } from "../../src/storage/open_layer.ts";
+import { registerRemoteLayer } from "../../src/storage/remote/layer.ts";
+import { RegistryClient } from "../../src/template/registry.ts";
+import { randomBytes } from "../helpers/memfile.ts";
+import { prng, scratchDir, sha256 } from "../helpers/tmp.ts";
+import { startS3Server, type TestS3 } from "../snapshot/s3_server.ts";
+import { registrySkipReason, startRegistry, type RegistryServer } from "../template/registry_harness.ts";
+import { startBlobOrigin, type BlobOrigin } from "./remote_origin.ts";
+
+const dir = scratchDir("remote");
+const KiB = 1024;
+const MiB = 1024 * KiB;
+const BUCKET = "snapshots"; // the one s3rver_main.ts makes
+const creds = { accessKeyId: "S3RVER", secretAccessKey: "S3RVER", region: "us-east-1" };
+
+let s3: TestS3;
+let cacheN = 0;
+const freshCache = (capacity = 64 * MiB, extra: { high?: number; low?: number } = {}) => BlockCache.open({ dir: join(dir, `cache-${cacheN++}`), capacity, ...extra });
+
+async function putS3(key: string, bytes: Uint8Array): Promise<void> {
+  await new S3Client({ ...creds, endpoint: s3.endpoint, bucket: BUCKET }).write(key, bytes);
+}
+
+const digestOf = (b: Uint8Array) => `sha256:${sha256(b)}` as const;
+
+/** A sealed LSMT layer file holding `data` at byte 0. */
+async function sealedLayerOf(name: string, data: Uint8Array): Promise<string> {
+  const p = join(dir, name);
+  const w = await WritableLayer.create(`${p}.data`, `${p}.index`, { virtualSize: data.length });
+  await w.write(data, 0);
+  await w.seal();
+  await w.close();
+  return `${p}.data`;
+}
+
+const s3Dir = scratchDir("remote-s3"); // at top level: an afterAll registered inside beforeAll runs at once
+beforeAll(async () => {
+  s3 = await startS3Server(s3Dir);
+});
+afterAll(async () => {
+  await s3?.stop();
+});
+
+describe("origins", () => {
+  test("a layer only in S3, empty cache: partial reads are right and fetch less than the layer", async () => {
+    const bytes = randomBytes(8 * MiB + 12345, 1);
+    const digest = digestOf(bytes);
+    await putS3(`layers/${digest.slice(7)}`, bytes);
+    const cache = await freshCache();
+    const f = RemoteFile.open({ digest, size: bytes.length, cache, sources: [new S3RangeSource({ ...creds, endpoint: s3.endpoint, bucket: BUCKET, key: `layers/${digest.slice(7)}` })] });
+    for (const [off, len] of [[0, 4096], [3 * MiB - 100, 300], [8 * MiB, 12345], [5 * MiB + 7, 2 * MiB]] as const) {
+      const buf = new Uint8Array(len);
+      expect(await f.pread(buf, off)).toBe(len);
+      expect(Buffer.from(buf).equals(bytes.subarray(off, off + len))).toBe(true);
+    }
+    // Past the end: short at EOF.
+    expect(await f.pread(new Uint8Array(100), bytes.length - 10)).toBe(10);
+    expect(f.stats.bytesFetched).toBeLessThan(bytes.length);
+    expect(f.stats.chunksFetched).toBe(7); // chunks 0, 2, 3, 8, 5, 6, 7: the EOF read found chunk 8 cached
+    await f.close();
+  });
+
+  test("a blob in Debian's docker-registry, read by Range with the registry client's push", async () => {
+    const why = registrySkipReason();
+    if (why) {
+      console.warn(`skipped: ${why}`);
+      return;
+    }
+    const reg: RegistryServer = await startRegistry({ dir: join(dir, "registry") });
+    try {
+      const client = new RegistryClient({ dockerConfigPath: null });
+      const bytes = randomBytes(3 * MiB + 5, 2);
+      const desc = await client.pushBlob(`${reg.host}/remote/test:1`, bytes);
+      const url = `http://${reg.host}/v2/remote/test/blobs/${desc.digest}`;
+      const cache = await freshCache();
+      const f = RemoteFile.open({ digest: desc.digest as `sha256:${string}`, size: bytes.length, cache, sources: [new RegistryRangeSource({ url })] });
+      const buf = new Uint8Array(1 * MiB + 10);
+      expect(await f.pread(buf, 2 * MiB - 5)).toBe(buf.length);
+      expect(Buffer.from(buf).equals(bytes.subarray(2 * MiB - 5, 3 * MiB + 5))).toBe(true);
+      expect(f.stats.bytesFetched).toBeLessThan(bytes.length);
+      // The whole layer, verified and promoted: later reads go to the local file.
+      const path = await f.download();
+      expect(sha256(readFileSync(path))).toBe(desc.digest.slice(7));
+      expect(f.localPath).toBe(path);
+      expect(cache.held(desc.digest, f.chunkSize)).toEqual([]);
+      await f.close();
+    } finally {
+      await reg.stop();
+    }
+  }, 60_000);
+});
+
+describe("bad origins: named errors, nothing wrong in the cache", () => {
+  const bytes = randomBytes(2 * MiB, 3);
+  let origin: BlobOrigin;
+  beforeAll(() => {
+    origin = startBlobOrigin(bytes);
+  });
+  afterAll(() => origin.stop());
+
+  const open = async (extra: Partial<Parameters<typeof RemoteFile.open>[0]> = {}) => {
+    const cache = await freshCache();
+    const f = RemoteFile.open({ digest: origin.digest, size: bytes.length, cache, sources: [new RegistryRangeSource({ url: origin.url })], backoffBaseMs: 5, ...extra });
+    return { f, cache };
+  };
+
+  for (const fault of ["404", "500", "hang", "short"] as const) {
+    test(`origin answers ${fault}: RemoteReadError naming the layer, range and source; cache empty`, async () => {
+      origin.fault = fault;
+      const { f, cache } = await open({ timeoutMs: 300 });
+      const before = origin.requests;
+      try {
+        const err = await f.pread(new Uint8Array(4096), MiB + 4096).catch((e) => e);
+        expect(err).toBeInstanceOf(RemoteReadError);
+        expect(err.digest).toBe(origin.digest);
+        expect(err.rangeOffset).toBe(MiB);
+        expect(err.rangeLength).toBe(MiB);
+        expect(err.attempts[0].source).toContain("127.0.0.1");
+        expect(err.message).toContain(fault === "hang" ? "no answer within 300 ms" : fault === "short" ? "of 1048576 bytes" : `HTTP ${fault}`);
+        // 404 is final; 500, a hang and a short answer are tried three times.
+        expect(origin.requests - before).toBe(fault === "404" ? 1 : 3);
+        expect(cache.usage).toBe(0);
+        expect(cache.held(origin.digest, f.chunkSize)).toEqual([]);
+      } finally {
+        origin.fault = "none";
+        await f.close();
+      }
+    });
+  }
+
+  test("a source that returns wrong bytes with per-chunk digests: caught, the next source answers", async () => {
+    const bad = startBlobOrigin(bytes);
+    bad.fault = "corrupt";
+    try {
+      const chunkDigests = [0, 1].map((i) => sha256(bytes.subarray(i * MiB, (i + 1) * MiB)));
+      const { f, cache } = await open({ sources: [new RegistryRangeSource({ url: bad.url, name: "bad" }), new RegistryRangeSource({ url: origin.url })], chunkDigests });
+      const buf = new Uint8Array(MiB);
+      await f.pread(buf, MiB);
+      expect(Buffer.from(buf).equals(bytes.subarray(MiB))).toBe(true);
+      expect(f.stats.failures.bad).toBe(1); // a digest mismatch is final for that source and chunk
+      await f.download();
+      expect(sha256(readFileSync(f.localPath!))).toBe(origin.digest.slice(7));
+      await f.close();
+      void cache;
+    } finally {
+      bad.stop();
+    }
+  });
+
+  test("wrong bytes without per-chunk digests: caught when the whole layer is verified, dropped, reads fail after", async () => {
+    origin.fault = "corrupt";
+    const { f, cache } = await open();
+    try {
+      const err = await f.download().catch((e) => e);
+      expect(err).toBeInstanceOf(LayerDigestError);
+      expect(err.message).toContain(origin.digest);
+      expect(cache.held(origin.digest, f.chunkSize)).toEqual([]);
+      expect(cache.usage).toBe(0);
+      expect(existsSync(cache.promotedPath(origin.digest))).toBe(false);
+      await expect(f.pread(new Uint8Array(512), 0)).rejects.toBeInstanceOf(LayerDigestError);
+    } finally {
+      origin.fault = "none";
+      await f.close();
+    }
+  });
+
+  test("two readers racing for one missing chunk fetch it once", async () => {
+    origin.delayMs = 50;
+    const { f } = await open();
+    try {
+      const before = origin.ranges.get(`0-${MiB - 1}`) ?? 0;
+      const a = new Uint8Array(4096);
+      const b = new Uint8Array(8192);
+      await Promise.all([f.pread(a, 4096), f.pread(b, 100 * 1024)]);
+      expect(Buffer.from(a).equals(bytes.subarray(4096, 8192))).toBe(true);
+      expect(Buffer.from(b).equals(bytes.subarray(100 * 1024, 108 * 1024))).toBe(true);
+      expect((origin.ranges.get(`0-${MiB - 1}`) ?? 0) - before).toBe(1);
+    } finally {
+      origin.delayMs = 0;
+      await f.close();
+    }
+  });
+});
+
+describe("block cache", () => {
+  test("capacity smaller than the working set: data stays right, usage stays under the high watermark", async () => {
+    const bytes = randomBytes(16 * MiB, 4);
+    const origin = startBlobOrigin(bytes);
+    try {
+      const cache = await freshCache(2 * MiB, { high: 0.9, low: 0.6 });
+      const f = RemoteFile.open({ digest: origin.digest, size: bytes.length, cache, chunkSize: 64 * KiB, sources: [new RegistryRangeSource({ url: origin.url })] });
+      const rnd = prng(4);
+      let peak = 0;
+      for (let i = 0; i < 200; i++) {
+        const off = Math.floor(rnd() * (bytes.length - 20000));
+        const buf = new Uint8Array(1 + Math.floor(rnd() * 20000));
+        await Promise.all([f.pread(buf, off), f.pread(new Uint8Array(4096), Math.floor(rnd() * (bytes.length - 4096)))]);
+        expect(Buffer.from(buf).equals(bytes.subarray(off, off + buf.length))).toBe(true);
+        await Bun.sleep(0);
+        peak = Math.max(peak, cache.usage);
+      }
+      await f.close();
+      expect(cache.stats.evicted).toBeGreaterThan(0);
+      expect(peak).toBeLessThanOrEqual(cache.highBytes);
+      const files = readdirSync(join(cache.dir, "chunks"), { recursive: true }).filter((n) => String(n).includes("/"));
+      expect(files.length * 64 * KiB).toBe(cache.usage);
+      // A restart rescans the same usage.
+      const again = await BlockCache.open({ dir: cache.dir, capacity: 2 * MiB, high: 0.9, low: 0.6 });
+      expect(again.usage).toBe(files.length * 64 * KiB);
+      await again.close();
+      await cache.close();
+    } finally {
+      origin.stop();
+    }
+  });
+
+  test("a chunk pinned by a read is not evicted", async () => {
+    const bytes = randomBytes(MiB, 5);
+    const cache = await freshCache(256 * KiB, { high: 0.5, low: 0.25 });
+    const d = digestOf(bytes);
+    await cache.put(d, 64 * KiB, 0, bytes.subarray(0, 64 * KiB));
+    const pin = cache.pin(d, 64 * KiB, 0)!;
+    for (let i = 1; i < 8; i++) await cache.put(d, 64 * KiB, i, bytes.subarray(i * 64 * KiB, (i + 1) * 64 * KiB));
+    expect(cache.has(d, 64 * KiB, 0)).toBe(true);
+    const b = new Uint8Array(64 * KiB);
+    expect(await pin.file.pread(b, 0)).toBe(b.length);
+    expect(Buffer.from(b).equals(bytes.subarray(0, 64 * KiB))).toBe(true);
+    pin.release();
+    await cache.put(d, 64 * KiB, 8, bytes.subarray(8 * 64 * KiB, 9 * 64 * KiB));
+    expect(cache.has(d, 64 * KiB, 0)).toBe(false);
+    await cache.close();
+  });
+
+  test("kill -9 mid-download: the cache is consistent on restart and the download continues", async () => {
+    const bytes = randomBytes(24 * MiB, 6);
+    const origin = startBlobOrigin(bytes);
+    origin.delayMs = 20;
+    const cacheDir = join(dir, "killed-cache");
+    try {
+      const child = Bun.spawn([process.execPath, join(import.meta.dir, "remote_download_child.ts"), origin.url, origin.digest, String(bytes.length), cacheDir], { stdout: "pipe", stderr: "inherit" });
+      // Wait until a few chunks landed, then kill it mid-download.
+      const chunksDir = join(cacheDir, "chunks", `${origin.digest.slice(7)}-${MiB}`);
+      for (let i = 0; i < 400; i++) {
+        if (existsSync(chunksDir) && readdirSync(chunksDir).filter((n) => !n.includes(".tmp.")).length >= 5) break;
+        await Bun.sleep(25);
+      }
+      child.kill(9);
+      await child.exited;
+      const cache = await BlockCache.open({ dir: cacheDir, capacity: 64 * MiB });
+      const held = cache.held(origin.digest, MiB);
+      expect(held.length).toBeGreaterThanOrEqual(5);
+      expect(held.length).toBeLessThan(24);
+      // No temp files survive the rescan; every chunk under its final name is whole and right.
+      expect(readdirSync(chunksDir).some((n) => n.includes(".tmp."))).toBe(false);
+      for (const i of held) expect(sha256(readFileSync(join(chunksDir, String(i))))).toBe(sha256(bytes.subarray(i * MiB, (i + 1) * MiB)));
+      origin.delayMs = 0;
+      const asked = (i: number) => origin.ranges.get(`${i * MiB}-${(i + 1) * MiB - 1}`) ?? 0;
+      const before = held.map(asked);
+      const f = RemoteFile.open({ digest: origin.digest, size: bytes.length, cache, sources: [new RegistryRangeSource({ url: origin.url })] });
+      const path = await f.download();
+      expect(sha256(readFileSync(path))).toBe(origin.digest.slice(7));
+      // Only the missing chunks were fetched (the killed child's answers may still have been in flight).
+      expect(f.stats.chunksFetched).toBe(24 - held.length);
+      expect(held.map(asked)).toEqual(before);
+      await f.close();
+      await cache.close();
+    } finally {
+      origin.stop();
+    }
+  }, 60_000);
+});
+
+describe("layers over remote files", () => {
+  test("an LSMT layer, a ZFile of it and an image stack read from S3 as from the local files", async () => {
+    const data = randomBytes(4 * MiB, 7);
+    data.fill(0, MiB, 2 * MiB);
+    const plain = await sealedLayerOf("plain", data);
+    const zpath = join(dir, "plain.zfile");
+    const src = LocalFile.open(plain);
+    const out = LocalFile.open(zpath, { create: true });
+    await writeZFile(src, out, { algorithm: "zstd", blockSize: 4096 });
+    await src.close();
+    await out.close();
+    const limiter = IoLimiter.create(4);
+    for (const p of [plain, zpath]) {
+      const layerBytes = new Uint8Array(readFileSync(p));
+      const digest = digestOf(layerBytes);
+      await putS3(`layers/${digest.slice(7)}`, layerBytes);
+      const cache = await freshCache();
+      const source = new S3RangeSource({ ...creds, endpoint: s3.endpoint, bucket: BUCKET, key: `layers/${digest.slice(7)}` });
+      // In-process: a registered layer opened by name.
+      const name = registerRemoteLayer({ digest, size: layerBytes.length, sources: [source], cache, download: false });
+      const stack = Image.fromLayers([await openLayerFile(name, { remoteIo: limiter })]);
+      const buf = new Uint8Array(64 * KiB);
+      await stack.read(buf, 3 * MiB + 512);
+      expect(Buffer.from(buf).equals(data.subarray(3 * MiB + 512, 3 * MiB + 512 + buf.length))).toBe(true);
+      await stack.close();
+      // From an image config, as blockd gets it: a lower that names its origin and cache.
+      const image = await Image.open(
+        { lowers: [{ digest, size: layerBytes.length, remote: { sources: [{ kind: "s3", ...creds, endpoint: s3.endpoint, bucket: BUCKET, key: `layers/${digest.slice(7)}` }], cache: { dir: join(dir, `cfg-cache-${cacheN++}`), capacity: 64 * MiB } } }] },
+        { remoteIo: limiter },
+      );
+      const all = new Uint8Array(data.length);
+      await image.read(all, 0);
+      expect(sha256(all)).toBe(sha256(data));
+      await image.close();
+    }
+    expect(limiter.available).toBe(4);
+  }, 60_000);
+});
