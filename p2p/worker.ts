@@ -23,6 +23,7 @@ export type FromHost =
   | { type: "read"; id: number; peerId: string; digest: LayerDigest; offset: number; length: number; timeoutMs?: number }
   | { type: "stats"; id: number }
   | { type: "close"; id: number }
+  | { type: "cancel"; id: number }
   | { type: "provided"; id: number; layer: { path: string; size: number } | undefined };
 
 export type ToHost =
@@ -127,7 +128,7 @@ export class PeerWorker implements PeerClient {
     const id = ++this.nextId;
     return new Promise((resolve, reject) => {
       const done = () => { clearTimeout(timer); this.calls.delete(id); signal?.removeEventListener("abort", onAbort); };
-      const onAbort = () => { done(); reject(signal!.reason instanceof Error ? signal!.reason : new errors.PeerTimeoutError(`${m.type} (aborted)`, ms, "")); };
+      const onAbort = () => { done(); this.worker.postMessage({ type: "cancel", id } satisfies FromHost); reject(signal!.reason instanceof Error ? signal!.reason : new errors.PeerTimeoutError(`${m.type} (aborted)`, ms, "")); };
       const timer = setTimeout(() => { done(); reject(new errors.PeerTimeoutError(`peer worker ${m.type}`, ms, "")); }, ms);
       this.calls.set(id, { resolve: (v) => { done(); resolve(v); }, reject: (e) => { done(); reject(e); }, timer });
       signal?.addEventListener("abort", onAbort, { once: true });

@@ -10,6 +10,8 @@ declare const self: Worker;
 let node: PeerNode | undefined;
 const provided = new Map<number, (l: { path: string; size: number } | undefined) => void>();
 let nextAsk = 0;
+/** Requests in flight, so the owner can cancel one (its signal aborted). */
+const running = new Map<number, AbortController>();
 /** Provider questions waiting for the owning thread, and how long each may wait. */
 const MAX_ASKS = 1024;
 const ASK_MS = 5_000;
@@ -38,6 +40,9 @@ function errorOut(e: unknown): { name: string; message: string; fields: Record<s
 self.onmessage = async (ev: MessageEvent<FromHost>) => {
   const m = ev.data;
   if (m.type === "provided") return provided.get(m.id)?.(m.layer);
+  if (m.type === "cancel") return running.get(m.id)?.abort();
+  const ctl = new AbortController();
+  running.set(m.id, ctl);
   try {
     switch (m.type) {
       case "start": {
@@ -49,9 +54,9 @@ self.onmessage = async (ev: MessageEvent<FromHost>) => {
         node!.setPeers(m.peers);
         return post({ type: "result", id: m.id, ok: true, value: null });
       case "have":
-        return post({ type: "result", id: m.id, ok: true, value: await node!.have(m.peerId, m.digests, { timeoutMs: m.timeoutMs }) });
+        return post({ type: "result", id: m.id, ok: true, value: await node!.have(m.peerId, m.digests, { timeoutMs: m.timeoutMs, signal: ctl.signal }) });
       case "read": {
-        const r = await node!.read(m.peerId, m.digest, m.offset, m.length, { timeoutMs: m.timeoutMs });
+        const r = await node!.read(m.peerId, m.digest, m.offset, m.length, { timeoutMs: m.timeoutMs, signal: ctl.signal });
         return post({ type: "result", id: m.id, ok: true, value: r }, [r.data.buffer as ArrayBuffer]);
       }
       case "stats":
@@ -62,5 +67,7 @@ self.onmessage = async (ev: MessageEvent<FromHost>) => {
     }
   } catch (e) {
     post({ type: "result", id: m.id, ok: false, error: errorOut(e) });
+  } finally {
+    running.delete(m.id);
   }
 };

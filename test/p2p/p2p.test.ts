@@ -187,6 +187,12 @@ describe("worker threads", () => {
       expect(r.peers).toEqual([server.id]);
       expect((await sha256OfFile(r.path)).digest).toBe(layer.digest);
       expect((await server.stats()).bytesServed).toBe(layer.size);
+      // An aborted read rejects with the signal's reason (the worker is told to stop it) and the next one works.
+      const ctl = new AbortController();
+      const aborted = fetcher.read(server.id, layer.digest, 0, MAX_READ, { signal: ctl.signal }).catch((e) => e);
+      ctl.abort(new Error("caller gave up"));
+      expect(((await aborted) as Error).message).toBe("caller gave up");
+      expect((await fetcher.read(server.id, layer.digest, 4096, 4096)).data).toEqual(new Uint8Array(await Bun.file(layer.path).slice(4096, 8192).arrayBuffer()));
       const unknown = `sha256:${"1".repeat(64)}` as LayerDigest;
       const err = await fetcher.read(server.id, unknown, 0, 10).catch((e) => e);
       expect(err).toBeInstanceOf(UnknownDigestError);
@@ -214,6 +220,13 @@ describe("bad input", () => {
     raw = await b.bind();
   });
   afterAll(async () => { await raw?.close(); });
+
+  test("a node configured with relay URLs still serves peers that dial it directly", async () => {
+    const relayed = await peer("relayed", { relayUrls: ["http://127.0.0.1:9/"] }); // no relay there: direct paths only
+    relayed.node.setPeers([server.node.self()]);
+    server.node.setPeers([relayed.node.self()]);
+    expect(await relayed.node.have(server.node.id, [layer.digest])).toEqual([{ digest: layer.digest, size: layer.size }]);
+  }, 60_000);
 
   test("a peer not on the allow-list is refused at accept, with a named error", async () => {
     const stranger = await peer("stranger");
