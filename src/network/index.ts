@@ -31,3 +31,5 @@ export {
   type EgressPolicy,
 } from "./policy.ts";
 export { resolve4 } from "./dns.ts";
+export { EgressProxy, type Denial, type EgressProxyOptions, type SandboxEgressStats } from "./egress_proxy.ts";
+export { MAX_SNIFF_BYTES, sniff, type Sniffed } from "./sniff.ts";

@@ -2,7 +2,8 @@
 // "internet" (internet.ts), a namespace of this run reached through the host's routing over a veth
 // of this run. Nothing leaves for the host's real networks.
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
-import { DEFAULT_ALWAYS_DENIED, Egress, PolicyError, parseEgressPolicy, type SlotPool } from "../../src/network/index.ts";
+import tls from "node:tls";
+import { DEFAULT_ALWAYS_DENIED, Egress, EgressProxy, PolicyError, parseEgressPolicy, sniff, type SlotPool } from "../../src/network/index.ts";
 import { netnsExecArgv, type Slot } from "../../src/network/index.ts";
 import { canRun, eventually, hostCounter, slotTestScaffold, startFakeGuest } from "./harness.ts";
 import { fromGuest, startInternet, type TestInternet } from "./internet.ts";
@@ -39,6 +40,38 @@ describe("egress policy input", () => {
   });
 });
 
+/** The ClientHello a real TLS client (Bun's) sends for `servername`, caught by a plain TCP listener. */
+async function clientHello(servername: string): Promise<Buffer> {
+  const { promise, resolve } = Promise.withResolvers<Buffer>();
+  const srv = Bun.listen({ hostname: "127.0.0.1", port: 0, socket: { data: (s, d) => (resolve(Buffer.from(d)), void s.terminate()) } });
+  const sock = tls.connect({ host: "127.0.0.1", port: srv.port, servername, rejectUnauthorized: false });
+  sock.on("error", () => {});
+  try {
+    return await promise;
+  } finally {
+    sock.destroy();
+    srv.stop(true);
+  }
+}
+
+describe("the name a connection claims", () => {
+  test("TLS SNI, whole or in pieces; HTTP Host; garbage and missing names", async () => {
+    const hello = await clientHello("x.a.test");
+    expect(sniff(hello)).toEqual({ kind: "tls", name: "x.a.test" });
+    for (const cut of [1, 5, 9, 40, hello.length - 1]) expect(sniff(hello.subarray(0, cut))).toEqual({ kind: "more" });
+    // The same handshake message carried by two TLS records.
+    const body = hello.subarray(5);
+    const rec = (b: Buffer) => Buffer.concat([Buffer.from([0x16, 0x03, 0x01, b.length >> 8, b.length & 255]), b]);
+    expect(sniff(Buffer.concat([rec(body.subarray(0, 30)), rec(body.subarray(30))]))).toEqual({ kind: "tls", name: "x.a.test" });
+    expect(sniff(Buffer.from("GET / HTTP/1.1\r\nHost: Example.COM:8080\r\n\r\n"))).toEqual({ kind: "http", name: "example.com" });
+    expect(sniff(Buffer.from("GET / HTTP/1.1\r\nUser-Agent: x\r\n\r\n"))).toEqual({ kind: "http", name: undefined });
+    expect(sniff(Buffer.from("GET / HTTP/1.1\r\nHost: a"))).toEqual({ kind: "more" });
+    expect(sniff(Buffer.from("GE"))).toEqual({ kind: "more" });
+    expect(sniff(Buffer.from([0, 1, 2, 3, 250, 13, 10]))).toEqual({ kind: "unknown" });
+    expect(sniff(Buffer.from([0x16, 0x03, 0x01, 0x00, 0x05, 0x02, 0, 0, 1, 0]))).toEqual({ kind: "tls", name: undefined });
+  });
+});
+
 describe.skipIf(!canRun)("egress by CIDR", () => {
   const t = slotTestScaffold();
   let net: TestInternet;
@@ -50,10 +83,11 @@ describe.skipIf(!canRun)("egress by CIDR", () => {
     await net?.stop();
   });
 
-  async function setup(extra: { proxyPort?: number } = {}): Promise<{ pool: SlotPool; egress: Egress; slot: Slot; guest: string }> {
+  async function setup(o: { proxy?: EgressProxy } = {}): Promise<{ pool: SlotPool; egress: Egress; slot: Slot; guest: string }> {
     const pool = t.newPool({ size: 0 });
     await pool.start();
-    const egress = new Egress(pool.config, { alwaysDenied: DEFAULT_ALWAYS_DENIED, resolvers: [net.ips[0]!], uplinks: [net.uplink], ...extra });
+    const egress = new Egress(pool.config, { alwaysDenied: DEFAULT_ALWAYS_DENIED, resolvers: [net.ips[0]!], uplinks: [net.uplink], proxyPort: o.proxy?.port });
+    o.proxy?.use(egress);
     await egress.start();
     const slot = await pool.acquire();
     const guest = t.keep(await startFakeGuest(slot, "guest"));
@@ -139,5 +173,95 @@ describe.skipIf(!canRun)("egress by CIDR", () => {
     const seen = clients[1]!.output().length;
     await eventually(() => clients[1]!.output().length > seen + 20, "the allowed connection carries on");
     expect(clients[1]!.output()).not.toContain("closed");
+  }, 60_000);
+});
+
+describe.skipIf(!canRun)("egress by domain", () => {
+  const t = slotTestScaffold();
+  let net: TestInternet;
+  let proxy: EgressProxy;
+
+  beforeAll(async () => {
+    net = await startInternet();
+    proxy = new EgressProxy({ resolvers: [net.ips[0]!] }).listen();
+  });
+  afterAll(async () => {
+    proxy?.stop();
+    await net?.stop();
+  });
+
+  async function setup(): Promise<{ egress: Egress; slot: Slot; guest: string }> {
+    const pool = t.newPool({ size: 0 });
+    await pool.start();
+    const egress = new Egress(pool.config, { alwaysDenied: DEFAULT_ALWAYS_DENIED, resolvers: [net.ips[0]!], uplinks: [net.uplink], proxyPort: proxy.port });
+    proxy.use(egress);
+    await egress.start();
+    const slot = await pool.acquire();
+    const guest = t.keep(await startFakeGuest(slot, "guest"));
+    return { egress, slot, guest: guest.netns };
+  }
+
+  test("allowed names pass over HTTP and HTTPS; other names, lying names and nameless connections are refused", async () => {
+    const { egress, slot, guest } = await setup();
+    const [a, b, c] = net.ips as [string, string, string];
+    await egress.apply(slot, "sbxd", parseEgressPolicy(true, { allowOut: ["*.a.test", "two.test"], denyOut: ["0.0.0.0/0"] }));
+    const out = await fromGuest(guest, [
+      { op: "http", ip: a, port: 80, host: "x.a.test" },
+      { op: "https", ip: a, port: 443, servername: "x.a.test" },
+      { op: "https", ip: a, port: 443, servername: "two.test" },
+      { op: "https", ip: b, port: 443, servername: "two.test" }, // one name, two addresses
+      { op: "http", ip: a, port: 80, host: "a.test" }, // the wildcard is below a.test only
+      { op: "http", ip: a, port: 80, host: "b.test" }, // refused on the same address as allowed names
+      { op: "https", ip: a, port: 443, servername: "b.test" },
+      { op: "https", ip: c, port: 443, servername: "x.a.test" }, // x.a.test is not c's name
+      { op: "http", ip: a, port: 80 }, // no Host: judged by address alone
+      { op: "tcp", ip: a, port: 7 }, // not a proxied port: the CIDR rules
+    ]);
+    expect(out.slice(0, 4)).toEqual([`x.a.test@${a}`, `x.a.test@${a}`, `two.test@${a}`, `two.test@${b}`]);
+    expect(out.slice(4, 6)).toEqual(["status 403", "status 403"]);
+    expect(out.slice(6, 8).filter((o) => typeof o === "string" && o.includes("@"))).toEqual([]);
+    expect(out.slice(8)).toEqual(["status 403", "refused"]);
+    const stats = proxy.statsOf("sbxd");
+    expect(stats.allowed).toBe(4);
+    expect(stats.denied).toBe(5);
+    expect(stats.recent.some((d) => d.name === "x.a.test" && d.reason.includes("does not resolve"))).toBe(true);
+  }, 60_000);
+
+  test("a ClientHello split across packets passes; garbage is refused and the proxy keeps serving", async () => {
+    const { egress, slot, guest } = await setup();
+    const [a] = net.ips as [string];
+    await egress.apply(slot, "sbxs", parseEgressPolicy(false, { allowOut: ["a.test"] }));
+    const hello = await clientHello("a.test");
+    const denied = await clientHello("b.test");
+    const split = [hello.subarray(0, 3), hello.subarray(3, 60), hello.subarray(60)].map((b) => b.toString("base64"));
+    const out = (await fromGuest(guest, [
+      { op: "raw", ip: a, port: 443, chunks: split, gapMs: 150 },
+      { op: "raw", ip: a, port: 443, chunks: [denied.toString("base64")] },
+      { op: "raw", ip: a, port: 443, chunks: [Buffer.from("\x00\x01garbage\r\n\r\n").toString("base64")] },
+      { op: "raw", ip: a, port: 80, chunks: [Buffer.from("NOT-HTTP at all\r\n\r\n").toString("base64")] },
+    ])) as string[];
+    // The server's handshake answer came back through the proxy (binary, starting with a handshake record).
+    expect(out[0]!.length).toBeGreaterThan(0);
+    expect(out[0]!.charCodeAt(0)).toBe(0x16);
+    expect(out.slice(1)).toEqual(["reset", "reset", "reset"]); // closed without a byte
+    expect(await fromGuest(guest, [{ op: "https", ip: a, port: 443, servername: "a.test" }])).toEqual([`a.test@${a}`]);
+  }, 60_000);
+
+  test("a live policy change closes proxied connections it now refuses", async () => {
+    const { egress, slot, guest } = await setup();
+    const [a] = net.ips as [string];
+    await egress.apply(slot, "sbxl", parseEgressPolicy(true, { allowOut: ["a.test"] }));
+    // A TLS connection held open by the guest, sending a request every 100 ms on keep-alive.
+    const code = `const s = require("node:tls").connect({host:${JSON.stringify(a)},port:443,servername:"a.test",rejectUnauthorized:false});
+      s.on("secureConnect",()=>setInterval(()=>s.write("GET / HTTP/1.1\\r\\nHost: a.test\\r\\n\\r\\n"),100)); s.on("data",()=>console.log("answer"));
+      s.on("error",(e)=>console.log("closed "+e.code)); s.on("close",()=>{console.log("closed");process.exit(0)});`;
+    const p = t.keep(Bun.spawn(netnsExecArgv({ netns: guest }, [process.execPath, "-e", code]), { stdout: "pipe", stderr: "inherit" }));
+    let out = "";
+    void (async () => {
+      for await (const chunk of p.stdout) out += new TextDecoder().decode(chunk);
+    })();
+    await eventually(() => out.includes("answer"), "the held connection gets answers");
+    await egress.apply(slot, "sbxl", parseEgressPolicy(true, { denyOut: ["a.test"] }));
+    await eventually(() => out.includes("closed"), "the proxied connection is closed");
   }, 60_000);
 });
