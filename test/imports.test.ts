@@ -25,7 +25,8 @@ const allowed: Record<string, string[]> = {
   "src/template": ["src/template", "src/storage", "src/blockdev/client.ts", "ffi"],
   // The node's composition root wires every part together.
   "src/node": ["src", "ffi", "guest", "package.json"],
-  "src/cli": ["src/cli", "src/storage", "src/blockdev/client.ts", "src/blockdev/protocol.ts", "ffi", "package.json"],
+  // The CLI reads a local node's settings to find its API key (src/node/config.ts).
+  "src/cli": ["src/cli", "src/node/config.ts", "src/storage", "src/blockdev/client.ts", "src/blockdev/protocol.ts", "ffi", "package.json"],
   // envd is compiled into the guest's tools disk on its own: nothing of the host's code.
   "guest/envd": ["guest/envd"],
   // What runs inside the VM: nothing of the host's code (its host-side builders are src/template/artifacts.ts).

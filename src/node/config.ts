@@ -2,7 +2,7 @@
 // optional `$AENV_HOME/node.toml`, its default and its parser. The environment wins over the file;
 // docs/node.md lists the same table (test/node/config.test.ts keeps the two in step).
 import { chmodSync, closeSync, existsSync, mkdirSync, openSync, readFileSync, renameSync, writeSync } from "node:fs";
-import { join, resolve } from "node:path";
+import { dirname, join, resolve } from "node:path";
 
 export class ConfigError extends Error {
   constructor(message: string) { super(message); this.name = "ConfigError"; }
@@ -97,23 +97,35 @@ export function loadConfig(env: Record<string, string | undefined> = process.env
 /** E2B's key format: `e2b_` and 40 hex digits (SDK 2.45 checks it). */
 export const API_KEY_FORMAT = /^e2b_[0-9a-f]{40}$/;
 
+/** Where a node with this home keeps the key it generated. */
+export const apiKeyPath = (home: string) => join(home, "secrets", "api-key");
+
+/**
+ * The key a node with these settings uses, if it has one yet: the configured one, else the one in
+ * its key file; null when neither exists (the node generates one on its first start). The aenv CLI
+ * reads a local node's key through this.
+ */
+export function configuredApiKey(cfg: Pick<NodeConfig, "apiKey" | "home">): { key: string; path: string | null } | null {
+  if (cfg.apiKey !== "") {
+    if (!/^[A-Za-z0-9._~-]{32,256}$/.test(cfg.apiKey)) throw new ConfigError("AENV_API_KEY: expected 32..256 characters of A-Z a-z 0-9 . _ ~ -");
+    return { key: cfg.apiKey, path: null };
+  }
+  const path = apiKeyPath(cfg.home);
+  if (!existsSync(path)) return null;
+  const key = readFileSync(path, "utf8").trim();
+  if (!/^[A-Za-z0-9._~-]{32,256}$/.test(key)) throw new ConfigError(`${path}: not an API key (expected 32..256 characters of A-Z a-z 0-9 . _ ~ -)`);
+  return { key, path };
+}
+
 /**
  * The API key: the configured one, else the one in `<home>/secrets/api-key`, else a new one written
  * there (mode 0600, by rename so a crash leaves no half key). Returns the key and where it lives.
  */
 export function resolveApiKey(cfg: Pick<NodeConfig, "apiKey" | "home">): { key: string; path: string | null } {
-  if (cfg.apiKey !== "") {
-    if (!/^[A-Za-z0-9._~-]{32,256}$/.test(cfg.apiKey)) throw new ConfigError("AENV_API_KEY: expected 32..256 characters of A-Z a-z 0-9 . _ ~ -");
-    return { key: cfg.apiKey, path: null };
-  }
-  const dir = join(cfg.home, "secrets");
-  const path = join(dir, "api-key");
-  if (existsSync(path)) {
-    const key = readFileSync(path, "utf8").trim();
-    if (!/^[A-Za-z0-9._~-]{32,256}$/.test(key)) throw new ConfigError(`${path}: not an API key (expected 32..256 characters of A-Z a-z 0-9 . _ ~ -)`);
-    return { key, path };
-  }
-  mkdirSync(dir, { recursive: true, mode: 0o700 });
+  const known = configuredApiKey(cfg);
+  if (known) return known;
+  const path = apiKeyPath(cfg.home);
+  mkdirSync(dirname(path), { recursive: true, mode: 0o700 });
   const key = "e2b_" + Buffer.from(crypto.getRandomValues(new Uint8Array(20))).toString("hex");
   const tmp = `${path}.tmp-${process.pid}`;
   const fd = openSync(tmp, "wx", 0o600);

@@ -3,114 +3,27 @@
 // stock e2b SDK and plain HTTP. The base template (Debian) is built on first start into a cache
 // shared by test runs on this machine, booted once and checkpointed; every create restores it.
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
-import { existsSync, mkdirSync, readdirSync, rmSync } from "node:fs";
+import { existsSync, readdirSync } from "node:fs";
 import { join } from "node:path";
 import { CommandExitError, FilesystemEventType, Sandbox, SandboxNotFoundError } from "e2b";
-import { SlotPool } from "../../src/network/index.ts";
-import { stopBlockd } from "../blockdev/harness.ts";
-import { scratchDir } from "../helpers/tmp.ts";
-import { sandboxSkipReason } from "../orchestrator/harness.ts";
 import { qemuPids } from "../vmm/harness.ts";
+import { FIRST_START_MS, nodeSetup, nodeSkipReason, startNode, stopNode, until, type NodeProc } from "./harness.ts";
 
-const skip = sandboxSkipReason() ?? (Bun.which("mmdebstrap") ? undefined : "mmdebstrap is missing: the base template cannot be built (see .ci/deps)");
-const ROOT = join(import.meta.dir, "../..");
+const skip = nodeSkipReason();
 const KEY = "e2b_" + "5e".repeat(20);
-const tag = ((process.pid + 3) % 46656).toString(36).padStart(3, "0");
-const TEMPLATE_CACHE = "/var/tmp/aenv-template-cache";
-/** A first start builds base (minutes on 2 cores); later ones restore from the cache. */
-const FIRST_START_MS = 20 * 60_000;
-
-interface NodeProc {
-  proc: ReturnType<typeof Bun.spawn>;
-  base: string;
-  log: string[];
-}
-
-async function until(cond: () => boolean | Promise<boolean>, ms: number, what: string) {
-  const end = Date.now() + ms;
-  while (!(await cond())) {
-    if (Date.now() > end) throw new Error(`${what} not met within ${ms} ms`);
-    await Bun.sleep(100);
-  }
-}
 
 describe.skipIf(!!skip)("bun run node with the stock e2b SDK", () => {
   if (skip) return void test.skip(skip!, () => {});
-  const home = scratchDir("node-home", { keep: true }); // removed below, once blockd's mounts are gone
-  const runDir = `/run/aenv-test-${tag}`;
-  const env = {
-    ...process.env,
-    AENV_HOME: home,
-    HOST: "127.0.0.1",
-    PORT: "0",
-    AENV_API_KEY: KEY,
-    AENV_TEMPLATE_CACHE: TEMPLATE_CACHE,
-    AENV_RUN_DIR: runDir,
-    AENV_SLOT_PREFIX: `aat${tag}-`,
-    AENV_SLOT_CIDR: `10.219.${process.pid % 250}.0/24`,
-    AENV_SLOT_POOL: "2",
-    AENV_DEVICE_POOL: "2",
-    AENV_MAX_SANDBOXES: "40",
-    AENV_REAPER_INTERVAL_MS: "200",
-  };
+  const setup = nodeSetup("aat", 219, KEY, { AENV_MAX_SANDBOXES: "40", AENV_REAPER_INTERVAL_MS: "200" });
+  const { tag, env, runDir } = setup;
   let node: NodeProc;
   const opts = () => ({ apiKey: KEY, apiUrl: node.base, sandboxUrl: node.base, requestTimeoutMs: 180_000 });
 
-  async function startNode(readyMs: number): Promise<NodeProc> {
-    // What `bun run node` runs, without a shell in between (so kill -9 reaches the node itself).
-    const proc = Bun.spawn([process.execPath, "src/node/main.ts"], { cwd: ROOT, env, stdout: "pipe", stderr: "pipe" });
-    const log: string[] = [];
-    let base = "";
-    const pump = async (s: ReadableStream<Uint8Array>) => {
-      const dec = new TextDecoder();
-      for await (const chunk of s) {
-        for (const line of dec.decode(chunk, { stream: true }).split("\n")) {
-          if (!line) continue;
-          log.push(line);
-          const m = /listening on http:\/\/127\.0\.0\.1:(\d+)/.exec(line);
-          if (m) base = `http://127.0.0.1:${m[1]}`;
-        }
-      }
-    };
-    void pump(proc.stdout as ReadableStream<Uint8Array>);
-    void pump(proc.stderr as ReadableStream<Uint8Array>);
-    await until(() => base !== "" || proc.exitCode !== null, 60_000, "the node prints where it listens");
-    if (!base) throw new Error(`node exited: ${log.join("\n")}`);
-    // /health: 503 with the step while starting, 200 once sandboxes can be created.
-    const first = await fetch(`${base}/health`);
-    expect([200, 503]).toContain(first.status);
-    await until(async () => {
-      if (proc.exitCode !== null) throw new Error(`node exited: ${log.slice(-30).join("\n")}`);
-      const r = await fetch(`${base}/health`).catch(() => undefined);
-      if (r?.status === 503) {
-        const body = (await r.json()) as { message: string };
-        if (body.message.startsWith("start failed")) throw new Error(body.message);
-      }
-      return r?.status === 200;
-    }, readyMs, "node /health 200");
-    return { proc, base, log };
-  }
-
   beforeAll(async () => {
-    mkdirSync(TEMPLATE_CACHE, { recursive: true });
-    node = await startNode(FIRST_START_MS);
+    node = await startNode(env, FIRST_START_MS);
   }, FIRST_START_MS + 60_000);
 
-  afterAll(async () => {
-    // Kill what the run left, through the API, then stop the node and its blockd.
-    try {
-      for (const s of await Sandbox.list({ ...opts() }).nextItems()) await Sandbox.kill(s.sandboxId, opts()).catch(() => {});
-    } catch {}
-    node?.proc.kill("SIGTERM");
-    await node?.proc.exited;
-    for (const pid of qemuPids(runDir)) try { process.kill(pid, "SIGKILL"); } catch {}
-    await stopBlockd(join(home, "blockd"));
-    // The node leaves its slots for sandboxes that outlive it; this run's are removed here.
-    const slots = new SlotPool({ size: 0, prefix: env.AENV_SLOT_PREFIX, hostCidr: env.AENV_SLOT_CIDR, hostTable: `${env.AENV_SLOT_PREFIX.replace(/[^A-Za-z0-9]/g, "_")}host` });
-    await slots.start().then(() => slots.destroy()).catch((e) => console.error(`slot cleanup: ${(e as Error).message}`));
-    rmSync(home, { recursive: true, force: true });
-    rmSync(runDir, { recursive: true, force: true });
-  }, 180_000);
+  afterAll(() => stopNode(node, setup), 180_000);
 
   let sbx: Sandbox;
   let bgPid = 0;
@@ -301,7 +214,7 @@ describe.skipIf(!!skip)("bun run node with the stock e2b SDK", () => {
     await other.files.write("/tmp/survivor", "still here");
     node.proc.kill("SIGKILL");
     await node.proc.exited;
-    node = await startNode(5 * 60_000);
+    node = await startNode(env, 5 * 60_000);
     expect(node.log.some((l) => /recovered: 2 running/.test(l))).toBe(true);
     const again = await Sandbox.connect(other.sandboxId, opts());
     expect(await again.files.read("/tmp/survivor")).toBe("still here");

@@ -1,0 +1,158 @@
+// aenv's template verbs: pull (an OCI image becomes a template), build (a Dockerfile becomes one),
+// template ls|rm. Builds go through the e2b SDK's Template builder, so the node sees exactly what
+// the SDK sends (POST /v3/templates, COPY sources uploaded by hash, POST /v2/templates/{id}/builds/
+// {buildID}, then the build status polled with logsOffset) and aenv prints the build's log lines
+// as they come.
+
+import { existsSync, readFileSync, statSync } from "node:fs";
+import { dirname, join, resolve } from "node:path";
+import { Template, type BuildInfo, type LogEntry } from "e2b";
+import { UsageError, type ParsedArgs } from "./args.ts";
+import { NODE_OPTIONS, api, onNode, resolveTarget, sdkOpts, unknown, type NodeTarget } from "./node_client.ts";
+import { JSON_OPTION, printListing, when } from "./table.ts";
+import { wholeNumber, type Option, type Verb } from "./verbs.ts";
+
+/** A build's longest wait: a large image's pull and conversion, then the template's boot. */
+const BUILD_TIMEOUT_MS = 60 * 60_000;
+
+const BUILD_OPTIONS: Option[] = [
+  { flag: "--name", value: "N", required: true, help: "the template's name (`aenv start N`); may be name:tag" },
+  { flag: "--cpu", value: "N", help: "vCPUs of its sandboxes" },
+  { flag: "--memory", value: "MiB", help: "memory of its sandboxes" },
+  { flag: "--skip-cache", help: "rebuild every step" },
+  { flag: "-d", help: "detach: print the template and build IDs once the build is accepted" },
+  ...NODE_OPTIONS,
+];
+
+/** A log line of the build as a person reads it: the level where it is not info, then the message. */
+function printLog(e: LogEntry): void {
+  const text = e.message.replace(/\n+$/, "");
+  process.stdout.write(e.level === "info" ? `${text}\n` : `${e.level}: ${text}\n`);
+}
+
+/** Run the build (or only start it, with -d) and say what came of it. */
+async function runBuild(a: ParsedArgs, t: NodeTarget, tpl: Parameters<typeof Template.build>[0]): Promise<void> {
+  const name = a.value("name")!;
+  const opts = {
+    ...sdkOpts(t),
+    requestTimeoutMs: BUILD_TIMEOUT_MS,
+    cpuCount: wholeNumber(a.value("cpu"), "--cpu", 1, 64),
+    memoryMB: wholeNumber(a.value("memory"), "--memory", 128, 1 << 20),
+    skipCache: a.flag("skip-cache"),
+  };
+  if (a.flag("d")) {
+    const info: BuildInfo = await onNode(t, undefined, () => Template.buildInBackground(tpl, name, opts));
+    process.stdout.write(`${info.templateId} ${info.buildId}\n`);
+    return;
+  }
+  const info: BuildInfo = await onNode(t, undefined, () => Template.build(tpl, name, { ...opts, onBuildLogs: printLog }));
+  process.stderr.write(`aenv: template ${name} (${info.templateId}) is ready: \`aenv start ${name}\`\n`);
+}
+
+async function pull(a: ParsedArgs): Promise<void> {
+  const [image] = a.need(1, "IMAGE");
+  const start = a.value("start-cmd");
+  const ready = a.value("ready-cmd");
+  if (ready !== undefined && start === undefined) throw new UsageError("--ready-cmd needs --start-cmd");
+  const t = await resolveTarget(a);
+  const from = Template().fromImage(image!);
+  await runBuild(a, t, start === undefined ? from : from.setStartCmd(start, ready ?? "sleep 20"));
+}
+
+/** `DIR` (its Dockerfile, DIR the context) or a Dockerfile (its folder the context). */
+function dockerfileOf(arg: string): { file: string; context: string } {
+  const st = statSync(arg, { throwIfNoEntry: false });
+  if (!st) throw new UsageError(`${arg}: no such file or directory`);
+  if (st.isDirectory()) {
+    const file = join(arg, "Dockerfile");
+    if (!existsSync(file)) throw new UsageError(`${arg} has no Dockerfile`);
+    return { file, context: resolve(arg) };
+  }
+  return { file: arg, context: resolve(dirname(arg)) };
+}
+
+async function build(a: ParsedArgs): Promise<void> {
+  const [arg] = a.need(1, "DIR or DOCKERFILE");
+  const { file, context } = dockerfileOf(arg!);
+  const ignore = join(context, ".dockerignore");
+  const fileIgnorePatterns = existsSync(ignore)
+    ? readFileSync(ignore, "utf8").split("\n").map((l) => l.trim()).filter((l) => l !== "" && !l.startsWith("#"))
+    : [];
+  const t = await resolveTarget(a);
+  let tpl;
+  try {
+    tpl = Template({ fileContextPath: context, fileIgnorePatterns }).fromDockerfile(readFileSync(file, "utf8"));
+  } catch (e) {
+    throw new UsageError(`${file}: ${(e as Error).message}`);
+  }
+  await runBuild(a, t, tpl);
+}
+
+interface TemplateRow {
+  templateID: string;
+  names?: string[];
+  aliases?: string[];
+  cpuCount: number;
+  memoryMB: number;
+  diskSizeMB: number;
+  buildStatus?: string;
+  createdAt: string;
+}
+
+async function templateLs(a: ParsedArgs): Promise<void> {
+  a.need(0, "no operands");
+  const t = await resolveTarget(a);
+  const { data } = await api<TemplateRow[]>(t, "GET", "/templates");
+  printListing(data, [
+    { header: "ID", cell: (r) => r.templateID },
+    { header: "NAMES", cell: (r) => [...new Set([...(r.aliases ?? []), ...(r.names ?? [])])].join(",") },
+    { header: "STATUS", cell: (r) => r.buildStatus ?? "-" },
+    { header: "CPU", cell: (r) => String(r.cpuCount) },
+    { header: "MEM MiB", cell: (r) => String(r.memoryMB) },
+    { header: "DISK MiB", cell: (r) => String(r.diskSizeMB) },
+    { header: "CREATED", cell: (r) => when(r.createdAt) },
+  ], { json: a.flag("json"), empty: `no templates on ${t.url}` });
+}
+
+async function templateRm(a: ParsedArgs): Promise<void> {
+  const ids = a.atLeast(1, "TEMPLATE...");
+  const t = await resolveTarget(a);
+  const missing: string[] = [];
+  for (const id of ids) {
+    await api(t, "DELETE", `/templates/${encodeURIComponent(id)}`).catch((e) => {
+      if ((e as { status?: number }).status === 404) missing.push(id);
+      else throw e;
+    });
+  }
+  if (missing.length > 0) throw unknown(t, { kind: "template", id: missing.join(", ") });
+}
+
+export const BUILD_VERBS: Record<string, Verb> = {
+  pull: {
+    operands: "IMAGE",
+    summary: "make a template of an OCI image (registry/repo:tag); the build's log streams",
+    options: [
+      { flag: "--start-cmd", value: "CMD", help: "started in the background in every sandbox of the template" },
+      { flag: "--ready-cmd", value: "CMD", help: "the template is ready once this exits 0, polled every 2 s (default with --start-cmd: sleep 20)" },
+      ...BUILD_OPTIONS,
+    ],
+    notes: "example: aenv pull docker.io/library/python:3.12-slim --name py",
+    run: pull,
+  },
+  build: {
+    operands: "DIR|DOCKERFILE",
+    summary: "make a template of a Dockerfile (DIR/Dockerfile with DIR as the context, or a file with its folder); the build's log streams",
+    options: BUILD_OPTIONS,
+    notes: [
+      "One stage: FROM, RUN, ENV, ARG, WORKDIR, USER, COPY/ADD (local sources, uploaded by hash), EXPOSE;",
+      "CMD/ENTRYPOINT become the start command (ready after 20 s). Without USER or WORKDIR the",
+      "sandboxes run as `user` in /home/user. .dockerignore in the context is honoured.",
+    ].join("\n"),
+    run: build,
+  },
+};
+
+export const TEMPLATE_VERBS: Record<string, Verb> = {
+  ls: { operands: "", summary: "the node's templates: a table on a terminal, JSON otherwise", options: [JSON_OPTION, ...NODE_OPTIONS], run: templateLs },
+  rm: { operands: "TEMPLATE...", summary: "delete templates (by ID or name)", options: [...NODE_OPTIONS], run: templateRm },
+};
