@@ -106,7 +106,7 @@ export interface BuilderOptions {
 
 const DEFAULTS = {
   maxConcurrent: 2, maxQueued: 8, buildTimeoutMs: 60 * 60_000, maxLogEntries: 10_000, maxUploadBytes: 1024 ** 3,
-  readyIntervalMs: 2000, readyTimeoutMs: 10 * 60_000, defaultReadyCmd: "sleep 20", maxBuildsKept: 256,
+  readyIntervalMs: 2000, readyTimeoutMs: 10 * 60_000, defaultReadyCmd: "sleep 20", maxBuildsKept: 64,
 };
 /** Entries one status call returns (E2B's page size). */
 export const LOG_PAGE = 100;
@@ -117,6 +117,8 @@ const MAX_ARG_BYTES = 64 * 1024;
 /** USER's account creation (E2B: 60 s); each bookkeeping command in the VM (sync, mkdir). */
 const USER_STEP_MS = 60_000;
 const SHORT_CMD_MS = 120_000;
+/** One log entry's message at most (longer output lines are cut). */
+const LOG_LINE = 4096;
 /** A failed step's reason carries this much of its output's end. */
 const OUTPUT_TAIL = 4096;
 
@@ -602,12 +604,10 @@ export class TemplateBuilder {
   /** Runs a command in the build VM, its output into the build's log; a non-zero exit fails the step. */
   private async exec(vm: BuildVm, b: Build, spec: ProcessSpec, timeoutMs: number, step: string, signal: AbortSignal): Promise<void> {
     let tail = "";
-    let partial = "";
+    const lines = new LineLog((l) => b.log("info", l, step));
     const onOutput = (text: string) => {
       tail = (tail + text).slice(-OUTPUT_TAIL);
-      const lines = (partial + text).split("\n");
-      partial = lines.pop()!;
-      for (const l of lines) b.log("info", l, step);
+      lines.push(text);
     };
     let result;
     try {
@@ -616,7 +616,7 @@ export class TemplateBuilder {
       if (signal.aborted) throw signal.reason;
       throw new StepFailed(`step ${step}: ${(e as Error).message}`, step);
     }
-    if (partial) b.log("info", partial, step);
+    lines.flush();
     if (result.exitCode !== 0) {
       const what = spec.args[0] === "-lc" ? spec.args[1] : spec.cmd === BUSYBOX ? spec.args[0] : [spec.cmd, ...spec.args].join(" ");
       throw new StepFailed(`step ${step} (${what}) failed: ${result.status || `exit code ${result.exitCode}`}; output:\n${tail.trimEnd()}`, step);
@@ -629,12 +629,13 @@ export class TemplateBuilder {
     if (!spec.startCmd && !readyCmd) return;
     const env = { ...s.env };
     const startAbort = new AbortController();
+    const startLines = new LineLog((l) => b.log("info", `[start] ${l}`, "finalize"));
     let startEnded: string | undefined;
     if (spec.startCmd) {
       b.log("info", `Start command: ${spec.startCmd}`, "finalize");
       const stream = runProcess(vm.envdUrl, null, { ...shell.run(spec.startCmd), user: s.user, cwd: s.workdir, envs: env }, {
         signal: AbortSignal.any([startAbort.signal, signal]),
-        onOutput: (t) => { for (const l of t.split("\n")) if (l) b.log("info", `[start] ${l}`, "finalize"); },
+        onOutput: (t) => startLines.push(t),
       });
       stream.then((r) => { startEnded = `the start command exited (${r.status})`; b.log("info", startEnded, "finalize"); }, () => {});
     }
@@ -716,6 +717,27 @@ export class TemplateBuilder {
     if (!t || t.kind !== "template") throw new TemplateBuildError(404, `template '${ref}' not found`);
     const buildID = t.config?.buildId ?? t.id;
     return (t.config?.tags ?? [{ tag: "default", createdAt: t.createdAt }]).map((x) => ({ tag: x.tag, buildID, createdAt: new Date(x.createdAt).toISOString() }));
+  }
+}
+
+/** Output as log lines: split at newlines, a line longer than LOG_LINE (a progress bar) cut into pieces. */
+class LineLog {
+  private partial = "";
+  constructor(private readonly emit: (line: string) => void) {}
+
+  push(text: string): void {
+    const lines = (this.partial + text).split("\n");
+    this.partial = lines.pop()!;
+    while (this.partial.length > LOG_LINE) {
+      lines.push(this.partial.slice(0, LOG_LINE));
+      this.partial = this.partial.slice(LOG_LINE);
+    }
+    for (const l of lines) for (let i = 0; i < Math.max(1, l.length); i += LOG_LINE) this.emit(l.slice(i, i + LOG_LINE));
+  }
+
+  flush(): void {
+    if (this.partial) this.emit(this.partial);
+    this.partial = "";
   }
 }
 
