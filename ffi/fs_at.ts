@@ -20,6 +20,7 @@ export const SYS_fchmodat = 268;
 export const SYS_utimensat = 280;
 export const SYS_openat = 257;
 export const SYS_openat2 = 437;
+export const SYS_syncfs = 306;
 
 export const AT_FDCWD = -100;
 export const AT_SYMLINK_NOFOLLOW = 0x100;
@@ -145,6 +146,14 @@ export function fsetxattr(fd: number, name: string, value: Uint8Array, context =
 export function lsetxattr(path: string, name: string, value: Uint8Array): void {
   const v = value.length ? value : new Uint8Array(1);
   sys("lsetxattr", `${shown(path)} ${name}`, SYS_lsetxattr, bytePath(path), bytePath(name), v, value.length, 0);
+}
+
+/**
+ * syncfs(2): write the file system of fd back. EIO when any writeback on it failed since fd was
+ * opened (the superblock's error sequence, Linux 5.8+): open fd before the writes it vouches for.
+ */
+export function syncfs(fd: number): void {
+  sys("syncfs", "", SYS_syncfs, fd);
 }
 
 export interface DirEntry {

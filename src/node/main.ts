@@ -101,11 +101,12 @@ async function start(): Promise<void> {
     progress("template base");
     const built = await buildBaseTemplate({
       cacheDir: cfg.templateCache,
+      blockd,
       onProgress: (p) => progress(`template base: ${p.step}`, [p.bytes ? `${(p.bytes / 2 ** 20).toFixed(0)} MiB` : "", `${(p.elapsedMs / 1000).toFixed(0)} s`, p.detail ?? ""].filter(Boolean).join(", ")),
     });
     templates.insert({
       id: `base${built.key.slice(0, 12)}`, alias: "base", kind: "template", names: ["base:default"], cpuCount: built.cpuCount,
-      memoryMB: built.memoryMB, diskSizeMB: built.diskSizeMB, layers: [built.layer], checkpoint: null, sourceSandboxId: null,
+      memoryMB: built.memoryMB, diskSizeMB: built.diskSizeMB, layers: built.layers, checkpoint: null, sourceSandboxId: null,
       envdVersion: "0.6.13", createdAt: Date.now(),
     });
   }

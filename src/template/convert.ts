@@ -6,7 +6,7 @@
 // (layer_cache.ts): a layer shared by several images is converted once.
 
 import { mkdir, readFile, rm } from "node:fs/promises";
-import { dirname, join } from "node:path";
+import { basename, dirname, join } from "node:path";
 import type { BlockdClient } from "../blockdev/client.ts";
 import type { ApplyMessage } from "./apply_worker.ts";
 import type { Compression } from "./layer_stream.ts";
@@ -59,15 +59,21 @@ export interface ConvertedLayer {
  */
 export function initCache(ctx: ConvertContext): Promise<void> {
   return ctx.cache.init(async (work) => {
-    const mounts = (await readFile("/proc/self/mountinfo", "utf8")).split("\n").map((l) => l.split(" ")[4] ?? "")
-      .map((p) => p.replace(/\\([0-7]{3})/g, (_, o: string) => String.fromCharCode(parseInt(o, 8))))
-      .filter((p) => p.startsWith(`${work}/`));
-    for (const m of mounts) await run(["umount", "--lazy", m], CONVERT_TIMEOUT_MS.mount, "umount");
+    for (const m of await mountsUnder(work)) await run(["umount", "--lazy", m], CONVERT_TIMEOUT_MS.mount, "umount");
     const devices = await ctx.blockd.call<{ id: string; config: { upper?: { data: string } } | null }[]>("list");
     for (const d of devices) {
       if (d.config?.upper?.data.startsWith(`${work}/`)) await ctx.blockd.call("delete", { id: d.id });
     }
   });
+}
+
+/** Mount points at or under dir, deepest first (from /proc/self/mountinfo, octal escapes undone). */
+export async function mountsUnder(dir: string): Promise<string[]> {
+  const text = await readFile("/proc/self/mountinfo", "utf8");
+  const points = text.split("\n").map((l) => l.split(" ")[4]).filter((p): p is string => !!p)
+    .map((p) => p.replace(/\\([0-7]{3})/g, (_, o: string) => String.fromCharCode(parseInt(o, 8))))
+    .filter((p) => p === dir || p.startsWith(dir + "/"));
+  return points.sort((a, b) => b.length - a.length);
 }
 
 /** The chain ID of the empty ext4 layer of a virtual size: the bottom of every converted image. */
@@ -136,7 +142,10 @@ export async function convertLayer(
           await run(["umount", mnt], CONVERT_TIMEOUT_MS.mount, "umount").catch(() => {}); // the apply's error is the one to report
           throw e;
         }
+        // ext4 counts the errors it met (a write the device refused, a journal abort); a layer with any is not kept.
+        const errors = await readFile(`/sys/fs/ext4/${basename(dev.loop!)}/errors_count`, "utf8").then(Number, () => 0);
         await run(["umount", mnt], CONVERT_TIMEOUT_MS.mount, "umount");
+        if (errors > 0) throw new ConvertError("ApplyFailed", `ext4 reported ${errors} errors while the layer was applied (the block device refused writes; see the kernel log)`, undefined, input.digest ?? input.diffId);
         if (applied.diffId !== input.diffId) {
           throw new ConvertError("DigestMismatch", `the uncompressed layer is ${applied.diffId}, the image's config says ${input.diffId}`, undefined, input.digest);
         }

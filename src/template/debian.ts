@@ -1,12 +1,17 @@
 // Builds a template from the Debian archive: mmdebstrap installs the definition's packages into a
-// directory, setup.sh runs in it under chroot, mkfs.ext4 -d turns it into a sparse raw image of
-// diskSizeMB, and the image becomes one sealed overlaybd layer. The result is cached under
-// cacheDir by the definition's key: a build works in a temporary folder renamed into place at the
-// end, so a crash leaves no half template, and concurrent calls for one key share one build.
-import { mkdir, open, readdir, readFile, rename, rm, stat, writeFile } from "node:fs/promises";
+// directory, setup.sh runs in it under chroot, GNU tar makes the tree one layer tar, and that tar
+// is applied as an OCI layer onto the empty ext4 layer of diskSizeMB by the same converter image
+// pulls use (convert.ts): the template's layers are [empty ext4, rootfs]. The result is cached
+// under cacheDir by the definition's key: a build works in a temporary folder renamed into place
+// at the end, so a crash leaves no half template, and concurrent calls for one key share one build.
+import { link, mkdir, readdir, readFile, rename, rm, stat, writeFile } from "node:fs/promises";
 import { join } from "node:path";
+import type { BlockdClient } from "../blockdev/client.ts";
+import { convertLayer, emptyExt4Layer, mountsUnder } from "./convert.ts";
+import { ConvertError } from "./convert_error.ts";
 import { loadDefinition, TemplateBuildError, type BuildStep, type LoadedDefinition } from "./definition.ts";
-import { processAlive } from "./layer_cache.ts";
+import { LayerCache, processAlive, syncPath } from "./layer_cache.ts";
+import { diffIdOf } from "./layer_stream.ts";
 import { runStep } from "./step.ts";
 
 export { TemplateBuildError, type BuildStep } from "./definition.ts";
@@ -16,7 +21,7 @@ export const BASE_TEMPLATE_DIR = join(import.meta.dir, "..", "..", "templates", 
 
 export interface BuildProgress {
   step: BuildStep;
-  /** image: bytes the image takes on disk; layer: the layer file's size. */
+  /** image: the root's tar; layer: the template's layer files. */
   bytes?: number;
   /** Since the build started. */
   elapsedMs: number;
@@ -28,10 +33,8 @@ export interface BuiltTemplate {
   name: string;
   /** sha256 of the definition files: the cache key. */
   key: string;
-  /** The sealed overlaybd layer: the template's one rootfs layer. */
-  layer: string;
-  /** The raw ext4 image the layer was made from. */
-  image: string;
+  /** Sealed overlaybd layers, lowest first: the empty ext4 file system of diskSizeMB, then the root's files. */
+  layers: string[];
   cpuCount: number;
   memoryMB: number;
   diskSizeMB: number;
@@ -42,6 +45,10 @@ export interface BuiltTemplate {
 export interface BuildOptions {
   /** Where built templates live (the node passes `$AENV_HOME/templates`). */
   cacheDir: string;
+  /** The blockd whose devices the root's tar is applied on. */
+  blockd: BlockdClient;
+  /** Converted layers (the empty ext4 layer is shared with image pulls of the same size) [<cacheDir>/.layers]. */
+  layerCache?: LayerCache;
   /** Called at each step and on each status line; exceptions it throws are ignored. */
   onProgress?: (p: BuildProgress) => void;
 }
@@ -49,13 +56,14 @@ export interface BuildOptions {
 /** Per-step limits. mmdebstrap took 1.5 min here for base; 30 min covers a slow mirror on 2 loaded cores. */
 export const STEP_TIMEOUT_MS = { bootstrap: 30 * 60_000, setup: 5 * 60_000, image: 10 * 60_000, layer: 10 * 60_000 } as const;
 
-const IMAGE = "rootfs.ext4";
-const LAYER = "rootfs.layer";
+const TAR = "rootfs.tar";
+/** The entry's layers are hard links to the converted files: the layer cache's GC cannot take them. */
+const layerName = (i: number) => `layer-${i}.layer`;
 const MANIFEST = "template.json";
 /** Prefix of a build's temporary folder; its name carries the building process's pid. */
 const BUILDING = ".building-";
 
-type Manifest = Omit<BuiltTemplate, "source" | "layer" | "image"> & { builtAt: string; imageBytes: number; layerBytes: number };
+type Manifest = Omit<BuiltTemplate, "source" | "layers"> & { builtAt: string; tarBytes: number; layerBytes: number[] };
 
 interface InFlight {
   result: Promise<Omit<BuiltTemplate, "source">>;
@@ -93,7 +101,7 @@ export async function buildTemplate(opts: BuildOptions & { definitionDir: string
   if (opts.onProgress) listeners.add(opts.onProgress);
   const build: InFlight = {
     listeners,
-    result: build_(def, opts.cacheDir, entry, (p) => {
+    result: build_(def, opts, entry, (p) => {
       for (const l of listeners) notify(l, { ...p, elapsedMs: Math.round(performance.now() - started) });
     }),
   };
@@ -140,10 +148,12 @@ async function readEntry(entry: string, def: LoadedDefinition, say: (p: Omit<Bui
   try {
     const m = JSON.parse(text) as Manifest;
     if (m.key !== def.key) throw new Error(`manifest key ${m.key} is not ${def.key}`);
-    const [image, layer] = [join(entry, IMAGE), join(entry, LAYER)];
-    if ((await stat(layer)).size !== m.layerBytes) throw new Error(`${LAYER} is not ${m.layerBytes} bytes`);
-    if ((await stat(image)).size !== m.diskSizeMB * 1024 * 1024) throw new Error(`${IMAGE} is not ${m.diskSizeMB} MiB`);
-    return { name: m.name, key: m.key, layer, image, cpuCount: m.cpuCount, memoryMB: m.memoryMB, diskSizeMB: m.diskSizeMB };
+    if (!Array.isArray(m.layerBytes) || m.layerBytes.length === 0) throw new Error("manifest lists no layers");
+    const layers = m.layerBytes.map((_, i) => join(entry, layerName(i)));
+    for (const [i, l] of layers.entries()) {
+      if ((await stat(l)).size !== m.layerBytes[i]) throw new Error(`${layerName(i)} is not ${m.layerBytes[i]} bytes`);
+    }
+    return { name: m.name, key: m.key, layers, cpuCount: m.cpuCount, memoryMB: m.memoryMB, diskSizeMB: m.diskSizeMB };
   } catch (e) {
     return dropDamaged(entry, (e as Error).message, say);
   }
@@ -168,12 +178,13 @@ function haveTool(name: string): boolean {
   return Bun.which(name, { PATH: `${process.env.PATH ?? ""}:/usr/local/sbin:/usr/sbin:/sbin` }) !== null;
 }
 
-async function build_(def: LoadedDefinition, cacheDir: string, entry: string, say: (p: Omit<BuildProgress, "elapsedMs">) => void): Promise<Omit<BuiltTemplate, "source">> {
+async function build_(def: LoadedDefinition, opts: BuildOptions, entry: string, say: (p: Omit<BuildProgress, "elapsedMs">) => void): Promise<Omit<BuiltTemplate, "source">> {
   const d = def.definition;
-  for (const [tool, pkg] of [["mmdebstrap", "mmdebstrap"], ["mkfs.ext4", "e2fsprogs"], ["chroot", "coreutils"]] as const) {
+  const cacheDir = opts.cacheDir;
+  for (const [tool, pkg] of [["mmdebstrap", "mmdebstrap"], ["mkfs.ext4", "e2fsprogs"], ["chroot", "coreutils"], ["tar", "tar"], ["mount", "mount"]] as const) {
     if (!haveTool(tool)) throw new TemplateBuildError("MissingTool", "resolving", `${tool} not found (Debian package ${pkg})`);
   }
-  if (process.getuid?.() !== 0) throw new TemplateBuildError("NotRoot", "resolving", "building a template needs root (mmdebstrap's root mode, chroot, file owners)");
+  if (process.getuid?.() !== 0) throw new TemplateBuildError("NotRoot", "resolving", "building a template needs root (mmdebstrap's root mode, chroot, file owners, mounts)");
   await mkdir(cacheDir, { recursive: true });
   await removeAbandonedBuilds(cacheDir);
 
@@ -201,30 +212,35 @@ async function build_(def: LoadedDefinition, cacheDir: string, entry: string, sa
     });
 
     say({ step: "image" });
-    const image = join(work, IMAGE);
+    const tar = join(work, TAR);
     await runStep({
       step: "image",
-      // -m 0: no blocks reserved for root, the sandbox's user gets the whole disk.
-      argv: ["mkfs.ext4", "-q", "-F", "-L", "rootfs", "-m", "0", "-d", tree, image, `${d.diskSizeMB}M`],
+      // An OCI layer as image builders write one: PAX, numeric owners, xattrs, hard links kept.
+      argv: ["tar", "--create", `--file=${tar}`, `--directory=${tree}`, "--format=posix", "--pax-option=delete=atime,delete=ctime",
+        "--numeric-owner", "--xattrs", "--xattrs-include=*", "--one-file-system", "--sort=name", "."],
       timeoutMs: STEP_TIMEOUT_MS.image,
     });
     await removeTree(tree);
-    await syncFile(image);
-    const imageBytes = (await stat(image)).blocks * 512;
-    say({ step: "image", bytes: imageBytes });
+    const tarBytes = (await stat(tar)).size;
+    say({ step: "image", bytes: tarBytes });
 
     say({ step: "layer" });
-    const layer = join(work, LAYER);
-    await sealInWorker(image, layer);
-    const layerBytes = (await stat(layer)).size;
-    say({ step: "layer", bytes: layerBytes });
+    const layers = await convertRoot(opts, tar, d.diskSizeMB);
+    const layerBytes: number[] = [];
+    for (const [i, l] of layers.entries()) {
+      await link(l, join(work, layerName(i)));
+      layerBytes.push((await stat(l)).size);
+    }
+    await rm(tar, { force: true });
+    say({ step: "layer", bytes: layerBytes.reduce((a, b) => a + b, 0) });
 
     const manifest: Manifest = {
       name: d.name, key: def.key, cpuCount: d.cpuCount, memoryMB: d.memoryMB, diskSizeMB: d.diskSizeMB,
-      builtAt: new Date().toISOString(), imageBytes, layerBytes,
+      builtAt: new Date().toISOString(), tarBytes, layerBytes,
     };
     await writeFile(join(work, MANIFEST), JSON.stringify(manifest, null, 2) + "\n");
-    await syncFile(join(work, MANIFEST));
+    await syncPath(join(work, MANIFEST));
+    await syncPath(work);
     try {
       await rename(work, entry);
     } catch (e) {
@@ -236,51 +252,33 @@ async function build_(def: LoadedDefinition, cacheDir: string, entry: string, sa
       if (theirs) return theirs;
       throw new TemplateBuildError("CacheCorrupt", "layer", `${entry} appeared while building and vanished again`);
     }
-    await syncFile(cacheDir);
-    return { name: d.name, key: def.key, layer: join(entry, LAYER), image: join(entry, IMAGE), cpuCount: d.cpuCount, memoryMB: d.memoryMB, diskSizeMB: d.diskSizeMB };
+    await syncPath(cacheDir);
+    return { name: d.name, key: def.key, layers: layerBytes.map((_, i) => join(entry, layerName(i))), cpuCount: d.cpuCount, memoryMB: d.memoryMB, diskSizeMB: d.diskSizeMB };
   } catch (e) {
     await removeTree(work).catch(() => {});
     throw e;
   }
 }
 
-/** The image as one sealed layer (artifacts.ts's sealedLayer), on a worker thread, bounded in time. */
-async function sealInWorker(image: string, out: string): Promise<void> {
-  const worker = new Worker(new URL("./seal_worker.ts", import.meta.url).href);
+/** The root's tar as an OCI layer onto the empty ext4 layer of diskSizeMB: [empty, root]. */
+async function convertRoot(opts: BuildOptions, tar: string, diskSizeMB: number): Promise<string[]> {
+  const ctx = { cache: opts.layerCache ?? new LayerCache(join(opts.cacheDir, ".layers")), blockd: opts.blockd };
   let timer: ReturnType<typeof setTimeout> | undefined;
+  const limit = new Promise<never>((_, reject) => {
+    timer = setTimeout(() => reject(new TemplateBuildError("Timeout", "layer", `not converted within ${STEP_TIMEOUT_MS.layer} ms`)), STEP_TIMEOUT_MS.layer);
+  });
   try {
-    await new Promise<void>((resolve, reject) => {
-      const fail = (why: string, code: "StepFailed" | "Timeout" = "StepFailed") => reject(new TemplateBuildError(code, "layer", `sealing ${image}: ${why}`));
-      timer = setTimeout(() => fail(`not done within ${STEP_TIMEOUT_MS.layer} ms`, "Timeout"), STEP_TIMEOUT_MS.layer);
-      worker.onmessage = (ev: MessageEvent<{ ok: boolean; error?: string }>) => (ev.data.ok ? resolve() : fail(ev.data.error ?? "failed"));
-      worker.onerror = (ev) => fail(ev.message);
-      worker.addEventListener("close", () => fail("its worker ended without an answer"));
-      worker.postMessage({ image, out });
-    });
+    return await Promise.race([limit, (async () => {
+      const empty = await emptyExt4Layer(ctx, diskSizeMB * 2 ** 20);
+      const root = await convertLayer(ctx, [empty], { blob: tar, diffId: await diffIdOf(tar) }, diskSizeMB * 2 ** 20);
+      return [empty.path, root.path];
+    })()]);
+  } catch (e) {
+    if (e instanceof ConvertError) throw new TemplateBuildError("StepFailed", "layer", `converting the root's tar: ${e.message}`);
+    throw e;
   } finally {
     clearTimeout(timer);
-    worker.terminate();
   }
-}
-
-/** fdatasync (fsync for a folder) so the rename publishes only durable bytes. */
-async function syncFile(path: string): Promise<void> {
-  const fh = await open(path, "r");
-  try {
-    await fh.sync();
-  } finally {
-    await fh.close();
-  }
-}
-
-/** Mount points at or under dir, deepest first (a killed mmdebstrap can leave proc/sys/dev mounted). */
-async function mountsUnder(dir: string): Promise<string[]> {
-  const text = await readFile("/proc/self/mountinfo", "utf8");
-  const points = text.split("\n").map((l) => l.split(" ")[4]).filter((p): p is string => !!p)
-    // mountinfo escapes space, tab, newline and backslash as octal.
-    .map((p) => p.replace(/\\([0-7]{3})/g, (_, o: string) => String.fromCharCode(parseInt(o, 8))))
-    .filter((p) => p === dir || p.startsWith(dir + "/"));
-  return points.sort((a, b) => b.length - a.length);
 }
 
 /**

@@ -52,7 +52,7 @@ export interface LoadedDefinition {
 }
 
 /** Bumped when the builder makes a different image from the same definition. */
-const BUILDER_VERSION = "aenv-template-debian-1";
+const BUILDER_VERSION = "aenv-template-debian-2";
 /** Bounds on the definition files: both are a few KiB; anything larger is not a definition. */
 const MAX_DEFINITION_BYTES = 64 << 10;
 const MAX_PACKAGES = 1000;

@@ -9,7 +9,7 @@ import type { BlockdClient } from "../blockdev/client.ts";
 import { convertLayer, DEFAULT_DISK_BYTES, emptyExt4Layer, initCache, type ConvertContext, type ConvertedLayer } from "./convert.ts";
 import { ConvertError } from "./convert_error.ts";
 import { chainId, type LayerCache } from "./layer_cache.ts";
-import type { Descriptor, ImageRef, OciImageConfig, RegistryClient } from "./registry.ts";
+import type { Descriptor, ImageRef, OciImageConfig, RegistryClient, ResolvedImage } from "./registry.ts";
 
 export interface PullProgress {
   /** resolving: reading manifests and config; layers: downloading and converting; done. */
@@ -80,7 +80,6 @@ export async function pullImage(ref: string | ImageRef, opts: PullOptions): Prom
   say();
   const image = await opts.registry.resolve(ref, opts.platform ? { platform: opts.platform } : {});
   const descs = image.layers;
-  const config = runConfig(image.config);
   if (!image.overlaybdNative && image.config.diffIds.length !== descs.length) {
     throw new ConvertError("CorruptLayer", `image config lists ${image.config.diffIds.length} diff_ids for ${descs.length} layers`);
   }
@@ -95,6 +94,17 @@ export async function pullImage(ref: string | ImageRef, opts: PullOptions): Prom
     const id = image.overlaybdNative ? descs[i]!.digest : image.config.diffIds[i]!;
     chains.push(i === 0 && !bottom ? id : chainId(i === 0 ? bottom!.chain : chains[i - 1]!, id));
   }
+  // Every layer of this image is kept from GC while the pull runs.
+  opts.cache.hold(chains);
+  try {
+    return await pullLayers(image, chains, bottom, diskBytes, ctx, opts, p, say);
+  } finally {
+    opts.cache.release(chains);
+  }
+}
+
+async function pullLayers(image: ResolvedImage, chains: string[], bottom: ConvertedLayer | undefined, diskBytes: number, ctx: ConvertContext, opts: PullOptions, p: PullProgress, say: () => void): Promise<PulledImage> {
+  const descs = image.layers;
   const needed = await Promise.all(chains.map(async (c) => !(await Bun.file(opts.cache.layerPath(c)).exists())));
   p.phase = "layers";
   p.layersTotal = descs.length;
@@ -121,8 +131,6 @@ export async function pullImage(ref: string | ImageRef, opts: PullOptions): Prom
     }
     return f;
   };
-  // Every layer of this image is kept from GC while the pull runs.
-  opts.cache.hold(chains);
   const stack: ConvertedLayer[] = bottom ? [bottom] : [];
   let converted = 0;
   try {
@@ -151,7 +159,6 @@ export async function pullImage(ref: string | ImageRef, opts: PullOptions): Prom
       say();
     }
   } finally {
-    opts.cache.release(chains);
     await rm(work, { recursive: true, force: true }).catch(() => {});
   }
   p.phase = "done";
@@ -160,7 +167,7 @@ export async function pullImage(ref: string | ImageRef, opts: PullOptions): Prom
     ref: image.ref,
     manifestDigest: image.manifestDigest,
     layers: stack.map((l) => l.path),
-    config,
+    config: runConfig(image.config),
     diskSizeMB: Math.round(diskBytes / 2 ** 20),
     overlaybdNative: image.overlaybdNative,
     converted,

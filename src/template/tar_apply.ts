@@ -13,7 +13,7 @@ import { close, E, O_CLOEXEC, O_CREAT, O_DIRECTORY, O_EXCL, O_NOFOLLOW, O_PATH, 
 import {
   AT_REMOVEDIR, AT_SYMLINK_NOFOLLOW, DT_DIR, fchmod, fchmodat, fchown, fchownat, fsetxattr, linkat, lsetxattr, makedev, mkdirat,
   mknodat, openat, openat2, readdirFd, RESOLVE_IN_ROOT, RESOLVE_NO_MAGICLINKS, RESOLVE_NO_SYMLINKS, S_IFBLK, S_IFCHR, S_IFIFO,
-  symlinkat, unlinkat, utimensat,
+  symlinkat, syncfs, unlinkat, utimensat,
 } from "../../ffi/fs_at.ts";
 
 const BLOCK = 512;
@@ -123,6 +123,8 @@ type Sink =
 export class TarApplier {
   readonly stats: ApplyStats = { entries: 0, dataBytes: 0, whiteouts: 0, skipped: 0 };
   private rootFd: number;
+  /** Opened before any write: syncfs on it reports every writeback error of the apply. */
+  private syncFd: number;
   private dirFds = new Map<string, number>();
   /** Paths this layer made: a whiteout or opaque marker hides only lower content. */
   private created = new Set<string>();
@@ -140,6 +142,7 @@ export class TarApplier {
 
   constructor(readonly root: string) {
     this.rootFd = openat2(-100, root, O_PATH | O_DIRECTORY | O_CLOEXEC, 0, 0);
+    this.syncFd = openat(this.rootFd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   }
 
   feed(chunk: Uint8Array): void {
@@ -175,6 +178,12 @@ export class TarApplier {
       this.dropDirFds();
       // Deepest first is not needed (setting a time does not touch the parent's), but last write wins for repeats.
       for (const d of this.deferredDirs) this.setDirTimes(d.parts, d.atimeNs, d.mtimeNs);
+      try {
+        syncfs(this.syncFd);
+      } catch (e) {
+        // A write the device refused: ext4 dropped the data (and may have aborted its journal).
+        throw new ConvertError("ApplyFailed", `writing the layer's file system back failed: ${(e as Error).message} (the block device refused writes)`);
+      }
       return this.stats;
     } finally {
       this.close();
@@ -187,6 +196,7 @@ export class TarApplier {
     if (this.sink?.kind === "file") tryClose(this.sink.fd);
     this.sink = null;
     this.dropDirFds();
+    tryClose(this.syncFd);
     tryClose(this.rootFd);
   }
 
