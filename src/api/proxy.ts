@@ -123,7 +123,7 @@ export class SandboxProxy {
   };
 
   /** Checks that `r` may go through: the sandbox exists and runs (resumed if it auto-resumes), the port is open to the public. */
-  private async admit(req: Request, r: ProxyTarget): Promise<Response | { host: string; port: number }> {
+  private async admit(req: Request, r: ProxyTarget): Promise<Response | { host: string; port: number; hostHeader?: string }> {
     if (!SANDBOX_ID.test(r.id)) return proxyError(400, r.id, "invalid sandbox ID: expected [a-z0-9]+");
     if (!Number.isInteger(r.port) || r.port < 1 || r.port > 65535) return proxyError(400, r.id, `invalid port ${r.port}`);
     let rec = this.orch.store.get(r.id);
@@ -145,14 +145,18 @@ export class SandboxProxy {
     }
     const target = this.orch.target(r.id, r.port);
     if (!target) return proxyError(502, r.id, "The sandbox was not found");
+    // E2B's maskRequestHost: non-envd ports see this Host, ${PORT} replaced.
+    const mask = (rec.network as { maskRequestHost?: unknown } | null)?.maskRequestHost;
+    if (r.port !== ENVD_PORT && typeof mask === "string") return { ...target, hostHeader: mask.replaceAll("${PORT}", String(r.port)) };
     return target;
   }
 
   /** Streams the request to the sandbox and its response back, neither buffered. */
-  private async forward(req: Request, r: ProxyTarget, target: { host: string; port: number }): Promise<Response> {
+  private async forward(req: Request, r: ProxyTarget, target: { host: string; port: number; hostHeader?: string }): Promise<Response> {
     const headers = new Headers(req.headers);
     for (const h of HOP_BY_HOP) headers.delete(h);
     headers.delete("e2b-traffic-access-token");
+    if (target.hostHeader) headers.set("host", target.hostHeader);
     const abort = new AbortController();
     const done = this.streams.add(r.id, abort);
     req.signal.addEventListener("abort", () => abort.abort(), { once: true });

@@ -57,6 +57,8 @@ type Sock = Bun.Socket<Conn>;
 
 interface Side {
   sock: Sock | undefined;
+  /** The other side sent its FIN: pass it on once the queue is written. */
+  finPending: boolean;
   /** Bytes the socket did not take yet. */
   queue: Buffer[];
   queued: number;
@@ -91,10 +93,13 @@ export class EgressProxy {
     this.server = Bun.listen<Conn>({
       hostname: this.opts.hostname ?? "0.0.0.0",
       port: this.opts.port ?? 0,
+      // A client that half-closes after its request (nc, HTTP/1.0 tools) still gets the answer.
+      allowHalfOpen: true,
       socket: {
         open: (s) => this.accept(s),
         data: (s, d) => this.fromClient(s.data, Buffer.from(d)),
         drain: (s) => this.drained(s.data, s.data.client),
+        end: (s) => this.ended(s.data, s.data.upstream),
         close: (s) => this.close(s.data),
         error: (s) => this.close(s.data),
         timeout: (s) => this.close(s.data),
@@ -130,7 +135,7 @@ export class EgressProxy {
   private accept(s: Sock): void {
     const c: Conn = {
       nsIp: s.remoteAddress, dst: { address: "", port: 0 }, name: undefined, state: "sniff", head: [], headLen: 0,
-      client: { sock: s, queue: [], queued: 0 }, upstream: { sock: undefined, queue: [], queued: 0 }, timer: undefined,
+      client: { sock: s, queue: [], queued: 0, finPending: false }, upstream: { sock: undefined, queue: [], queued: 0, finPending: false }, timer: undefined,
     };
     s.data = c;
     if (this.conns.size >= this.maxConnections || !this.egress?.bySource(c.nsIp)) return void s.terminate();
@@ -188,9 +193,11 @@ export class EgressProxy {
         hostname: c.dst.address,
         port: c.dst.port,
         data: c,
+        allowHalfOpen: true,
         socket: {
           data: (_s, b) => this.send(c, c.client, c.upstream, Buffer.from(b)),
           drain: (_s) => this.drained(c, c.upstream),
+          end: () => this.ended(c, c.client),
           close: () => this.close(c),
           error: () => this.close(c),
         },
@@ -203,6 +210,7 @@ export class EgressProxy {
       c.head = [];
       c.headLen = 0;
       this.send(c, c.upstream, c.client, head);
+      if (c.upstream.finPending) this.ended(c, c.upstream);
     } catch {
       this.close(c);
     }
@@ -235,6 +243,27 @@ export class EgressProxy {
     }
     const other = side === c.client ? c.upstream : c.client;
     other.sock?.resume();
+    if (side.finPending) this.ended(c, side);
+  }
+
+  /**
+   * The peer of `to`'s opposite side sent its FIN: `to` gets one too once its queue is written.
+   * A client that ends before naming its host is judged on what it sent.
+   */
+  private ended(c: Conn, to: Side): void {
+    if (c.state === "closed") return;
+    to.finPending = true;
+    if (c.state === "sniff" && to === c.upstream) {
+      clearTimeout(c.timer);
+      c.state = "deciding";
+      const got = sniff(Buffer.concat(c.head));
+      c.name = got.kind === "http" || got.kind === "tls" ? got.name : undefined;
+      return void this.decide(c, got.kind === "http");
+    }
+    if (!to.sock || to.queued > 0) return; // not connected yet, or still writing: later
+    to.sock.shutdown();
+    const other = to === c.client ? c.upstream : c.client;
+    if (other.finPending && other.queued === 0) this.close(c); // both directions done
   }
 
   private refuse(c: Conn, reason: string, http = false): void {

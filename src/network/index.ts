@@ -28,7 +28,9 @@ export {
   PolicyMatcher,
   hasDomainRules,
   parseEgressPolicy,
+  parseInboundPolicy,
   type EgressPolicy,
+  type InboundPolicy,
 } from "./policy.ts";
 export { resolve4 } from "./dns.ts";
 export { EgressProxy, type Denial, type EgressProxyOptions, type SandboxEgressStats } from "./egress_proxy.ts";

@@ -139,6 +139,26 @@ export function parseEgressPolicy(allowInternetAccess: unknown, network: unknown
   };
 }
 
+/** The inbound half of `network`: who may reach the sandbox's ports through the node's proxy. */
+export interface InboundPolicy {
+  /** false: non-envd ports want the sandbox's traffic access token. */
+  allowPublicTraffic: boolean;
+  /** The Host header sent to the sandbox on non-envd ports, `${PORT}` replaced by the port. */
+  maskRequestHost: string | undefined;
+}
+
+export function parseInboundPolicy(network: unknown): InboundPolicy {
+  const n = (network ?? {}) as Record<string, unknown>;
+  if (n.allowPublicTraffic !== undefined && n.allowPublicTraffic !== null && typeof n.allowPublicTraffic !== "boolean") {
+    throw new PolicyError("network.allowPublicTraffic", "must be a boolean");
+  }
+  const mask = n.maskRequestHost;
+  if (mask !== undefined && mask !== null && (typeof mask !== "string" || !/^[A-Za-z0-9._:\[\]${}-]{1,256}$/.test(mask))) {
+    throw new PolicyError("network.maskRequestHost", "must be a host[:port] of at most 256 characters (${PORT} is replaced by the port)");
+  }
+  return { allowPublicTraffic: n.allowPublicTraffic !== false, maskRequestHost: (mask as string | null | undefined) ?? undefined };
+}
+
 export function cidrContains(c: Cidr, ip: number): boolean {
   return ip >= c.base && ip < c.base + 2 ** (32 - c.prefixLen);
 }

@@ -6,7 +6,7 @@
 import { existsSync, mkdirSync } from "node:fs";
 import { join } from "node:path";
 import type { BlockdClient } from "../blockdev/client.ts";
-import { PolicyError, parseEgressPolicy, type Egress, type EgressPolicy, type Slot, type SlotPool } from "../network/index.ts";
+import { PolicyError, parseEgressPolicy, parseInboundPolicy, type Egress, type EgressPolicy, type Slot, type SlotPool } from "../network/index.ts";
 import { readSnapshot, type DriveSpec, type SnapshotInfo, type Vmm, type VmmDriver } from "../vmm/types.ts";
 import type { Json, SnapshotStore } from "../snapshot/index.ts";
 import { link, open as openAsync, readdir, rm } from "node:fs/promises";
@@ -61,9 +61,10 @@ export interface OrchestratorOptions {
 /** The fields of `network` that PUT /sandboxes/{id}/network replaces; the others (inbound) stay. */
 const EGRESS_FIELDS = ["allowOut", "denyOut", "rules", "egressProxy", "httpsPorts"] as const;
 
-/** A sandbox's egress policy from its request fields; a malformed one is a 400 naming the field. */
+/** A sandbox's egress policy from its request fields (inbound ones checked too); a malformed one is a 400 naming the field. */
 export function egressPolicyOf(allowInternetAccess: unknown, network: unknown): EgressPolicy {
   try {
+    parseInboundPolicy(network);
     return parseEgressPolicy(allowInternetAccess, network);
   } catch (e) {
     if (e instanceof PolicyError) throw new OrchestratorError(400, e.message);

@@ -8,7 +8,7 @@ import { sandboxRoutes } from "../../src/api/sandboxes.ts";
 import { serveNode } from "../../src/api/server.ts";
 import type { BlockdClient } from "../../src/blockdev/client.ts";
 import { existsSync } from "node:fs";
-import { haveTool, SlotPool } from "../../src/network/index.ts";
+import { haveTool, SlotPool, type Egress, type NetworkConfig } from "../../src/network/index.ts";
 import { Orchestrator } from "../../src/orchestrator/orchestrator.ts";
 import { SandboxStore } from "../../src/orchestrator/store.ts";
 import { openSnapshotStore } from "../../src/snapshot/index.ts";
@@ -47,7 +47,8 @@ export async function busyboxTemplate(templates: TemplateStore): Promise<void> {
 
 /** Store, templates, slots (keeping those that sandboxes use) and an orchestrator over `blockd`. */
 /** `snapshots`: where snapshots go (openSnapshotStore's location and env); default a directory in d.dir. */
-export async function nodeParts(d: NodeDirs, blockd: BlockdClient, o: { slotPool?: number; maxSandboxes?: number; snapshots?: { location: string; env: Record<string, string> } } = {}) {
+/** `egress`: builds the node's egress over the started pool (egress policies are then enforced). */
+export async function nodeParts(d: NodeDirs, blockd: BlockdClient, o: { slotPool?: number; maxSandboxes?: number; snapshots?: { location: string; env: Record<string, string> }; egress?: (cfg: NetworkConfig) => Promise<Egress> } = {}) {
   const fx = await guestFixture();
   const toolsLayer = await sealedLayer(await envdToolsDisk());
   const store = new SandboxStore(join(d.dir, "node.db"));
@@ -56,10 +57,11 @@ export async function nodeParts(d: NodeDirs, blockd: BlockdClient, o: { slotPool
   await busyboxTemplate(templates);
   const pool = new SlotPool({ size: o.slotPool ?? 1, prefix: d.slotPrefix, hostCidr: d.slotCidr, hostTable: `${d.slotPrefix.replaceAll("-", "_")}host` });
   await pool.start({ adopt: Orchestrator.slotsInUse(store) });
+  const egress = await o.egress?.(pool.config);
   const orch = new Orchestrator(store, templates, blockd, pool, new QemuDriver(), {
     kernel: fx.kernel.vmlinux, initrd: fx.kernel.initrd, toolsLayer,
     cmdline: (s) => guestCmdline({ ip: `${s.guestIp}/${s.guestPrefixLen}`, gw: s.gatewayIp }),
-  }, { home: join(d.dir, "home"), runRoot: d.runRoot, defaultTimeoutS: 300, maxSandboxes: o.maxSandboxes ?? 12, forkParallelism: 2, snapshots: snapshotStore });
+  }, { home: join(d.dir, "home"), runRoot: d.runRoot, defaultTimeoutS: 300, maxSandboxes: o.maxSandboxes ?? 12, forkParallelism: 2, snapshots: snapshotStore, egress });
   return { store, templates, pool, orch, snapshotStore };
 }
 
