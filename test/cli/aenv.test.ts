@@ -225,9 +225,11 @@ describe.skipIf(!!skip)("aenv against bun run node", () => {
     expect(JSON.parse(logs.out)).toBeArray();
     const templates = JSON.parse((await ok(["template", "ls"])).out) as { templateID: string; aliases: string[] }[];
     expect(templates.some((t) => t.aliases.includes("base"))).toBe(true);
-    const r = await run(["template", "rm", "nosuchtemplate"]);
-    expect(r.code).toBe(1);
-    expect(r.err).toBe(`aenv: NotFound: no template nosuchtemplate on ${node.base}: \`aenv template ls\` lists them\n`);
+    const line = `aenv: NotFound: no template nosuchtemplate on ${node.base}: \`aenv template ls\` lists them\n`;
+    for (const args of [["template", "rm", "nosuchtemplate"], ["start", "-d", "nosuchtemplate"]]) {
+      const r = await run(args);
+      expect({ args, code: r.code, err: r.err }).toEqual({ args, code: 1, err: line });
+    }
   }, HANG_MS);
 
   /** aenv in a pseudo-terminal: what it printed so far, keystrokes, a resize, its exit code. */
@@ -267,6 +269,13 @@ describe.skipIf(!!skip)("aenv against bun run node", () => {
     t.type("exit 7\r");
     expect(await t.exited).toBe(7);
     expect((await listed()).map((s) => s.sandboxId)).not.toContain(started);
+  }, HANG_MS);
+
+  test("ls on a terminal: a table with the sandbox in it", async () => {
+    const t = inTerminal(["ls"]);
+    expect(await t.exited).toBe(0);
+    expect(t.output()).toMatch(/^ID +TEMPLATE +STATE +STARTED +ENDS +CPU +MEM MiB +METADATA\r?$/m);
+    expect(t.output()).toMatch(new RegExp(`^${id} +base +running `, "m"));
   }, HANG_MS);
 
   test("cn into a paused sandbox resumes it; exit leaves it running", async () => {
