@@ -14,8 +14,8 @@
 // Forwarding is switched on per interface (the slot's host veth and the configured uplinks), never
 // host-wide; traffic leaving for the uplink is masqueraded to the uplink's address.
 
-import { writeFile } from "node:fs/promises";
-import { parseIpv4, type NetworkConfig, type Slot } from "./addressing.ts";
+import { readFile, writeFile } from "node:fs/promises";
+import { formatIpv4, parseCidr, parseIpv4, slotIdOf, type NetworkConfig, type Slot } from "./addressing.ts";
 import { NetworkError, run } from "./command.ts";
 import { hasDomainRules, PolicyMatcher, type EgressPolicy } from "./policy.ts";
 
@@ -52,7 +52,8 @@ export class Egress {
 
   constructor(private readonly cfg: NetworkConfig, private readonly opts: EgressOptions) {
     for (const r of opts.resolvers) parseIpv4(r);
-    const slotCidr = `${[cfg.hostCidr.base >>> 24, (cfg.hostCidr.base >>> 16) & 255, (cfg.hostCidr.base >>> 8) & 255, cfg.hostCidr.base & 255].join(".")}/${cfg.hostCidr.prefixLen}`;
+    for (const c of opts.alwaysDenied) parseCidr(c);
+    const slotCidr = `${formatIpv4(cfg.hostCidr.base)}/${cfg.hostCidr.prefixLen}`;
     this.alwaysDenied = [...new Set([...opts.alwaysDenied, slotCidr])];
   }
 
@@ -223,4 +224,40 @@ export class Egress {
 /** IPv4 forwarding on one interface (the kernel checks the interface a packet came in on). */
 async function setForwarding(ifname: string, on: boolean): Promise<void> {
   await writeFile(`/proc/sys/net/ipv4/conf/${ifname}/forwarding`, on ? "1" : "0");
+}
+
+/**
+ * The host's DNS servers a sandbox can reach: the nameservers of systemd-resolved's upstream file
+ * (when it runs) or /etc/resolv.conf, loopback ones left out (a guest cannot reach the host's 127/8).
+ */
+export async function hostResolvers(): Promise<string[]> {
+  for (const f of ["/run/systemd/resolve/resolv.conf", "/etc/resolv.conf"]) {
+    const text = await readFile(f, "utf8").catch(() => "");
+    const found = [...text.matchAll(/^\s*nameserver\s+(\d+\.\d+\.\d+\.\d+)\s*$/gm)].map((m) => m[1]!).filter((ip) => !ip.startsWith("127."));
+    if (found.length) return found;
+  }
+  return [];
+}
+
+/** The interfaces of the host's IPv4 default routes: where egress leaves by default. */
+export async function defaultUplinks(): Promise<string[]> {
+  const routes = JSON.parse((await run(["ip", "-j", "-4", "route", "show", "default"])).stdout || "[]") as { dev?: string }[];
+  return [...new Set(routes.map((r) => r.dev).filter((d): d is string => !!d))];
+}
+
+/**
+ * The IPv4 networks on the host's own interfaces (slot veths left out): the node's LANs, which a
+ * sandbox must not reach (other nodes, routers, storage) whatever its policy allows.
+ */
+export async function hostNetworks(cfg: NetworkConfig): Promise<string[]> {
+  const links = JSON.parse((await run(["ip", "-j", "-4", "address", "show"])).stdout || "[]") as { ifname: string; addr_info?: { local: string; prefixlen: number }[] }[];
+  const out = new Set<string>();
+  for (const l of links) {
+    if (slotIdOf(cfg, l.ifname) !== undefined) continue;
+    for (const a of l.addr_info ?? []) {
+      const size = 2 ** (32 - a.prefixlen);
+      out.add(`${formatIpv4(Math.floor(parseIpv4(a.local) / size) * size)}/${a.prefixlen}`);
+    }
+  }
+  return [...out];
 }

@@ -19,7 +19,7 @@ export {
 export { DEFAULT_ACQUIRE_TIMEOUT_MS, MAX_WAITERS, SlotPool, type PoolStats, type ReconcileReport, type SlotPoolOptions } from "./pool.ts";
 export { NAMESPACE_SYSCTLS, netnsExecArgv } from "./slot.ts";
 export { HOST_COUNTERS, hostRuleset, slotRuleset } from "./rulesets.ts";
-export { Egress, type AppliedPolicy, type EgressOptions } from "./egress.ts";
+export { Egress, defaultUplinks, hostNetworks, hostResolvers, type AppliedPolicy, type EgressOptions } from "./egress.ts";
 export {
   DEFAULT_ALWAYS_DENIED,
   MAX_RULES,

@@ -15,7 +15,7 @@ import { LayerCache } from "../template/layer_cache.ts";
 import { pullImage } from "../template/pull.ts";
 import { parseImageRef, RegistryClient } from "../template/registry.ts";
 import { BlockdClient } from "../blockdev/client.ts";
-import { SlotPool } from "../network/index.ts";
+import { Egress, EgressProxy, SlotPool, defaultUplinks, hostNetworks, hostResolvers } from "../network/index.ts";
 import { Orchestrator } from "../orchestrator/orchestrator.ts";
 import { SandboxStore } from "../orchestrator/store.ts";
 import { TemplateStore } from "../orchestrator/templates.ts";
@@ -91,6 +91,17 @@ async function start(): Promise<void> {
   const slots = new SlotPool({ size: cfg.slotPool, hostCidr: cfg.slotCidr, prefix: cfg.slotPrefix, hostTable: `${cfg.slotPrefix.replace(/[^A-Za-z0-9]/g, "_")}host` });
   // Slots of sandboxes that kept running while the node was down are kept; the rest rebuilt.
   await slots.start({ adopt: Orchestrator.slotsInUse(store) });
+  progress("egress");
+  const list = (v: string) => v.split(",").map((x) => x.trim()).filter(Boolean);
+  const resolvers = cfg.egressResolvers ? list(cfg.egressResolvers) : await hostResolvers();
+  const egressProxy = new EgressProxy({ port: cfg.egressProxyPort, resolvers }).listen();
+  const egress = new Egress(slots.config, {
+    // The node's own LANs too: other nodes and routers are not the internet.
+    alwaysDenied: [...list(cfg.egressAlwaysDenied), ...(await hostNetworks(slots.config))], resolvers, proxyPort: egressProxy.port,
+    uplinks: cfg.egressUplinks ? list(cfg.egressUplinks) : await defaultUplinks(),
+  });
+  egressProxy.use(egress);
+  await egress.start();
   progress("VMM");
   const { driver, reason } = selectDriver({ vmm: cfg.vmm });
   console.log(`  VMM: ${reason}`);
@@ -115,7 +126,7 @@ async function start(): Promise<void> {
     // The base image maps the hostname `sandbox` in /etc/hosts (sudo looks its host up).
     cmdline: (s) => guestCmdline({ ip: `${s.guestIp}/${s.guestPrefixLen}`, gw: s.gatewayIp, hostname: "sandbox" }),
   }, { home: cfg.home, runRoot: join(cfg.runDir, "vms"), defaultTimeoutS: cfg.defaultTimeoutS, maxSandboxes: cfg.maxSandboxes, preparedDevices: cfg.devicePool,
-    snapshots: openSnapshotStore(cfg.snapshotStore, { home: cfg.home }) });
+    snapshots: openSnapshotStore(cfg.snapshotStore, { home: cfg.home }), egress });
   const base = templates.resolve("base")!;
   if (!base.checkpoint) {
     progress("template base: boot and checkpoint");
