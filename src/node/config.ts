@@ -52,7 +52,7 @@ export const SETTINGS = {
   buildTimeoutS: setting("AENV_BUILD_TIMEOUT_S", "build_timeout_s", "3600", int(60, 86_400), "a template build's limit, boot to checkpoint"),
   snapshotStore: setting("AENV_SNAPSHOT_STORE", "snapshot_store", "$AENV_HOME/snapshots", str, "where snapshots live: a directory (local or shared FS) or s3://bucket/prefix"),
   egressResolvers: setting("AENV_EGRESS_RESOLVERS", "egress_resolvers", "", str, "DNS servers sandboxes may always reach and the domain proxy asks (comma-separated IPv4); empty: the host's non-loopback nameservers"),
-  egressUplinks: setting("AENV_EGRESS_UPLINKS", "egress_uplinks", "", str, "interfaces sandbox egress leaves by (forwarding is switched on for them only); empty: the default route's"),
+  egressUplinks: setting("AENV_EGRESS_UPLINKS", "egress_uplinks", "", str, "interfaces sandbox egress leaves by (forwarding is switched on for them only); empty: the default route's; none: no interface is touched (tests on shared hosts)"),
   egressAlwaysDenied: setting("AENV_EGRESS_ALWAYS_DENIED", "egress_always_denied", "0.0.0.0/8,10.0.0.0/8,100.64.0.0/10,127.0.0.0/8,169.254.0.0/16,172.16.0.0/12,192.0.0.0/24,192.168.0.0/16,224.0.0.0/4,240.0.0.0/4", str, "CIDRs no sandbox reaches whatever its policy allows (the slot CIDR and the host's own networks are always added)"),
   egressProxyPort: setting("AENV_EGRESS_PROXY_PORT", "egress_proxy_port", "0", int(0, 65535), "TCP port of the domain proxy (sandboxes' redirected 80/443); 0: a free one"),
 };

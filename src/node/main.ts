@@ -98,7 +98,7 @@ async function start(): Promise<void> {
   const egress = new Egress(slots.config, {
     // The node's own LANs too: other nodes and routers are not the internet.
     alwaysDenied: [...list(cfg.egressAlwaysDenied), ...(await hostNetworks(slots.config))], resolvers, proxyPort: egressProxy.port,
-    uplinks: cfg.egressUplinks ? list(cfg.egressUplinks) : await defaultUplinks(),
+    uplinks: cfg.egressUplinks === "none" ? [] : cfg.egressUplinks ? list(cfg.egressUplinks) : await defaultUplinks(),
   });
   egressProxy.use(egress);
   await egress.start();

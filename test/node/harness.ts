@@ -62,6 +62,8 @@ export function nodeSetup(name: string, octet: number, key: string, extra: Recor
       AENV_SLOT_PREFIX: `${name}${tag}-`,
       AENV_SLOT_CIDR: `10.${octet}.${process.pid % 250}.0/24`,
       AENV_SLOT_POOL: "2",
+      // Forwarding is never switched on for this shared host's own interfaces.
+      AENV_EGRESS_UPLINKS: "none",
       AENV_DEVICE_POOL: "2",
       ...extra,
     },
