@@ -96,6 +96,8 @@ export interface PeerNodeStats {
 export const CLOSE_NOT_ALLOWED = 1n;
 export const CLOSE_SHUTDOWN = 0n;
 const NOT_ALLOWED_REASON = "not on the allow-list";
+/** close() waits at most this long for the endpoint to shut down. */
+export const CLOSE_WAIT_MS = 3_000;
 
 export interface RequestOptions {
   timeoutMs?: number;
@@ -214,8 +216,13 @@ export class PeerNode {
     this.closed = true;
     for (const c of this.incoming.keys()) c.close(CLOSE_SHUTDOWN, []);
     for (const p of this.outgoing.values()) p.then((c) => c.close(CLOSE_SHUTDOWN, []), () => {});
-    await this.endpoint.close();
-    await this.acceptLoop.catch(() => {});
+    // QUIC's close waits for the peers to acknowledge it; a peer that died never does.
+    let timer: ReturnType<typeof setTimeout> | undefined;
+    await Promise.race([
+      this.endpoint.close().then(() => this.acceptLoop).catch(() => {}),
+      new Promise<void>((r) => (timer = setTimeout(r, CLOSE_WAIT_MS))),
+    ]);
+    clearTimeout(timer);
   }
 
   // ---- client side ----

@@ -41,7 +41,7 @@ beforeAll(async () => {
 afterAll(async () => {
   for (const p of procs) p.proc.kill(9);
   await Promise.all(nodes.map((n) => n.close()));
-});
+}, 30_000);
 
 describe("identity", () => {
   test("the secret key is made once, mode 0600, and the endpoint ID survives a restart", async () => {
