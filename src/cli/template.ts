@@ -8,6 +8,7 @@ import { existsSync, readFileSync, statSync } from "node:fs";
 import { dirname, join, resolve } from "node:path";
 import { Template, type BuildInfo, type LogEntry } from "e2b";
 import { UsageError, type ParsedArgs } from "./args.ts";
+import { DEFAULT_READY_CMD, DockerfileError, dockerfileTemplate } from "./dockerfile.ts";
 import { NODE_OPTIONS, api, onNode, resolveTarget, sdkOpts, unknown, type NodeTarget } from "./node_client.ts";
 import { JSON_OPTION, printListing, when } from "./table.ts";
 import { wholeNumber, type Option, type Verb } from "./verbs.ts";
@@ -15,6 +16,7 @@ import { wholeNumber, type Option, type Verb } from "./verbs.ts";
 /** A build's longest wait: a large image's pull and conversion, then the template's boot. */
 const BUILD_TIMEOUT_MS = 60 * 60_000;
 
+const READY: Option = { flag: "--ready-cmd", value: "CMD", help: `the template is ready once this exits 0, polled every 2 s (default with a start command: ${DEFAULT_READY_CMD})` };
 const BUILD_OPTIONS: Option[] = [
   { flag: "--name", value: "N", required: true, help: "the template's name (`aenv start N`); may be name:tag" },
   { flag: "--cpu", value: "N", help: "vCPUs of its sandboxes" },
@@ -56,7 +58,7 @@ async function pull(a: ParsedArgs): Promise<void> {
   if (ready !== undefined && start === undefined) throw new UsageError("--ready-cmd needs --start-cmd");
   const t = await resolveTarget(a);
   const from = Template().fromImage(image!);
-  await runBuild(a, t, start === undefined ? from : from.setStartCmd(start, ready ?? "sleep 20"));
+  await runBuild(a, t, start === undefined ? from : from.setStartCmd(start, ready ?? DEFAULT_READY_CMD));
 }
 
 /** `DIR` (its Dockerfile, DIR the context) or a Dockerfile (its folder the context). */
@@ -75,17 +77,17 @@ async function build(a: ParsedArgs): Promise<void> {
   const [arg] = a.need(1, "DIR or DOCKERFILE");
   const { file, context } = dockerfileOf(arg!);
   const ignore = join(context, ".dockerignore");
-  const fileIgnorePatterns = existsSync(ignore)
+  const patterns = existsSync(ignore)
     ? readFileSync(ignore, "utf8").split("\n").map((l) => l.trim()).filter((l) => l !== "" && !l.startsWith("#"))
     : [];
-  const t = await resolveTarget(a);
   let tpl;
   try {
-    tpl = Template({ fileContextPath: context, fileIgnorePatterns }).fromDockerfile(readFileSync(file, "utf8"));
+    tpl = dockerfileTemplate(readFileSync(file, "utf8"), { context, ignore: patterns, readyCmd: a.value("ready-cmd") });
   } catch (e) {
-    throw new UsageError(`${file}: ${(e as Error).message}`);
+    if (e instanceof DockerfileError) throw new UsageError(`${file}: ${e.message}`);
+    throw e;
   }
-  await runBuild(a, t, tpl);
+  await runBuild(a, await resolveTarget(a), tpl);
 }
 
 interface TemplateRow {
@@ -133,7 +135,7 @@ export const BUILD_VERBS: Record<string, Verb> = {
     summary: "make a template of an OCI image (registry/repo:tag); the build's log streams",
     options: [
       { flag: "--start-cmd", value: "CMD", help: "started in the background in every sandbox of the template" },
-      { flag: "--ready-cmd", value: "CMD", help: "the template is ready once this exits 0, polled every 2 s (default with --start-cmd: sleep 20)" },
+      READY,
       ...BUILD_OPTIONS,
     ],
     notes: "example: aenv pull docker.io/library/python:3.12-slim --name py",
@@ -142,11 +144,12 @@ export const BUILD_VERBS: Record<string, Verb> = {
   build: {
     operands: "DIR|DOCKERFILE",
     summary: "make a template of a Dockerfile (DIR/Dockerfile with DIR as the context, or a file with its folder); the build's log streams",
-    options: BUILD_OPTIONS,
+    options: [READY, ...BUILD_OPTIONS],
     notes: [
-      "One stage: FROM, RUN, ENV, ARG, WORKDIR, USER, COPY/ADD (local sources, uploaded by hash), EXPOSE;",
-      "CMD/ENTRYPOINT become the start command (ready after 20 s). Without USER or WORKDIR the",
-      "sandboxes run as `user` in /home/user. .dockerignore in the context is honoured.",
+      "One stage: FROM, RUN, ENV, ARG (build-time only), WORKDIR, USER, COPY/ADD (local sources, uploaded",
+      "by hash; --chown, --chmod), EXPOSE, LABEL, VOLUME; CMD/ENTRYPOINT become the start command. Steps",
+      "run as root in / unless the file says otherwise; without USER or WORKDIR the sandboxes run as",
+      "`user` in /home/user. .dockerignore in the context is honoured.",
     ].join("\n"),
     run: build,
   },
