@@ -74,9 +74,12 @@ describe.skipIf(!!skip)("template builds through the API with the e2b SDK", () =
   });
 
   let firstBuild: { templateId: string; buildId: string };
+  let firstBuildMs = 0;
   test("a build from base: RUN, ENV, ARG, WORKDIR, COPY, USER, start and ready commands; sandboxes get its env, user, cwd and files", async () => {
     const logs: LogEntry[] = [];
+    const t0 = performance.now();
     firstBuild = await Template.build(template(), name, { ...opts(), onBuildLogs: (l) => logs.push(l) });
+    firstBuildMs = performance.now() - t0;
     const text = logs.map((l) => l.message).join("\n");
     expect(text).toContain("building as user in /home/user: hello from the build");
     expect(text).toContain("Ready");
@@ -95,7 +98,10 @@ describe.skipIf(!!skip)("template builds through the API with the e2b SDK", () =
 
   test("an unchanged rebuild hits the step cache for every step; the template keeps its ID", async () => {
     const logs: LogEntry[] = [];
+    const t0 = performance.now();
     const again = await Template.build(template(), name, { ...opts(), onBuildLogs: (l) => logs.push(l) });
+    const rebuildMs = performance.now() - t0;
+    console.log(`  first build ${Math.round(firstBuildMs)} ms, unchanged rebuild ${Math.round(rebuildMs)} ms (${(rebuildMs / firstBuildMs).toFixed(2)}× the first)`);
     expect(again.templateId).toBe(firstBuild.templateId);
     expect(again.buildId).not.toBe(firstBuild.buildId);
     const cached = logs.map((l) => l.message).filter((m) => m.startsWith("CACHED "));
