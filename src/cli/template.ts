@@ -26,10 +26,44 @@ const BUILD_OPTIONS: Option[] = [
   ...NODE_OPTIONS,
 ];
 
-/** A log line of the build as a person reads it: the level where it is not info, then the message. */
-function printLog(e: LogEntry): void {
-  const text = e.message.replace(/\n+$/, "");
-  process.stdout.write(e.level === "info" ? `${text}\n` : `${e.level}: ${text}\n`);
+/**
+ * The node's image-pull progress ("pull PHASE: D/T layers (C cached), X/Y MiB") as a bar, or
+ * undefined for any other line.
+ */
+export function progressBar(message: string, width = 30): string | undefined {
+  const m = /^pull (\w+): (\d+)\/(\d+) layers \((\d+) cached\), ([\d.]+)\/([\d.]+) MiB/.exec(message);
+  if (!m) return undefined;
+  const [, phase, done, total, cached, got, all] = m as unknown as string[];
+  const frac = Number(all) > 0 ? Number(got) / Number(all) : Number(total) > 0 ? Number(done) / Number(total) : 0;
+  const fill = Math.round(Math.min(1, frac) * width);
+  return `[${"#".repeat(fill)}${".".repeat(width - fill)}] ${phase}: ${done}/${total} layers (${cached} cached), ${got}/${all} MiB`;
+}
+
+/**
+ * The build's log as a person reads it: the level where it is not info, then the message. On a
+ * terminal the pull's progress lines redraw one bar in place; piped, every line is kept.
+ */
+function buildLog(): { print(e: LogEntry): void; end(): void } {
+  const tty = process.stdout.isTTY === true;
+  let barShown = false;
+  return {
+    print(e) {
+      const text = e.message.replace(/\n+$/, "");
+      const bar = tty ? progressBar(text) : undefined;
+      if (bar !== undefined) {
+        process.stdout.write(`\r\x1b[K${bar}`);
+        barShown = true;
+        return;
+      }
+      if (barShown) process.stdout.write("\n");
+      barShown = false;
+      process.stdout.write(e.level === "info" ? `${text}\n` : `${e.level}: ${text}\n`);
+    },
+    end() {
+      if (barShown) process.stdout.write("\n");
+      barShown = false;
+    },
+  };
 }
 
 /** Run the build (or only start it, with -d) and say what came of it. */
@@ -47,7 +81,8 @@ async function runBuild(a: ParsedArgs, t: NodeTarget, tpl: Parameters<typeof Tem
     process.stdout.write(`${info.templateId} ${info.buildId}\n`);
     return;
   }
-  const info: BuildInfo = await onNode(t, undefined, () => Template.build(tpl, name, { ...opts, onBuildLogs: printLog }));
+  const log = buildLog();
+  const info: BuildInfo = await onNode(t, undefined, () => Template.build(tpl, name, { ...opts, onBuildLogs: (e) => log.print(e) })).finally(() => log.end());
   process.stderr.write(`aenv: template ${name} (${info.templateId}) is ready: \`aenv start ${name}\`\n`);
 }
 
@@ -132,7 +167,7 @@ async function templateRm(a: ParsedArgs): Promise<void> {
 export const BUILD_VERBS: Record<string, Verb> = {
   pull: {
     operands: "IMAGE",
-    summary: "make a template of an OCI image (registry/repo:tag); the build's log streams",
+    summary: "make a template of an OCI image (registry/repo:tag); the build's log streams (on a terminal the pull's progress is a bar)",
     options: [
       { flag: "--start-cmd", value: "CMD", help: "started in the background in every sandbox of the template" },
       READY,

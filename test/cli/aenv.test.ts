@@ -4,6 +4,7 @@ import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { chmodSync, mkdirSync, readdirSync, readFileSync, statSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { apiKeyPath } from "../../src/node/config.ts";
+import { progressBar } from "../../src/cli/template.ts";
 import { scratchDir, sha256 } from "../helpers/tmp.ts";
 import { FIRST_START_MS, nodeSetup, nodeSkipReason, startNode, stopNode, until, type NodeProc } from "../node/harness.ts";
 import { RegistryClient } from "../../src/template/registry.ts";
@@ -48,6 +49,13 @@ function closedPort(): number {
 }
 
 describe("aenv without a node", () => {
+  test("pull progress from the node's log lines as a bar; other lines are not bars", () => {
+    expect(progressBar("pull layers: 1/4 layers (1 cached), 10.0/40.0 MiB", 8)).toBe("[##......] layers: 1/4 layers (1 cached), 10.0/40.0 MiB");
+    expect(progressBar("pull done: 4/4 layers (1 cached), 40.0/40.0 MiB", 8)).toStartWith("[########] done");
+    expect(progressBar("pull resolving: 0/0 layers (0 cached), 0.0/0.0 MiB", 4)).toStartWith("[....] resolving");
+    expect(progressBar("FROM image x")).toBeUndefined();
+  });
+
   const verbs = ["auth", "pull", "build", "start", "cn", "exec", "cp", "ls", "pause", "resume", "timeout", "rm", "fork", "logs",
     "template ls", "template rm", "snapshot create", "snapshot ls", "snapshot rm"];
 
@@ -318,6 +326,11 @@ describe.skipIf(!!skip)("aenv against bun run node", () => {
     const listed = JSON.parse((await ok(["template", "ls", "--json"])).out) as { names?: string[]; aliases?: string[] }[];
     expect(listed.some((t) => [...(t.names ?? []), ...(t.aliases ?? [])].some((n) => n.startsWith(name)))).toBe(true);
     await ok(["template", "rm", name]);
+    // On a terminal the pull's progress is one bar redrawn in place.
+    const t = inTerminal(["pull", image, "--name", `${name}-tty`]);
+    expect(await t.exited).toBe(0);
+    expect(t.output()).toMatch(/\r\x1b\[K\[[#.]{30}\] done: 1\/1 layers/);
+    await ok(["template", "rm", `${name}-tty`]);
   }, 20 * 60_000);
 
   test.skipIf(!!noBuilds)(`build DIR --name N: a Dockerfile's ENV, ARG, WORKDIR, USER, COPY, RUN, LABEL and EXPOSE; a failing RUN fails the build${noBuilds ? ` (skipped: ${noBuilds})` : ""}`, async () => {
