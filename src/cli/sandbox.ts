@@ -70,10 +70,15 @@ async function exec(a: ParsedArgs): Promise<number> {
   };
   return onNode(t, sandboxSubject(id), async () => {
     try {
-      if (!a.flag("i")) return (await sbx.commands.run(line, opts)).exitCode;
-      const h = await sbx.commands.run(line, { ...opts, background: true, stdin: true });
-      for await (const chunk of process.stdin) await sbx.commands.sendStdin(h.pid, chunk as Uint8Array);
-      await sbx.commands.closeStdin(h.pid);
+      const h = await sbx.commands.run(line, { ...opts, background: true, stdin: a.flag("i") });
+      // Ctrl-C or SIGTERM here end the command there too, then aenv with the shell's code for it.
+      for (const [signal, code] of [["SIGINT", 130], ["SIGTERM", 143]] as const) {
+        process.once(signal, () => void sbx.commands.kill(h.pid).catch(() => false).finally(() => process.exit(code)));
+      }
+      if (a.flag("i")) {
+        for await (const chunk of process.stdin) await sbx.commands.sendStdin(h.pid, chunk as Uint8Array);
+        await sbx.commands.closeStdin(h.pid);
+      }
       return (await h.wait()).exitCode;
     } catch (e) {
       if (e instanceof CommandExitError) return e.exitCode;
@@ -213,7 +218,7 @@ export const SANDBOX_VERBS: Record<string, Verb> = {
     operands: "ID -- CMD...",
     summary: "run CMD in the sandbox's shell (bash -l -c, the words joined by spaces as ssh does); stdout and stderr stream, CMD's exit code is aenv's",
     options: [{ flag: "-i", help: "forward stdin to CMD (until its end)" }, USER, { flag: "--cwd", value: "DIR", help: "working directory (default: the user's home)" }, ...NODE_OPTIONS],
-    notes: "A paused sandbox is resumed first. Output is text (UTF-8); for bytes use `aenv cp`.\nexample: aenv exec ID -- 'cd /tmp && ls -la | wc -l'",
+    notes: "A paused sandbox is resumed first. Ctrl-C (SIGINT) or SIGTERM kill CMD too (exit 130, 143).\nOutput is text (UTF-8); for bytes use `aenv cp`.\nexample: aenv exec ID -- 'cd /tmp && ls -la | wc -l'",
     run: exec,
   },
   ls: {

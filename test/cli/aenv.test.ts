@@ -156,6 +156,13 @@ describe.skipIf(!!skip)("aenv against bun run node", () => {
     expect(words).toEqual({ code: 0, out: "a|b|c|", err: "" });
     expect(await run(["exec", "-i", id, "--", "wc -c"], { stdin: "12345" })).toEqual({ code: 0, out: "5\n", err: "" });
     expect((await run(["exec", "--user", "root", "--cwd", "/tmp", id, "--", "id -u; pwd"])).out).toBe("0\n/tmp\n");
+    // Ctrl-C on aenv ends the command in the sandbox too.
+    const p = Bun.spawn([process.execPath, AENV, "exec", id, "--", "echo started; exec sleep 7777"], { env: local(), stdout: "pipe", stderr: "pipe", timeout: HANG_MS });
+    const reader = (p.stdout as ReadableStream<Uint8Array>).getReader();
+    expect(new TextDecoder().decode((await reader.read()).value)).toBe("started\n");
+    p.kill("SIGINT");
+    expect(await p.exited).toBe(130);
+    expect((await run(["exec", id, "--", "pgrep -x sleep || echo none"])).out).toBe("none\n");
   }, HANG_MS);
 
   test("cp in and out: a binary file, stdin/stdout, a directory tree", async () => {
