@@ -134,6 +134,18 @@ describe.skipIf(!!skip)("aenv against bun run node", () => {
     expect(JSON.parse(r.out)).toBeArray();
   }, HANG_MS);
 
+  test("auth on a terminal: the key is asked for and not echoed", async () => {
+    const home = scratchDir("cli-auth-tty");
+    const t = inTerminal(["auth"], cliEnv({ HOME: home, AENV_URL: node.base }));
+    await t.waitFor(/node URL \[.*\]: $/, "the URL question");
+    t.type("\r"); // the default shown: AENV_URL
+    await t.waitFor(/API key( \[from .*\])?: $/, "the key question");
+    t.type(`${key}\r`);
+    expect(await t.exited).toBe(0);
+    expect(t.output()).not.toContain(key);
+    expect(Bun.TOML.parse(readFileSync(join(home, ".config/aenv/credentials"), "utf8"))).toEqual({ url: node.base, api_key: key });
+  }, HANG_MS);
+
   test("a key the node refuses: one line naming aenv auth", async () => {
     const r = await run(["ls"], { env: local({ AENV_API_KEY: "e2b_" + "1".repeat(40) }) });
     expect(r.code).toBe(1);
@@ -248,11 +260,11 @@ describe.skipIf(!!skip)("aenv against bun run node", () => {
   }, HANG_MS);
 
   /** aenv in a pseudo-terminal: what it printed so far, keystrokes, a resize, its exit code. */
-  function inTerminal(args: string[]) {
+  function inTerminal(args: string[], env = local()) {
     let out = "";
     const dec = new TextDecoder();
     const proc = Bun.spawn([process.execPath, AENV, ...args], {
-      env: local(),
+      env,
       terminal: { cols: 100, rows: 30, data: (_t, d) => void (out += dec.decode(d, { stream: true })) },
     });
     const killer = setTimeout(() => proc.kill(), HANG_MS);
@@ -306,7 +318,8 @@ describe.skipIf(!!skip)("aenv against bun run node", () => {
   test("rm; then the ID is unknown: one line naming aenv ls", async () => {
     await ok(["rm", id]);
     const line = `aenv: NotFound: no sandbox ${id} on ${node.base}: \`aenv ls\` lists them\n`;
-    for (const args of [["rm", id], ["exec", id, "--", "true"], ["pause", id], ["timeout", id, "60"], ["cp", `${id}:/etc/hostname`, "-"]]) {
+    for (const args of [["rm", id], ["exec", id, "--", "true"], ["pause", id], ["resume", id], ["timeout", id, "60"], ["cp", `${id}:/etc/hostname`, "-"],
+      ["cn", id], ["fork", id], ["logs", id], ["snapshot", "create", id]]) {
       const r = await run(args);
       expect({ args, code: r.code, err: r.err }).toEqual({ args, code: 1, err: line });
     }
