@@ -50,6 +50,7 @@ export const SETTINGS = {
   slotPrefix: setting("AENV_SLOT_PREFIX", "slot_prefix", "aenv-", str, "names of this node's network namespaces and host veths"),
   maxBuilds: setting("AENV_MAX_BUILDS", "max_builds", "2", int(1, 64), "template builds running at once; up to 8 more wait, past that: 429"),
   buildTimeoutS: setting("AENV_BUILD_TIMEOUT_S", "build_timeout_s", "3600", int(60, 86_400), "a template build's limit, boot to checkpoint"),
+  stepCacheMB: setting("AENV_STEP_CACHE_MB", "step_cache_mb", "20480", int(0, 1 << 24), "template builds' step layers kept; past it the least recently used go (a template's layers stay)"),
   snapshotStore: setting("AENV_SNAPSHOT_STORE", "snapshot_store", "$AENV_HOME/snapshots", str, "where snapshots live: a directory (local or shared FS) or s3://bucket/prefix"),
   egressResolvers: setting("AENV_EGRESS_RESOLVERS", "egress_resolvers", "", str, "DNS servers sandboxes may always reach and the domain proxy asks (comma-separated IPv4); empty: the host's non-loopback nameservers"),
   egressUplinks: setting("AENV_EGRESS_UPLINKS", "egress_uplinks", "", str, "interfaces sandbox egress leaves by (forwarding is switched on for them only); empty: the default route's; none: no interface is touched (tests on shared hosts)"),

@@ -159,7 +159,7 @@ async function start(): Promise<void> {
   };
   builder = new TemplateBuilder(o, store.db, {
     filesDir: join(cfg.home, "template-files"), stepsDir: join(cfg.home, "template-steps"),
-    maxConcurrent: cfg.maxBuilds, buildTimeoutMs: cfg.buildTimeoutS * 1000, images,
+    maxConcurrent: cfg.maxBuilds, buildTimeoutMs: cfg.buildTimeoutS * 1000, stepCacheBytes: cfg.stepCacheMB * 2 ** 20, images,
   });
   orch = o;
   progress(`ready (${((performance.now() - t0) / 1000).toFixed(1)} s)`);

@@ -11,6 +11,7 @@ import { mkdirSync } from "node:fs";
 import { mkdir, open, rename, rm, stat } from "node:fs/promises";
 import { join, posix } from "node:path";
 import { runProcess, uploadFile, type ProcessSpec } from "./envd_process.ts";
+import { StepCache } from "./step_cache.ts";
 import { Orchestrator, OrchestratorError, type BuildVm } from "./orchestrator.ts";
 import type { TemplateConfig, TemplateRecord } from "./templates.ts";
 
@@ -100,13 +101,15 @@ export interface BuilderOptions {
   defaultReadyCmd?: string;
   /** Builds (finished or not) whose status this node keeps answering. */
   maxBuildsKept?: number;
+  /** Step-cache layers kept (least recently used go first; a template's layers always stay). */
+  stepCacheBytes?: number;
   /** Where fromImage parents come from; none: fromImage is refused. */
   images?: ImageSource;
 }
 
 const DEFAULTS = {
   maxConcurrent: 2, maxQueued: 8, buildTimeoutMs: 60 * 60_000, maxLogEntries: 10_000, maxUploadBytes: 1024 ** 3,
-  readyIntervalMs: 2000, readyTimeoutMs: 10 * 60_000, defaultReadyCmd: "sleep 20", maxBuildsKept: 64,
+  readyIntervalMs: 2000, readyTimeoutMs: 10 * 60_000, stepCacheBytes: 20 * 1024 ** 3, defaultReadyCmd: "sleep 20", maxBuildsKept: 64,
 };
 /** Entries one status call returns (E2B's page size). */
 export const LOG_PAGE = 100;
@@ -223,16 +226,18 @@ export class TemplateBuilder {
   private readonly uploadSecret = crypto.getRandomValues(new Uint8Array(32));
   private readonly aborts = new Set<AbortController>();
   private readonly runs = new Set<Promise<void>>();
+  private readonly steps: StepCache;
 
   constructor(private readonly orch: Orchestrator, private readonly db: Database, opts: BuilderOptions) {
     this.o = { ...DEFAULTS, ...opts };
     mkdirSync(this.o.filesDir, { recursive: true });
-    mkdirSync(this.o.stepsDir, { recursive: true });
-    db.run(`CREATE TABLE IF NOT EXISTS template_steps (
-      key TEXT PRIMARY KEY,
-      layer TEXT,
-      created_at INTEGER NOT NULL
-    )`);
+    this.steps = new StepCache(db, this.o.stepsDir, this.o.stepCacheBytes, () => orch.templates.layersInUse());
+    this.collectSteps();
+  }
+
+  /** A step-cache collection in the background (after start and after each build). */
+  private collectSteps(): void {
+    this.steps.collect().catch((e) => console.error(`template builds: collecting the step cache: ${(e as Error).message}`));
   }
 
   // ─── requests ──────────────────────────────────────────────────────────────
@@ -459,6 +464,8 @@ export class TemplateBuilder {
     const deadline = Date.now() + this.o.buildTimeoutMs;
     let vm: BuildVm | undefined;
     let checkpointDir: string | undefined;
+    /** Step layers this build stacks or writes: kept from the step cache's collection until it ends. */
+    const held: string[] = [];
     b.status = "building";
     try {
       const parent = await this.parent(b, spec, abort.signal);
@@ -471,9 +478,13 @@ export class TemplateBuilder {
       let hits = 0;
       for (const p of plan) {
         if (spec.force || p.step.force) break;
-        const row = this.db.query<{ layer: string | null }, [string]>("SELECT layer FROM template_steps WHERE key = ?").get(p.key);
-        if (!row || (row.layer !== null && !(await stat(row.layer).then(() => true, () => false)))) break;
-        if (row.layer !== null) stack.push(row.layer);
+        const layer = await this.steps.get(p.key, stack.at(-1));
+        if (layer === undefined) break;
+        if (layer !== null) {
+          this.steps.hold([layer]);
+          held.push(layer);
+          stack.push(layer);
+        }
         b.log("info", `CACHED ${label(p)}`, String(p.index + 1));
         hits++;
       }
@@ -484,14 +495,16 @@ export class TemplateBuilder {
         if (abort.signal.aborted) throw abort.signal.reason;
         b.log("info", label(p), String(p.index + 1));
         await this.runStep(vm, shell, b, p, deadline, abort.signal);
+        const under = stack.at(-1);
         if (DISK_STEPS.has(p.step.type)) {
           await this.exec(vm, b, SYNC, SHORT_CMD_MS, String(p.index + 1), abort.signal);
-          const layer = join(this.o.stepsDir, `${p.key}-${randomId(6)}.layer`);
+          const layer = this.steps.newLayer(p.key);
+          held.push(layer);
           await vm.seal(layer);
           stack.push(layer);
-          this.db.query("INSERT OR IGNORE INTO template_steps VALUES (?, ?, ?)").run(p.key, layer, Date.now());
+          this.steps.put(p.key, under, layer);
         } else {
-          this.db.query("INSERT OR IGNORE INTO template_steps VALUES (?, NULL, ?)").run(p.key, Date.now());
+          this.steps.put(p.key, under, null);
         }
       }
       const final = plan.length ? after(plan[plan.length - 1]!) : parent.state;
@@ -513,6 +526,8 @@ export class TemplateBuilder {
       await vm?.stop().catch(() => {});
       if (checkpointDir) this.orch.discardBuildCheckpoint(checkpointDir);
       b.updatedAt = Date.now();
+      this.steps.release(held);
+      this.collectSteps();
     }
   }
 
