@@ -27,24 +27,9 @@ import {
 import { SECTOR, SEGMENT_BYTES, decodeSegments, type Segment } from "../storage/lsmt/segment.ts";
 import { writeZFile, ZFileReader } from "../storage/zfile.ts";
 import { writeOverlaybdTar } from "../storage/tar.ts";
-import { UsageError, asksForHelp, parseArgs, parseSize, type ParsedArgs } from "./args.ts";
+import { UsageError, parseSize, type ParsedArgs } from "./args.ts";
+import { groupCommand, verbLine, type Command, type Option, type Verb } from "./verbs.ts";
 import { fileIdentity, withOutputs } from "./outputs.ts";
-
-interface Option {
-  /** As typed: "--size", "-m". */
-  flag: string;
-  /** Placeholder of the option's value; absent for a switch. */
-  value?: string;
-  required?: boolean;
-  help: string;
-}
-
-interface Verb {
-  operands: string;
-  summary: string;
-  options: Option[];
-  run(a: ParsedArgs): Promise<void>;
-}
 
 const FORCE: Option = { flag: "--force", help: "replace OUT if it exists (never an input)" };
 const UUID: Option = { flag: "--uuid", value: "U", help: "the layer's UUID (8-4-4-4-12 hex)" };
@@ -132,62 +117,13 @@ const VERBS: Record<string, Verb> = {
   },
 };
 
-const optionText = (o: Option) => (o.value ? `${o.flag} ${o.value}` : o.flag);
-const optionUsage = (o: Option) => (o.required ? optionText(o) : `[${optionText(o)}]`);
-const synopsis = (name: string, v: Verb) => `aenv layer ${name} ${[...v.options.map(optionUsage), v.operands].join(" ")}`;
-const HELP_OPTION: Option = { flag: "-h, --help", help: "this help" };
-
 /** Every verb with its synopsis and summary: the help of `aenv layer` and what follows its usage errors. */
 export function layerVerbList(): string {
-  return Object.entries(VERBS)
-    .map(([name, v]) => `  ${synopsis(name, v)}\n      ${v.summary}`)
-    .join("\n");
-}
-
-function verbHelp(name: string, v: Verb): string {
-  const options = [...v.options, HELP_OPTION];
-  const width = Math.max(...options.map((o) => optionText(o).length));
-  return [
-    `usage: ${synopsis(name, v)}`,
-    "",
-    `${v.summary[0]!.toUpperCase()}${v.summary.slice(1)}.`,
-    "",
-    "options:",
-    ...options.map((o) => `  ${optionText(o).padEnd(width)}  ${o.help}${o.required ? " (required)" : ""}`),
-    "",
-  ].join("\n");
-}
-
-/** Parse a verb's arguments with exactly the options its table lists. */
-function parseVerbArgs(v: Verb, args: string[]): ParsedArgs {
-  const bare = (o: Option) => o.flag.replace(/^--?/, "");
-  return parseArgs(args, { flags: v.options.filter((o) => !o.value).map(bare), values: v.options.filter((o) => o.value).map(bare) });
+  return Object.entries(VERBS).map(([name, v]) => verbLine(`layer ${name}`, v)).join("\n");
 }
 
 /** Dispatch `aenv layer VERB …`; help goes to stdout, a usage error carries the verb's usage. */
-export async function layerCommand(args: string[]): Promise<void> {
-  const [verb, ...rest] = args;
-  if (verb === undefined) throw new UsageError("aenv layer needs a verb", layerVerbList());
-  if (verb === "help" || verb === "-h" || verb === "--help") {
-    const name = rest[0];
-    if (name === undefined) process.stdout.write(`usage: aenv layer VERB ...\n\n${layerVerbList()}\n`);
-    else if (Object.hasOwn(VERBS, name)) process.stdout.write(verbHelp(name, VERBS[name]!));
-    else throw new UsageError(`unknown verb "layer ${name}"`, layerVerbList());
-    return;
-  }
-  const v = Object.hasOwn(VERBS, verb) ? VERBS[verb] : undefined;
-  if (!v) throw new UsageError(`unknown verb "layer ${verb}"`, layerVerbList());
-  if (asksForHelp(rest)) {
-    process.stdout.write(verbHelp(verb, v));
-    return;
-  }
-  try {
-    await v.run(parseVerbArgs(v, rest));
-  } catch (e) {
-    if (e instanceof UsageError && !e.usage) e.usage = verbHelp(verb, v);
-    throw e;
-  }
-}
+export const layerCommand: Command = groupCommand("layer", VERBS);
 
 // ---------------------------------------------------------------------------------------------
 // inputs
