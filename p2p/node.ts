@@ -14,7 +14,7 @@ import {
   RelayMode,
 } from "@number0/iroh";
 import type { LayerDigest } from "../src/storage/remote/source.ts";
-import { MalformedFrameError, PeerError, PeerRangeError, PeerRefusedError, PeerTimeoutError, UnknownDigestError } from "./errors.ts";
+import { MalformedFrameError, PeerError, PeerRangeError, PeerRefusedError, UnknownDigestError } from "./errors.ts";
 import { loadOrCreateSecretKey } from "./key.ts";
 import {
   bounded,
@@ -252,7 +252,7 @@ export class PeerNode {
         if (reason.includes(NOT_ALLOWED_REASON)) throw new PeerRefusedError(peerId, NOT_ALLOWED_REASON);
         if (!(e instanceof PeerError)) throw new PeerError(`connection lost: ${reason.split("\n")[0]}`, peerId);
       }
-      if (e instanceof PeerError || e instanceof PeerTimeoutError) throw e;
+      if (e instanceof PeerError) throw e;
       throw new PeerError((e as Error).message.split("\n")[0]!, peerId);
     }
   }

@@ -32,7 +32,7 @@ export type Response =
   | { ok: false; error: ErrorCode; message: string };
 
 /** The error names a server may answer with; the client turns each into its named error class. */
-export type ErrorCode = "MalformedFrame" | "UnknownDigest" | "Range" | "Busy" | "Internal";
+export type ErrorCode = "MalformedFrame" | "UnknownDigest" | "Range" | "Internal";
 
 /** Uint8Array → the number[] the binding takes. A plain loop: about twice as fast as Array.from here. */
 export function toNumbers(b: Uint8Array): number[] {
