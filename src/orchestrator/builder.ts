@@ -8,7 +8,7 @@
 import type { Database } from "bun:sqlite";
 import { createHash, createHmac, randomUUID, timingSafeEqual } from "node:crypto";
 import { mkdirSync } from "node:fs";
-import { mkdir, open, rename, rm, stat } from "node:fs/promises";
+import { mkdir, open, readdir, rename, rm, stat } from "node:fs/promises";
 import { join, posix } from "node:path";
 import { runProcess, uploadFile, type ProcessSpec } from "./envd_process.ts";
 import { StepCache } from "./step_cache.ts";
@@ -235,9 +235,19 @@ export class TemplateBuilder {
     this.collectSteps();
   }
 
-  /** A step-cache collection in the background (after start and after each build). */
+  /** A step-cache and upload collection in the background (after start and after each build). */
   private collectSteps(): void {
     this.steps.collect().catch((e) => console.error(`template builds: collecting the step cache: ${(e as Error).message}`));
+    this.collectFiles().catch((e) => console.error(`template builds: collecting uploads: ${(e as Error).message}`));
+  }
+
+  /** Uploaded archives of templates that are gone (deleted, or never built) with no build open or running. */
+  private async collectFiles(): Promise<void> {
+    for (const id of await readdir(this.o.filesDir).catch(() => [] as string[])) {
+      const open = [...(this.requests.get(id)?.builds.values() ?? [])].some((b) => !b.finished());
+      if (open || this.orch.templates.resolve(id)) continue;
+      await rm(join(this.o.filesDir, id), { recursive: true, force: true });
+    }
   }
 
   // ─── requests ──────────────────────────────────────────────────────────────

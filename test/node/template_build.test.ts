@@ -3,11 +3,11 @@
 // ready command; sandboxes from the result; an unchanged rebuild served from the step cache; a
 // failing step; bad requests; tags.
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
-import { chmodSync, mkdirSync, writeFileSync } from "node:fs";
+import { chmodSync, existsSync, mkdirSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { BuildError, Sandbox, Template, type LogEntry } from "e2b";
 import { scratchDir } from "../helpers/tmp.ts";
-import { FIRST_START_MS, nodeSetup, nodeSkipReason, startNode, stopNode, type NodeProc } from "./harness.ts";
+import { FIRST_START_MS, nodeSetup, nodeSkipReason, startNode, stopNode, until, type NodeProc } from "./harness.ts";
 import { RegistryClient } from "../../src/template/registry.ts";
 import { BUSYBOX_CONFIG, busyboxRoot, pushImage, registrySkipReason, registrySuite } from "../template/registry_harness.ts";
 
@@ -211,14 +211,20 @@ describe.skipIf(!!skip)("template builds through the API with the e2b SDK", () =
     const t = Template({ fileContextPath: ctx }).fromImage(ref, USER)
       .runCmd('echo "in $(pwd) as $(id -u): $FOO" > made')
       .copy("files/a.txt", "copied.txt");
-    await Template.build(t, `${name}-img`, { ...opts(), onBuildLogs: (l) => logs.push(l) });
+    const built = await Template.build(t, `${name}-img`, { ...opts(), onBuildLogs: (l) => logs.push(l) });
     expect(logs.some((l) => l.message.startsWith("pull "))).toBe(true);
     await inSandbox(`${name}-img`, async (sbx) => {
       const r = await sbx.commands.run('pwd; echo "$FOO"; cat made copied.txt; id -u');
       expect(r.stdout).toBe("/work\nbar\nin /work as 0: bar\nfrom the context\n0\n");
     });
+    // Deleted, its uploads go with the next build's collection.
+    const uploads = join(setup.home, "template-files", built.templateId);
+    expect(existsSync(uploads)).toBe(true);
+    expect((await api(`/templates/${built.templateId}`, { method: "DELETE" })).status).toBe(204);
     // Without the credentials the registry refuses: the build fails, naming the image.
     const denied = await Template.build(Template().fromImage(ref).runCmd("true"), `${name}-img-denied`, opts()).catch((e) => e);
     expect(denied).toBeInstanceOf(BuildError);
+    expect(denied.message).toContain(reg.host);
+    await until(() => !existsSync(uploads), 10_000, "the deleted template's uploads are collected");
   }, BUILD_MS);
 });
