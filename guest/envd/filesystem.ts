@@ -80,7 +80,7 @@ export class FilesystemService {
       onEvent(out);
     });
     try {
-      watcher.start();
+      await watcher.start();
     } catch (e) {
       throw new ConnectError("internal", `failed to watch '${path}': ${(e as Error).message}`);
     }

@@ -1,8 +1,7 @@
 // Directory watching on raw inotify (fsnotify semantics: one event per op, names relative to the
 // watched root, new subdirectories picked up by recursive watches). The inotify fd is read through
 // Bun.file(fd).stream(), which polls it on Bun's event loop instead of blocking a thread.
-import { readdirSync } from "node:fs";
-import { readFile } from "node:fs/promises";
+import { readdir, readFile } from "node:fs/promises";
 import { EventType } from "./schema.ts";
 import { stagedKind } from "./staging.ts";
 import { inotify } from "./sys.ts";
@@ -41,11 +40,11 @@ export class DirWatcher {
     private onEvent: (ev: WatchEvent) => void,
   ) {}
 
-  /** Arms the watches synchronously, so events after this returns are not missed. */
-  start() {
+  /** Arms the watches (the whole tree when recursive), so events after this resolves are not missed. */
+  async start() {
     this.fd = inotify.init();
     try {
-      this.addTree("");
+      await this.addTree("");
     } catch (e) {
       inotify.close(this.fd);
       this.closed = true;
@@ -58,14 +57,16 @@ export class DirWatcher {
    * Watch rel and, when recursive, every directory under it. announce: rel is a directory that
    * just appeared, so what is already in it was created before its watch existed (e.g.
    * `mkdir sub && echo > sub/f`): report those entries as created, or nobody ever would.
+   * The directory is read asynchronously: a large tree never stalls envd's other requests.
    */
-  private addTree(rel: string, announce = false) {
+  private async addTree(rel: string, announce = false): Promise<void> {
+    if (this.closed) return;
     const wd = inotify.add(this.fd, rel ? `${this.root}/${rel}` : this.root, MASK);
     this.dirs.set(wd, rel);
     if (!this.recursive) return;
     let entries: import("node:fs").Dirent[] = [];
     try {
-      entries = readdirSync(rel ? `${this.root}/${rel}` : this.root, { withFileTypes: true });
+      entries = await readdir(rel ? `${this.root}/${rel}` : this.root, { withFileTypes: true });
     } catch {
       return; // unreadable subdirectory: watch what we can
     }
@@ -75,7 +76,7 @@ export class DirWatcher {
       if (announce && !this.closed) this.onEvent({ name: child, type: EventType.CREATE });
       if (!d.isDirectory()) continue;
       try {
-        this.addTree(child, announce);
+        await this.addTree(child, announce);
       } catch {
         // vanished or unreadable meanwhile
       }
@@ -160,11 +161,7 @@ export class DirWatcher {
     }
     // After the directory's own event, so its contents are reported after it, as they were made.
     if (this.recursive && mask & IN_ISDIR && mask & (IN_CREATE | IN_MOVED_TO)) {
-      try {
-        this.addTree(rel, true);
-      } catch {
-        // already gone again
-      }
+      this.addTree(rel, true).catch(() => {}); // already gone again
     }
   }
 

@@ -290,9 +290,15 @@ describe.skipIf(!!skip)("aenv against bun run node", () => {
     // The terminal's ONLCR turns the shell's \r\n into \r\r\n: aenv leaves output processing as it is.
     await t.waitFor(/hi-42\r*\n\/dev\/pts\//, "the command's output");
     t.resize(120, 40);
-    await Bun.sleep(500); // SIGWINCH, then the resize RPC: nothing to wait on from outside but the next answer
-    t.type("stty size\r");
-    await t.waitFor(/40 120/, "the new size");
+    // SIGWINCH, then the resize RPC: ask the guest's terminal until it answers with the new size.
+    for (let asked = 1; ; asked++) {
+      const mark = t.output().length;
+      t.type("stty size\r");
+      await until(() => /\d+ \d+\r*\n/.test(t.output().slice(mark)), 30_000, "an answer to stty size");
+      if (/40 120/.test(t.output().slice(mark))) break;
+      if (asked === 50) throw new Error(`the guest never saw 120x40; the terminal shows ${JSON.stringify(t.output().slice(-400))}`);
+      await Bun.sleep(100);
+    }
     t.type("exit 7\r");
     expect(await t.exited).toBe(7);
     expect((await listed()).map((s) => s.sandboxId)).not.toContain(started);

@@ -186,7 +186,7 @@ describe("round trips", () => {
       const r = await ZFileReader.open(out);
       expect(r.verify).toBe(false);
       expect(hex(await readAll(r))).toBe(hex(data));
-      await expect(b.append(data)).rejects.toThrow();
+      await expect(b.append(data)).rejects.toThrow("ZFileBuilder used after finish()");
     }
   });
 

@@ -115,7 +115,7 @@ describe.skipIf(!!skip)("Firecracker microVMs", async () => {
     await health(a);
     await adopted.stop();
     expect(adopted.state).toBe("stopped");
-    await expect(new FirecrackerDriver().adopt(join(root, "adopt"))).rejects.toThrow();
+    await expect(new FirecrackerDriver().adopt(join(root, "adopt"))).rejects.toMatchObject({ code: "BadState" });
     live.delete(vm);
     live.delete(adopted);
     await pool.release(a);

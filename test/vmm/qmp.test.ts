@@ -40,5 +40,5 @@ test("connect waits out a socket file nobody listens on yet, then greets and neg
 });
 
 test("connect gives up at its deadline when nobody ever listens", async () => {
-  await expect(QmpClient.connect(join(scratchDir("qmp-none"), "absent.sock"), 100)).rejects.toThrow();
+  await expect(QmpClient.connect(join(scratchDir("qmp-none"), "absent.sock"), 100)).rejects.toMatchObject({ code: "Timeout" });
 });
