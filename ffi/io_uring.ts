@@ -1,4 +1,4 @@
-// io_uring by hand through syscall(2), one ring per thread; layouts and ordering: kernel-and-vmm.md §1.
+// io_uring by hand through syscall(2), one ring per thread; layouts and ordering as include/uapi/linux/io_uring.h and io_uring(7) give them.
 
 import { ptr, toArrayBuffer, type Pointer } from "bun:ffi";
 import {
@@ -217,7 +217,7 @@ export function zeroSqe(dv: DataView, at: number, sqeSize: number): void {
   for (let i = 0; i < sqeSize; i += 4) dv.setUint32(at + i, 0, true);
 }
 
-/** Zero then fill one SQE; off/addr/len/opFlags mean what the opcode says (kernel-and-vmm.md §1.10). */
+/** Zero then fill one SQE; off/addr/len/opFlags mean what the opcode says (io_uring_enter(2)). */
 export function encodeSqe(
   dv: DataView,
   at: number,

@@ -2,7 +2,8 @@
 
 import { FFIType, dlopen, ptr, read, toArrayBuffer, type Pointer } from "bun:ffi";
 
-// Per kernel-and-vmm.md §0.2: integer mmap return (MAP_FAILED), u64 ioctl request (bit 31), 7×i64 syscall.
+// mmap returns an integer, compared with -1 for MAP_FAILED (as a ptr it would be an inexact ~2^64
+// double); ioctl requests are u64 (0xc0207504 has bit 31 set); syscall(2) takes 7 i64s.
 export const libc = dlopen("libc.so.6", {
   open: { args: ["ptr", "i32", "u32"], returns: "i32" },
   close: { args: ["i32"], returns: "i32" },

@@ -1,5 +1,5 @@
 // ublk UAPI (include/uapi/linux/ublk_cmd.h) for bun:ffi: command numbers, struct layouts and pure
-// encoders/decoders. Facts and kernel versions: kernel-and-vmm.md §2. Nothing here touches the kernel.
+// encoders/decoders; kernel versions are given where a feature depends on one. Nothing here touches the kernel.
 
 import { IO_URING_SQE128_SIZE, IO_URING_SQE_SIZE, SQE_CMD, encodeUringCmd, getU64, setU64 } from "./io_uring.ts";
 import { PAGE_SIZE, errnoName, strerror } from "./libc.ts";

@@ -3,7 +3,7 @@
 set -euo pipefail
 
 GUEST_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-# Built artifacts live here (gitignored); AENV_GUEST_CACHE moves them, e.g. to a shared disk.
+# Built artifacts live here (gitignored); AENV_GUEST_CACHE moves them (the node sets its guest_cache).
 CACHE="${AENV_GUEST_CACHE:-$GUEST_DIR/.cache}"
 mkdir -p "$CACHE/debs"
 

@@ -6,7 +6,9 @@
 //   the proxy adds to a small request (p50/p99);
 // - 32 creates at once: all succeed, p50/p99;
 // - host memory per running sandbox (VMM PSS) and per paused one (page cache of its checkpoint).
-//   npx bun bench/node/run.ts [--download-mib N] [--concurrent N] [--json]
+//   npx bun bench/node/run.ts [--download-mib N] [--concurrent N] [--only lifecycle,proxy,concurrent] [--json]
+// `--only proxy`: one sandbox, the proxy rows alone (a 1 GiB download from envd directly and one
+// through the proxy, three times, then 1000 small requests each way, interleaved).
 import { mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, statSync } from "node:fs";
 import { join } from "node:path";
 import { Sandbox } from "e2b";
@@ -22,6 +24,7 @@ import { SandboxStore } from "../../src/orchestrator/store.ts";
 import { TemplateStore } from "../../src/orchestrator/templates.ts";
 import { EXTERNAL_PHASES, type OpTiming } from "../../src/orchestrator/timings.ts";
 import { QemuDriver } from "../../src/vmm/qemu.ts";
+import { SETTINGS } from "../../src/node/config.ts";
 
 const argv = process.argv.slice(2);
 const flag = (name: string, dflt: number) => {
@@ -30,8 +33,14 @@ const flag = (name: string, dflt: number) => {
 };
 const DOWNLOAD_MIB = flag("--download-mib", 1024);
 const CONCURRENT = flag("--concurrent", 32);
+const ROWS = ["lifecycle", "proxy", "concurrent"];
+const only = argv.includes("--only") ? (argv[argv.indexOf("--only") + 1] ?? "").split(",") : ROWS;
+for (const r of only) if (!ROWS.includes(r)) throw new Error(`--only: ${r} is not one of ${ROWS.join(", ")}`);
+const want = (row: string) => only.includes(row);
 const KEY = "e2b_" + "ef".repeat(20);
 const MEM_MIB = 256;
+/** Small requests per side for the latency the proxy adds (p99 is then the 10th slowest). */
+const LATENCY_REQUESTS = 1000;
 
 const pct = (xs: number[], p: number) => [...xs].sort((a, b) => a - b)[Math.min(xs.length - 1, Math.floor(xs.length * p))]!;
 const median = (xs: number[]) => pct(xs, 0.5);
@@ -57,15 +66,18 @@ const work = mkdtempSync("/var/tmp/aenv-bench/node-");
 const runRoot = mkdtempSync("/dev/shm/aenv-bench-node-");
 const state = join(work, "blockd");
 mkdirSync(state, { recursive: true });
-const blockd = await BlockdClient.ensure(state, { pool: 8 });
+// blockd's pool and prepared devices as `bun run node` keeps them (device_pool).
+const DEVICE_POOL = Number(SETTINGS.devicePool.default);
+const blockd = await BlockdClient.ensure(state, { pool: DEVICE_POOL });
 const store = new SandboxStore(join(work, "node.db"));
 const templates = new TemplateStore(store.db);
 const pool = new SlotPool({ size: 4, prefix: "abn-", hostCidr: "10.217.0.0/24", hostTable: "aenv_bench_node" });
 await pool.start();
-const orch = new Orchestrator(store, templates, blockd, pool, new QemuDriver(), {
+// VMMs at the node's default niceness, as `bun run node` starts them.
+const orch = new Orchestrator(store, templates, blockd, pool, new QemuDriver({ nice: Number(SETTINGS.vmmNice.default) }), {
   kernel: kernel.vmlinux, initrd: kernel.initrd, toolsLayer,
   cmdline: (s) => guestCmdline({ ip: `${s.guestIp}/${s.guestPrefixLen}`, gw: s.gatewayIp }),
-}, { home: join(work, "home"), runRoot, defaultTimeoutS: 3600, maxSandboxes: CONCURRENT + 24, forkParallelism: 4 });
+}, { home: join(work, "home"), runRoot, defaultTimeoutS: 3600, maxSandboxes: CONCURRENT + 24, forkParallelism: 4, preparedDevices: DEVICE_POOL });
 // The busybox image keeps boots short.
 templates.insert({
   id: "benchtpl", alias: "bench", kind: "template", names: ["bench:default"], cpuCount: 1, memoryMB: MEM_MIB,
@@ -83,104 +95,114 @@ try {
   const first = await Sandbox.create("bench", opts); // boots the template once and checkpoints it
   await first.kill();
   const sbxs: Sandbox[] = [];
-  for (let i = 0; i < 5; i++) sbxs.push(await Sandbox.create("bench", opts));
-  results.create = split(orch.timings.recent("create").slice(-5));
-  for (const s of sbxs) await s.pause();
-  results.pause = split(orch.timings.recent("pause"));
-  await orch.settledCleanups(); // the page-cache drop runs after each pause's answer
-
-  // Host memory a paused sandbox still holds: page cache of its checkpoint (its VMM is gone).
-  const cached = (dir: string) => {
-    let bytes = 0;
-    for (const f of readdirSync(dir)) {
-      const r = Bun.spawnSync(["fincore", "--bytes", "--noheadings", "--output", "RES", join(dir, f)], { stdout: "pipe" });
-      bytes += Number(r.stdout.toString().trim() || 0);
-    }
-    return bytes;
-  };
-  const pausedHeld = sbxs.map((s) => {
-    const rt = store.get(s.sandboxId)!.runtime as { paused: { dir: string } };
-    return cached(rt.paused.dir);
-  });
-  results.pausedMemory = { medianMiB: r1(median(pausedHeld) / 2 ** 20), ofGuest: r1((median(pausedHeld) / (MEM_MIB * 2 ** 20)) * 100) + " %", target: "≤ 5 %" };
-  for (const s of sbxs) await Sandbox.connect(s.sandboxId, opts);
-  results.resume = split(orch.timings.recent("resume"));
-
-  // Host memory per running sandbox: the VMM's proportional set size.
-  const pss = sbxs.map((s) => {
-    const pid = (store.get(s.sandboxId)!.runtime as { vmPid: number }).vmPid;
-    const t = readFileSync(`/proc/${pid}/smaps_rollup`, "utf8");
-    return Number(/^Pss:\s+(\d+)/m.exec(t)?.[1] ?? 0) / 1024;
-  });
-  results.runningMemory = { medianPssMiB: r1(median(pss)) };
-
-  // ---- fork ---------------------------------------------------------------------------------
+  for (let i = 0; i < (want("lifecycle") ? 5 : 1); i++) sbxs.push(await Sandbox.create("bench", opts));
   const src = sbxs[0]!;
-  const forks: Record<string, unknown> = {};
-  for (const n of [1, 4, 16]) {
-    const before = orch.timings.recent("fork-child").length;
-    const t0 = performance.now();
-    const r = await fetch(`${base}/sandboxes/${src.sandboxId}/fork`, { method: "POST", headers: { "x-api-key": KEY, "content-type": "application/json" }, body: JSON.stringify({ count: n }) });
-    const kids = (await r.json()) as { sandbox?: { sandboxID: string }; error?: unknown }[];
-    const wall = performance.now() - t0;
-    const ok = kids.filter((k) => k.sandbox).length;
-    forks[`N=${n}`] = { ok, wallMs: Math.round(wall), perChildMs: Math.round(wall / n), checkpoint: split(orch.timings.recent("fork-checkpoint").slice(-1)), child: split(orch.timings.recent("fork-child").slice(before)) };
-    for (const k of kids) if (k.sandbox) await orch.kill(k.sandbox.sandboxID);
+  if (want("lifecycle")) {
+    results.create = split(orch.timings.recent("create").slice(-5));
+    for (const s of sbxs) await s.pause();
+    results.pause = split(orch.timings.recent("pause"));
+    await orch.settledCleanups(); // the page-cache drop runs after each pause's answer
+
+    // Host memory a paused sandbox still holds: page cache of its checkpoint (its VMM is gone).
+    const cached = (dir: string) => {
+      let bytes = 0;
+      for (const f of readdirSync(dir)) {
+        const r = Bun.spawnSync(["fincore", "--bytes", "--noheadings", "--output", "RES", join(dir, f)], { stdout: "pipe" });
+        bytes += Number(r.stdout.toString().trim() || 0);
+      }
+      return bytes;
+    };
+    const pausedHeld = sbxs.map((s) => {
+      const rt = store.get(s.sandboxId)!.runtime as { paused: { dir: string } };
+      return cached(rt.paused.dir);
+    });
+    results.pausedMemory = { medianMiB: r1(median(pausedHeld) / 2 ** 20), ofGuest: r1((median(pausedHeld) / (MEM_MIB * 2 ** 20)) * 100) + " %", target: "≤ 5 %" };
+    for (const s of sbxs) await Sandbox.connect(s.sandboxId, opts);
+    results.resume = split(orch.timings.recent("resume"));
+
+    // Host memory per running sandbox: the VMM's proportional set size.
+    const pss = sbxs.map((s) => {
+      const pid = (store.get(s.sandboxId)!.runtime as { vmPid: number }).vmPid;
+      const t = readFileSync(`/proc/${pid}/smaps_rollup`, "utf8");
+      return Number(/^Pss:\s+(\d+)/m.exec(t)?.[1] ?? 0) / 1024;
+    });
+    results.runningMemory = { medianPssMiB: r1(median(pss)) };
+
+    // ---- fork -------------------------------------------------------------------------------
+    const forks: Record<string, unknown> = {};
+    for (const n of [1, 4, 16]) {
+      const before = orch.timings.recent("fork-child").length;
+      const t0 = performance.now();
+      const r = await fetch(`${base}/sandboxes/${src.sandboxId}/fork`, { method: "POST", headers: { "x-api-key": KEY, "content-type": "application/json" }, body: JSON.stringify({ count: n }) });
+      const kids = (await r.json()) as { sandbox?: { sandboxID: string }; error?: unknown }[];
+      const wall = performance.now() - t0;
+      const ok = kids.filter((k) => k.sandbox).length;
+      forks[`N=${n}`] = { ok, wallMs: Math.round(wall), perChildMs: Math.round(wall / n), checkpoint: split(orch.timings.recent("fork-checkpoint").slice(-1)), child: split(orch.timings.recent("fork-child").slice(before)) };
+      for (const k of kids) if (k.sandbox) await orch.kill(k.sandbox.sandboxID);
+    }
+    results.fork = forks;
   }
-  results.fork = forks;
   for (const s of sbxs.slice(1)) await s.kill();
 
   // ---- proxy --------------------------------------------------------------------------------
-  // A sparse file: the guest reads holes without disk I/O, so the row measures envd, the slot's
-// network and the proxy, which is what differs between the two sides.
-await src.commands.run(`truncate -s ${DOWNLOAD_MIB}M /root/big`, { user: "root" });
-  const rec = store.get(src.sandboxId)!;
-  const direct = `http://${(rec.runtime as { slot: { nsIp: string } }).slot.nsIp}:49983`;
-  const download = async (url: string, headers: Record<string, string>) => {
-    const t0 = performance.now();
-    const r = await fetch(`${url}/files?path=/root/big&username=root`, { headers: { ...headers, "x-access-token": rec.envdAccessToken } });
-    if (!r.ok) throw new Error(`download: HTTP ${r.status} ${await r.text()}`);
-    let n = 0;
-    for await (const chunk of r.body!) n += chunk.byteLength;
-    if (n !== DOWNLOAD_MIB * 2 ** 20) throw new Error(`download got ${n} bytes`);
-    return (n / 2 ** 20) / ((performance.now() - t0) / 1000);
-  };
-  const viaProxy: number[] = [];
-  const straight: number[] = [];
-  for (let i = 0; i < 3; i++) {
-    straight.push(await download(direct, {}));
-    viaProxy.push(await download(base, { "e2b-sandbox-id": src.sandboxId }));
-  }
-  results.proxyDownload = { mib: DOWNLOAD_MIB, directMiBs: r1(median(straight)), proxyMiBs: r1(median(viaProxy)), ratio: Math.round((median(viaProxy) / median(straight)) * 100) / 100, target: "≥ 0.9×" };
-  const lat = async (url: string, headers: Record<string, string>) => {
-    const xs: number[] = [];
-    for (let i = 0; i < 300; i++) {
+  if (want("proxy")) {
+    // A sparse file: the guest reads holes without disk I/O, so the row measures envd, the slot's
+    // network and the proxy, which is what differs between the two sides.
+    await src.commands.run(`truncate -s ${DOWNLOAD_MIB}M /root/big`, { user: "root" });
+    const rec = store.get(src.sandboxId)!;
+    const direct = `http://${(rec.runtime as { slot: { nsIp: string } }).slot.nsIp}:49983`;
+    const download = async (url: string, headers: Record<string, string>) => {
+      const t0 = performance.now();
+      const r = await fetch(`${url}/files?path=/root/big&username=root`, { headers: { ...headers, "x-access-token": rec.envdAccessToken } });
+      if (!r.ok) throw new Error(`download: HTTP ${r.status} ${await r.text()}`);
+      let n = 0;
+      for await (const chunk of r.body!) n += chunk.byteLength;
+      if (n !== DOWNLOAD_MIB * 2 ** 20) throw new Error(`download got ${n} bytes`);
+      return (n / 2 ** 20) / ((performance.now() - t0) / 1000);
+    };
+    const viaProxy: number[] = [];
+    const straight: number[] = [];
+    for (let i = 0; i < 3; i++) {
+      straight.push(await download(direct, {}));
+      viaProxy.push(await download(base, { "e2b-sandbox-id": src.sandboxId }));
+    }
+    results.proxyDownload = { mib: DOWNLOAD_MIB, directMiBs: r1(median(straight)), proxyMiBs: r1(median(viaProxy)), ratio: Math.round((median(viaProxy) / median(straight)) * 100) / 100, target: "≥ 0.9×" };
+    const once = async (url: string, headers: Record<string, string>) => {
       const t0 = performance.now();
       const r = await fetch(`${url}/health`, { headers });
       await r.arrayBuffer();
-      xs.push(performance.now() - t0);
+      return performance.now() - t0;
+    };
+    // Interleaved, so load on the shared cores falls on both sides alike.
+    const dl: number[] = [];
+    const pl: number[] = [];
+    for (let i = 0; i < LATENCY_REQUESTS; i++) {
+      dl.push(await once(direct, {}));
+      pl.push(await once(base, { "e2b-sandbox-id": src.sandboxId }));
     }
-    return xs;
-  };
-  const dl = await lat(direct, {});
-  const pl = await lat(base, { "e2b-sandbox-id": src.sandboxId });
-  results.proxyLatencyAdded = { p50Ms: r1(median(pl) - median(dl)), p99Ms: r1(pct(pl, 0.99) - pct(dl, 0.99)), directP50Ms: r1(median(dl)) };
+    results.proxyLatencyAdded = {
+      n: LATENCY_REQUESTS, p50Ms: r1(median(pl) - median(dl)), p99Ms: r1(pct(pl, 0.99) - pct(dl, 0.99)),
+      directP50Ms: r1(median(dl)), directP99Ms: r1(pct(dl, 0.99)), proxyP50Ms: r1(median(pl)), proxyP99Ms: r1(pct(pl, 0.99)),
+    };
+  }
   await src.kill();
 
   // ---- concurrent creates -------------------------------------------------------------------
-  const t0 = performance.now();
-  const settled = await Promise.allSettled(Array.from({ length: CONCURRENT }, async () => {
-    const s0 = performance.now();
-    const s = await Sandbox.create("bench", opts);
-    return { s, ms: performance.now() - s0 };
-  }));
-  const okc = settled.filter((x) => x.status === "fulfilled") as PromiseFulfilledResult<{ s: Sandbox; ms: number }>[];
-  results.concurrentCreates = {
-    n: CONCURRENT, ok: okc.length, wallMs: Math.round(performance.now() - t0),
-    p50Ms: Math.round(pct(okc.map((x) => x.value.ms), 0.5)), p99Ms: Math.round(pct(okc.map((x) => x.value.ms), 0.99)),
-    errors: settled.filter((x) => x.status === "rejected").map((x) => String((x as PromiseRejectedResult).reason)).slice(0, 3),
-  };
-  for (const x of okc) await x.value.s.kill().catch(() => {});
+  if (want("concurrent")) {
+    const t0 = performance.now();
+    const settled = await Promise.allSettled(Array.from({ length: CONCURRENT }, async () => {
+      const s0 = performance.now();
+      const s = await Sandbox.create("bench", opts);
+      return { s, ms: performance.now() - s0 };
+    }));
+    const okc = settled.filter((x) => x.status === "fulfilled") as PromiseFulfilledResult<{ s: Sandbox; ms: number }>[];
+    results.concurrentCreates = {
+      n: CONCURRENT, ok: okc.length, wallMs: Math.round(performance.now() - t0),
+      p50Ms: Math.round(pct(okc.map((x) => x.value.ms), 0.5)), p99Ms: Math.round(pct(okc.map((x) => x.value.ms), 0.99)),
+      errors: settled.filter((x) => x.status === "rejected").map((x) => String((x as PromiseRejectedResult).reason)).slice(0, 3),
+    };
+    for (const x of okc) await x.value.s.kill().catch(() => {});
+  }
 } finally {
   await orch.killAll();
   orch.close();

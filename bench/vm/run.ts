@@ -115,7 +115,7 @@ async function coldBoot(kind: "blockd" | "files"): Promise<Timing & { vm: Vmm; p
   let rootfsId: string | undefined;
   if (kind === "blockd") ({ drives, rootfsId } = await blockdDrives([rootfsLayer]));
   else {
-    // Baseline: plain files, as in vm-measurements.md (a private copy of the rootfs per VM).
+    // Baseline: plain files, a private copy of the rootfs per VM.
     const copy = join(work, `rootfs-${++seq}.img`);
     copyFileSync(rootfsImage, copy);
     drives = [{ path: toolsImage, readOnly: true }, { path: copy }];

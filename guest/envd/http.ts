@@ -1,5 +1,7 @@
-// Envd's plain HTTP endpoints: /health, /init (token, env, default user/workdir, clock), /envs, /metrics.
-import { mkdir, readFile, statfs, writeFile } from "node:fs/promises";
+// Envd's plain HTTP endpoints: /health, /init (token, env, default user/workdir, clock, CA bundle), /envs, /metrics.
+import { createHash } from "node:crypto";
+import { appendFile, mkdir, readFile, statfs, writeFile } from "node:fs/promises";
+import { join } from "node:path";
 import { cpus } from "node:os";
 import { BodyTooLarge, readBounded } from "./body.ts";
 import { httpError, tokenMatches } from "./files.ts";
@@ -10,6 +12,9 @@ const NO_STORE = { "Cache-Control": "no-store" };
 export const UNAUTHORIZED = "unauthorized access, please provide a valid access token or method signing if supported";
 /** An /init body is a token, a few names and the sandbox's env vars: 1 MiB holds thousands of them. */
 const MAX_INIT_BODY = 1024 * 1024;
+/** Certificates an /init caBundle may carry (the node's egress CA is one). */
+const MAX_CA_CERTS = 16;
+const PEM_CERT = /-----BEGIN CERTIFICATE-----\r?\n[A-Za-z0-9+/=\r\n]{64,16384}-----END CERTIFICATE-----/g;
 
 export function health(): Response {
   return new Response(null, { status: 204, headers: NO_STORE });
@@ -31,6 +36,25 @@ export async function writeMarkers(state: EnvdState) {
     }
   } catch {
     // read-only /run: the env vars still carry the same facts
+  }
+}
+
+/**
+ * Adds the bundle's certificates to the guest's trust store under `root`: one file each in
+ * usr/local/share/ca-certificates (what update-ca-certificates reads) and appended to
+ * etc/ssl/certs/ca-certificates.crt (what OpenSSL, curl, Python and Go read) unless already there.
+ */
+export async function trustCertificates(root: string, certs: string[]): Promise<void> {
+  const dir = join(root, "usr/local/share/ca-certificates");
+  const bundle = join(root, "etc/ssl/certs/ca-certificates.crt");
+  await mkdir(dir, { recursive: true });
+  await mkdir(join(root, "etc/ssl/certs"), { recursive: true });
+  const have = await readFile(bundle, "utf8").catch(() => "");
+  const body = (pem: string) => pem.replace(/-----[A-Z ]+-----|\s/g, "");
+  const known = new Set((have.match(PEM_CERT) ?? []).map(body));
+  for (const pem of certs) {
+    await writeFile(join(dir, `aenv-${createHash("sha256").update(body(pem)).digest("hex").slice(0, 16)}.crt`), pem + "\n");
+    if (!known.has(body(pem))) await appendFile(bundle, `${have && !have.endsWith("\n") ? "\n" : ""}${pem}\n`);
   }
 }
 
@@ -74,6 +98,12 @@ export async function init(req: Request, state: EnvdState): Promise<Response> {
     entropy = Buffer.from(body.aenvEntropy, "base64");
     if (entropy.length < 16 || entropy.length > 4096) return httpError(400, "aenvEntropy must carry 16 to 4096 bytes");
   }
+  let certs: string[] = [];
+  if (body.caBundle !== undefined && body.caBundle !== null && body.caBundle !== "") {
+    if (typeof body.caBundle !== "string") return httpError(400, "caBundle must be PEM certificates");
+    certs = body.caBundle.match(PEM_CERT) ?? [];
+    if (certs.length === 0 || certs.length > MAX_CA_CERTS) return httpError(400, `caBundle must hold 1 to ${MAX_CA_CERTS} PEM certificates`);
+  }
   let ts: number | undefined;
   if (typeof body.timestamp === "string" && body.timestamp) {
     ts = Date.parse(body.timestamp);
@@ -101,6 +131,13 @@ export async function init(req: Request, state: EnvdState): Promise<Response> {
       reseedRandom(entropy);
     } catch (e) {
       console.error(`envd: reseeding the CRNG failed: ${(e as Error).message}`);
+    }
+  }
+  if (certs.length && state.opts.trustRoot) {
+    try {
+      await trustCertificates(state.opts.trustRoot, certs);
+    } catch (e) {
+      console.error(`envd: adding the CA bundle to the trust store failed: ${(e as Error).message}`);
     }
   }
   await writeMarkers(state);

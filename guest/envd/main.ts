@@ -10,6 +10,7 @@ const USAGE = `usage: envd [options]
   --group FILE        group database (default /etc/group)
   --guest             own the machine: /init may set the clock, /run/e2b markers are written
   --setpriv FILE      util-linux setpriv for supplementary groups (default: bin/setpriv next to envd, then /usr/bin)
+  --trust-root DIR    /init's caBundle goes into DIR/usr/local/share/ca-certificates and DIR/etc/ssl/certs (default: / with --guest, else nowhere)
   -version, --version print the version and exit`;
 
 function parse(argv: string[]): EnvdOptions {
@@ -36,6 +37,7 @@ function parse(argv: string[]): EnvdOptions {
       case "--group": o.group = value(); break;
       case "--guest": o.guest = true; break;
       case "--setpriv": o.setpriv = value(); break;
+      case "--trust-root": o.trustRoot = value(); break;
       case "-version": case "--version":
         console.log(ENVD_VERSION);
         process.exit(0);
@@ -51,6 +53,7 @@ function parse(argv: string[]): EnvdOptions {
   // Until /init sets a token, envd runs anything as root for whoever reaches it: a host process
   // answers only this machine unless told otherwise; in the guest the host must reach it.
   o.host = host ?? (o.guest ? "0.0.0.0" : "127.0.0.1");
+  if (o.guest) o.trustRoot ??= "/";
   return o;
 }
 

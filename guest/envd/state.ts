@@ -15,6 +15,8 @@ export interface EnvdOptions {
   group: string;
   /** Guest mode: /init may set the clock, and /run/e2b markers are written. */
   guest: boolean;
+  /** Where /init's caBundle goes into the trust store ("/" in guest mode); unset: nowhere. */
+  trustRoot?: string;
   /** util-linux setpriv to start processes with supplementary groups (default: looked up). */
   setpriv?: string;
 }

@@ -1,10 +1,10 @@
 // The node's HTTP API on Elysia: API-key auth on every API route, bounded JSON bodies, errors as
 // E2B's `{code, message}` with the status the SDK maps, and the OpenAPI document with an offline
 // Swagger UI. Routes are added by the caller (`.use(...)`); src/api/server.ts serves it beside the proxy.
-import { Elysia } from "elysia";
+import { Elysia, t } from "elysia";
 import { swagger } from "@elysiajs/swagger";
 import { timingSafeEqual } from "node:crypto";
-import { ApiError, badRequest, notFound, unauthorized } from "./errors.ts";
+import { ApiError, badRequest, errorBody, notFound, unauthorized } from "./errors.ts";
 import { readBoundedJson } from "./body.ts";
 import { swaggerUiResponse } from "./swagger_ui.ts";
 import { isUploadRequest } from "./templates.ts";
@@ -52,6 +52,11 @@ export function createApi(opts: ApiOptions) {
       if (contentType === "" || contentType.startsWith("application/json")) return readBoundedJson(request, opts.maxBodyBytes);
       throw new ApiError(415, `content type '${contentType}' is not accepted: send application/json`);
     })
+    .onTransform(({ body }) => {
+      // Every API body is a JSON object; anything else is refused before validation, whose
+      // normalizing would turn an array or a string into an object.
+      if (body !== undefined && (body === null || typeof body !== "object" || Array.isArray(body))) throw badRequest("the body must be a JSON object");
+    })
     .onBeforeHandle(({ request, path }) => {
       if (OPEN_PATHS.has(path) || path.startsWith("/swagger/assets/")) return;
       if (isUploadRequest(request.method, path)) return; // signed URL, checked by the route
@@ -63,6 +68,11 @@ export function createApi(opts: ApiOptions) {
       const cause = (error as { cause?: unknown }).cause;
       if (cause instanceof ApiError) return cause.response();
       if (code === "NOT_FOUND") return notFound(`route not found: ${request.method} ${path}`).response();
+      // An answer that does not match its route's response schema is this node's bug, not the caller's.
+      if (code === "VALIDATION" && (error as { type?: string }).type === "response") {
+        console.error(`api: ${request.method} ${path}: the answer does not match its schema:`, (error as Error).message);
+        return new ApiError(500, "internal error: the answer does not match its schema").response();
+      }
       if (code === "VALIDATION" || code === "PARSE") {
         const summary = (error as { message?: string }).message ?? String(error);
         let message = summary;
@@ -83,10 +93,13 @@ export function createApi(opts: ApiOptions) {
     }))
     .get("/health", ({ set }) => {
       const reason = opts.notReadyReason();
-      if (reason === undefined) return { status: "ok" };
+      if (reason === undefined) return { status: "ok" as const };
       set.status = 503;
       return { code: 503, message: reason };
-    }, { detail: { summary: "200 once the node can create sandboxes, 503 with the reason while it cannot", security: [] } });
+    }, {
+      response: { 200: t.Object({ status: t.Literal("ok") }, { description: "the node can create sandboxes" }), 503: errorBody(503) },
+      detail: { tags: ["node"], summary: "200 once the node can create sandboxes, 503 with the reason while it cannot", security: [] },
+    });
 }
 
 export type Api = ReturnType<typeof createApi>;

@@ -1,9 +1,12 @@
 // The proxy into sandboxes, on the API's port. A request is for a sandbox when it carries
 // `e2b-sandbox-id` / `x-agentenv-sandbox-id`, when its host is `{port}-{id}.{domain}`, or when its
 // path is `/proxy/{id}/{port}/...`. Bodies stream both ways unbuffered (bytes pass as they are:
-// no decompression); a killed sandbox's open streams are cut.
+// no decompression); a killed sandbox's open streams are cut. A paused sandbox with auto-resume
+// is resumed by its traffic (one resume however many requests wait on it); without auto-resume
+// it answers 502 "not found", E2B's answer, which the SDK's isRunning() reads.
 import type { Server, ServerWebSocket, WebSocketHandler } from "bun";
 import type { Orchestrator } from "../orchestrator/orchestrator.ts";
+import type { SandboxRecord } from "../orchestrator/store.ts";
 import { ENVD_PORT } from "../orchestrator/envd.ts";
 import { AUTO_RESUME_MIN_TIMEOUT_S } from "./sandboxes.ts";
 
@@ -84,6 +87,8 @@ class OpenStreams {
 
 export class SandboxProxy {
   readonly streams = new OpenStreams();
+  /** Resumes started by traffic, one per sandbox (so at most one per sandbox the node holds); requests for it wait on it. */
+  private readonly resuming = new Map<string, Promise<SandboxRecord>>();
 
   constructor(private readonly orch: Orchestrator, private readonly opts: ProxyOptions) {
     orch.onGone((id) => this.streams.cut(id));
@@ -131,7 +136,7 @@ export class SandboxProxy {
     if (rec.state === "paused" || rec.state === "pausing" || rec.state === "resuming") {
       if (!rec.autoResume) return proxyError(502, r.id, "The sandbox was not found");
       try {
-        rec = (await this.orch.connect(r.id, AUTO_RESUME_MIN_TIMEOUT_S)).rec;
+        rec = await this.autoResume(r.id);
       } catch (e) {
         return proxyError(502, r.id, `The sandbox could not be resumed: ${(e as Error).message}`);
       }
@@ -149,6 +154,22 @@ export class SandboxProxy {
     const mask = (rec.network as { maskRequestHost?: unknown } | null)?.maskRequestHost;
     if (r.port !== ENVD_PORT && typeof mask === "string") return { ...target, hostHeader: mask.replaceAll("${PORT}", String(r.port)) };
     return target;
+  }
+
+  /**
+   * Resumes sandbox `id` for its traffic; concurrent requests share one resume. Its TTL becomes
+   * max(its end, now + 300 s): never shortened.
+   */
+  private autoResume(id: string): Promise<SandboxRecord> {
+    const cur = this.resuming.get(id);
+    if (cur) return cur;
+    const t0 = performance.now();
+    const p = this.orch.connect(id, AUTO_RESUME_MIN_TIMEOUT_S, { extendOnly: true }).then(({ rec }) => {
+      console.log(`proxy: sandbox ${id} resumed by traffic (${Math.round(performance.now() - t0)} ms)`);
+      return rec;
+    }).finally(() => this.resuming.delete(id));
+    this.resuming.set(id, p);
+    return p;
   }
 
   /** Streams the request to the sandbox and its response back, neither buffered. */

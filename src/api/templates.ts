@@ -3,7 +3,7 @@
 // (POST /v2/templates/{templateID}/builds/{buildID}), poll its status with logsOffset, and tags.
 // Handlers validate and shape; the builder (src/orchestrator/builder.ts) holds the builds.
 import { Elysia, t } from "elysia";
-import { ApiError } from "./errors.ts";
+import { ApiError, bodyFailures as bodyFails, failures as fails } from "./errors.ts";
 import { OrchestratorError } from "../orchestrator/orchestrator.ts";
 import { LOG_PAGE, TemplateBuildError, type BuildSpec, type LogLevel, type TemplateBuilder } from "../orchestrator/builder.ts";
 
@@ -53,9 +53,25 @@ const BuildStart = t.Object({
   startCmd: t.Optional(t.String()),
   readyCmd: t.Optional(t.String()),
   steps: t.Optional(t.Array(Step)),
+  imageCmd: t.Optional(t.Boolean({ description: "aenv's own: fromImage without startCmd starts the image's Entrypoint + Cmd" })),
 }, { additionalProperties: true });
 
 const LEVELS = new Set(["debug", "info", "warn", "error"]);
+
+// Response bodies.
+const Level = t.Union([t.Literal("debug"), t.Literal("info"), t.Literal("warn"), t.Literal("error")]);
+const LogEntry = t.Object({ timestamp: t.String({ format: "date-time" }), level: Level, message: t.String(), step: t.Optional(t.String()) });
+const BuildStatus = t.Object({
+  templateID: t.String(), buildID: t.String(),
+  status: t.Union([t.Literal("waiting"), t.Literal("building"), t.Literal("ready"), t.Literal("error")]),
+  logs: t.Array(t.String(), { description: "deprecated: logEntries as lines" }),
+  logEntries: t.Array(LogEntry),
+  reason: t.Optional(t.Object({ message: t.String(), step: t.Optional(t.String()), logEntries: t.Array(LogEntry) }, { description: "why it failed" })),
+}, { description: `the build's status and up to ${LOG_PAGE} log entries from logsOffset` });
+const Requested = t.Object({
+  templateID: t.String(), buildID: t.String(), public: t.Boolean(), names: t.Array(t.String()), tags: t.Array(t.String()), aliases: t.Array(t.String()),
+}, { description: "requested: start it with POST /v2/templates/{templateID}/builds/{buildID}" });
+const noContent = (description: string) => t.Void({ description });
 
 /** The routes over `getBuilder`, which returns the builder or throws (503 while the node starts). */
 export function templateRoutes(getBuilder: () => TemplateBuilder) {
@@ -65,12 +81,15 @@ export function templateRoutes(getBuilder: () => TemplateBuilder) {
       const out = getBuilder().request(body);
       set.status = 202;
       return out;
-    }), { body: NewTemplate, detail: { ...tag, summary: "Request a build: the template's ID (the name's when it exists) and a new build ID" } })
+    }), { body: NewTemplate, response: { 202: Requested, ...bodyFails(409) }, detail: { ...tag, summary: "Request a build: the template's ID (the name's when it exists) and a new build ID" } })
     .post("/v2/templates/:templateID/builds/:buildID", ({ params, body, set }) => call(async () => {
       await getBuilder().start(params.templateID, params.buildID, body as BuildSpec);
       set.status = 202;
-      return "";
-    }), { params: Ids, body: BuildStart, detail: { ...tag, summary: "Start a requested build: fromTemplate or fromImage, steps, startCmd, readyCmd" } })
+    }), {
+      params: Ids, body: BuildStart,
+      response: { 202: noContent("started (or queued): poll its status"), ...bodyFails(404, 409, 429) },
+      detail: { ...tag, summary: "Start a requested build: fromTemplate or fromImage, steps, startCmd, readyCmd" },
+    })
     .get("/templates/:templateID/builds/:buildID/status", ({ params, query }) => call(() => {
       const offset = query.logsOffset === undefined ? 0 : Number(query.logsOffset);
       const limit = query.limit === undefined ? LOG_PAGE : Number(query.limit);
@@ -80,38 +99,67 @@ export function templateRoutes(getBuilder: () => TemplateBuilder) {
       return getBuilder().status(params.templateID, params.buildID, offset, limit, query.level as LogLevel | undefined);
     }), {
       params: Ids,
-      query: t.Object({ logsOffset: t.Optional(t.String()), limit: t.Optional(t.String()), level: t.Optional(t.String()) }),
+      query: t.Object({
+        logsOffset: t.Optional(t.String({ description: "first log entry, default 0" })),
+        limit: t.Optional(t.String({ description: `0..${LOG_PAGE}, default ${LOG_PAGE}` })),
+        level: t.Optional(t.String({ description: "debug, info, warn or error: that level and above" })),
+      }),
+      response: { 200: BuildStatus, ...fails(400, 404) },
       detail: { ...tag, summary: `Build status (waiting, building, ready, error) with up to ${LOG_PAGE} log entries from logsOffset` },
     })
     .get("/templates/:templateID/builds/:buildID/logs", ({ params, query }) => call(() => {
       const offset = query.cursor === undefined ? 0 : Number(query.cursor);
       if (!Number.isInteger(offset) || offset < 0) throw new ApiError(400, "cursor must be a whole number ≥ 0");
       return { logs: getBuilder().status(params.templateID, params.buildID, offset).logEntries };
-    }), { params: Ids, query: t.Object({ cursor: t.Optional(t.String()) }), detail: { ...tag, summary: `A build's log entries from cursor (up to ${LOG_PAGE})` } })
+    }), {
+      params: Ids,
+      query: t.Object({ cursor: t.Optional(t.String({ description: "first log entry, default 0" })) }),
+      response: { 200: t.Object({ logs: t.Array(LogEntry) }, { description: `up to ${LOG_PAGE} log entries from cursor` }), ...fails(400, 404) },
+      detail: { ...tag, summary: `A build's log entries from cursor (up to ${LOG_PAGE})` },
+    })
     .get("/templates/:templateID/files/:hash", ({ params, request, set }) => call(async () => {
       const st = await getBuilder().fileStatus(params.templateID, params.hash);
       set.status = 201;
       // The URL is given even when present: the SDK re-uploads on forceUpload only when it has one.
       return { present: st.present, url: `${new URL(request.url).origin}${st.uploadPath}` };
-    }), { params: FileParams, detail: { ...tag, summary: "Whether a COPY archive (by the SDK's files hash) is here, and the URL to PUT it to" } })
+    }), {
+      params: FileParams,
+      response: { 201: t.Object({ present: t.Boolean(), url: t.String({ description: "signed: PUT the archive here, no API key" }) }, { description: "whether the archive is here, and where to upload it" }), ...fails(400, 404) },
+      detail: { ...tag, summary: "Whether a COPY archive (by the SDK's files hash) is here, and the URL to PUT it to" },
+    })
     .put("/templates/:templateID/files/:hash", ({ params, query, request, set }) => call(async () => {
       await getBuilder().putFile(params.templateID, params.hash, query.signature ?? "", request.body);
       set.status = 200;
       return {};
     }), {
       params: FileParams,
-      query: t.Object({ signature: t.Optional(t.String()) }),
-      detail: { ...tag, summary: "Upload a COPY archive (tar or tar.gz) to the signed URL the files route gave", security: [] },
+      query: t.Object({ signature: t.Optional(t.String({ description: "from the URL the files route gave" })) }),
+      response: { 200: t.Object({}, { description: "stored" }), ...fails(400, 404, 413) },
+      detail: {
+        ...tag, summary: "Upload a COPY archive (tar or tar.gz) to the signed URL the files route gave", security: [],
+        requestBody: { required: true, content: { "application/octet-stream": { schema: { type: "string", format: "binary" } } } },
+      },
     })
     .post("/templates/tags", ({ body, set }) => call(() => {
       const out = getBuilder().assignTags(body.target, body.tags);
       set.status = 201;
       return out;
-    }), { body: t.Object({ target: t.String({ minLength: 1, maxLength: 256 }), tags: Tags }), detail: { ...tag, summary: "Tag the build that target (name:tag) names" } })
+    }), {
+      body: t.Object({ target: t.String({ minLength: 1, maxLength: 256 }), tags: Tags }),
+      response: { 201: t.Object({ buildID: t.String(), tags: t.Array(t.String()) }, { description: "the build the tags now name" }), ...bodyFails(404) },
+      detail: { ...tag, summary: "Tag the build that target (name:tag) names" },
+    })
     .delete("/templates/tags", ({ body, set }) => call(() => {
       getBuilder().removeTags(body.name, body.tags);
       set.status = 204;
-      return "";
-    }), { body: t.Object({ name: t.String({ minLength: 1, maxLength: 256 }), tags: Tags }), detail: { ...tag, summary: "Remove tags from a template ('default' stays)" } })
-    .get("/templates/:templateID/tags", ({ params }) => call(() => getBuilder().listTags(params.templateID)), { detail: { ...tag, summary: "A template's tags and the build each names" } });
+    }), {
+      body: t.Object({ name: t.String({ minLength: 1, maxLength: 256 }), tags: Tags }),
+      response: { 204: noContent("removed"), ...bodyFails(404) },
+      detail: { ...tag, summary: "Remove tags from a template ('default' stays)" },
+    })
+    .get("/templates/:templateID/tags", ({ params }) => call(() => getBuilder().listTags(params.templateID)), {
+      params: t.Object({ templateID: t.String({ minLength: 1, maxLength: 256, description: "ID or name" }) }),
+      response: { 200: t.Array(t.Object({ tag: t.String(), buildID: t.String(), createdAt: t.String({ format: "date-time" }) }), { description: "its tags" }), ...fails(400, 404) },
+      detail: { ...tag, summary: "A template's tags and the build each names" },
+    });
 }

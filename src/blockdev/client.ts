@@ -12,6 +12,24 @@ export const CALL_TIMEOUT_MS = 30_000;
 export const SLOW_CALL_TIMEOUT_MS = 120_000;
 const SLOW_CALLS = new Set(["create", "createReadOnly", "restack", "acquire", "release", "delete", "prepare"]);
 
+/**
+ * blockd's own settings, which it reads from its environment (a separate process that outlives the
+ * node): the node passes its values when it starts blockd; a running blockd keeps those it started with.
+ */
+export interface BlockdSettings {
+  /** AENV_BLOCKD_FRONTEND; auto: ublk when ublk_drv is loaded, else FUSE. */
+  frontend: "auto" | "fuse" | "ublk";
+  /** AENV_FUSE_URING: FUSE over io_uring for the devices it mounts. */
+  fuseUring: boolean;
+  /** AENV_FUSE_READER_SLOTS: 0..64 requests a device's reader thread takes; 0: no reader. */
+  fuseReaderSlots: number;
+}
+
+/** The environment that carries BlockdSettings to a blockd process. */
+export function blockdEnv(s: BlockdSettings): Record<string, string> {
+  return { AENV_BLOCKD_FRONTEND: s.frontend, AENV_FUSE_URING: s.fuseUring ? "1" : "0", AENV_FUSE_READER_SLOTS: String(s.fuseReaderSlots) };
+}
+
 export interface BlockdClientOptions {
   /** Timeout of a call (default CALL_TIMEOUT_MS). */
   timeoutMs?: number;
@@ -38,8 +56,9 @@ export class BlockdClient {
   /**
    * Connect to the blockd of stateDir, starting one (detached, outliving us) when none listens.
    * A blockd that listens but does not answer is an error, not a reason to start a second one.
+   * `settings` go to a blockd started here; without them it inherits this process's environment.
    */
-  static async ensure(stateDir: string, opts: BlockdClientOptions & { pool?: number; startTimeoutMs?: number } = {}): Promise<BlockdClient> {
+  static async ensure(stateDir: string, opts: BlockdClientOptions & { pool?: number; startTimeoutMs?: number; settings?: BlockdSettings } = {}): Promise<BlockdClient> {
     const sock = join(stateDir, "blockd.sock");
     const tryConnect = async () => {
       if (!existsSync(sock)) return undefined;
@@ -64,7 +83,8 @@ export class BlockdClient {
     const proc = Bun.spawn([process.execPath, join(import.meta.dir, "main.ts"), "--state", stateDir, "--pool", String(opts.pool ?? 0)], {
       stdio: ["ignore", log, log],
       detached: true,
-      env: { ...process.env }, // as it is now: Bun's default is the environment we started with
+      // As it is now (Bun's default is the environment we started with), then the settings.
+      env: { ...process.env, ...(opts.settings ? blockdEnv(opts.settings) : {}) },
     });
     proc.unref();
     const until = Date.now() + (opts.startTimeoutMs ?? 15_000);

@@ -30,7 +30,7 @@ export const DEVICE_CALL_TIMEOUT_MS: Readonly<Record<DeviceCall, number>> = {
   stats: 10_000,
 };
 
-/** AENV_BLOCKD_DEVICE_TIMEOUT_MS caps every bound above (tests); unset, empty or malformed: none. */
+/** AENV_BLOCKD_DEVICE_TIMEOUT_MS caps every bound above; test-only, not a node setting. Unset, empty or malformed: none. */
 const TIMEOUT_CAP = timeoutCap(process.env.AENV_BLOCKD_DEVICE_TIMEOUT_MS);
 
 function timeoutCap(v: string | undefined): number {
@@ -197,9 +197,9 @@ export class DeviceHandle {
     const r = await this.call<{ size: number }>({ op: "swap", config, readOnly });
     this.size = r.size;
   }
-  /** The image's lowers stay open and `upper` goes on top (a prepared pool device being acquired). */
-  async attach(upper: UpperRef): Promise<void> {
-    const r = await this.call<{ size: number }>({ op: "attach", upper });
+  /** The image's lowers stay open; `above`'s lowers, then `upper`, go on top (a prepared pool device being acquired). */
+  async attach(upper: UpperRef, above?: ImageConfig): Promise<void> {
+    const r = await this.call<{ size: number }>({ op: "attach", upper, above });
     this.size = r.size;
   }
   async resize(size: number): Promise<void> {

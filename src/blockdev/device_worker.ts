@@ -40,7 +40,7 @@ export interface WorkerInit {
 export type ControlOp =
   | { op: "restack"; layerPath: string }
   | { op: "swap"; config: ImageConfig | null; readOnly: boolean }
-  | { op: "attach"; upper: UpperRef }
+  | { op: "attach"; upper: UpperRef; above?: ImageConfig }
   | { op: "resize"; size: number }
   | { op: "flush" }
   | { op: "stats" }
@@ -96,14 +96,18 @@ async function runControl(body: ControlOp): Promise<unknown> {
       return { size: io.size() };
     }
     case "attach": {
-      // A prepared pool device: its lowers stay open, the upper goes on top. A failure leaves the image as it was.
+      // A prepared pool device: its lowers stay open, `above`'s lowers (if any) and the upper go on
+      // top. A failure leaves the image as it was.
       const lowersOnly = io.image;
       if (!lowersOnly || lowersOnly.upper) throw new IoRangeError("attach needs an image of lowers only", init.id);
-      const upper = await WritableLayer.open(body.upper.data, body.upper.index);
+      const above = body.above ? await Image.openLowers(body.above, 0, { remoteIo }) : [];
+      let upper: WritableLayer | undefined;
       try {
-        lowersOnly.attachUpper(upper);
+        upper = await WritableLayer.open(body.upper.data, body.upper.index);
+        lowersOnly.attachUpper(upper, above);
       } catch (e) {
-        await upper.close();
+        await upper?.close();
+        for (const l of above) await l.close();
         throw e;
       }
       io.readOnly = false;

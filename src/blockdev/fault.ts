@@ -1,6 +1,6 @@
 // Fault injection for tests: AENV_BLOCKD_FAULT names one crash or hang for a blockd thread to act
 // out, the way a bug in that thread would end or stall it (process.exit in a Worker ends only that
-// thread). Unset in production; a value that names no fault here is ignored.
+// thread). Test-only, not a node setting; a value that names no fault here is ignored.
 //   worker-exit:<device id>:<control op>  the device's worker ends when it is asked for <op>
 //   worker-hang:<device id>:<op>          the device's worker stops answering anything (its thread
 //                                         blocked) when asked for <op>, or once mounted for "start"

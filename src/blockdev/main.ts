@@ -5,7 +5,7 @@ const arg = (name: string) => {
   const i = process.argv.indexOf(`--${name}`);
   return i > 0 ? process.argv[i + 1] : undefined;
 };
-const stateDir = arg("state") ?? process.env.AENV_BLOCKD_STATE;
+const stateDir = arg("state");
 /** Pool devices are one worker and ~8 MiB each: a pool past this is a typo. */
 const MAX_POOL = 256;
 const pool = Number(arg("pool") ?? 0);

@@ -1,8 +1,8 @@
 // blockd: the one long-lived process that owns every block device on a node. It keeps a device
 // table on disk, runs one worker per device, and answers the node's RPCs on a unix socket.
 
-import { existsSync, mkdirSync, readdirSync, readlinkSync, rmSync, writeFileSync } from "node:fs";
-import { mkdir, rename, rm, stat, symlink, writeFile } from "node:fs/promises";
+import { existsSync, mkdirSync, readFileSync, readdirSync, readlinkSync, rmSync, writeFileSync } from "node:fs";
+import { mkdir, open, rename, rm, stat, symlink, writeFile } from "node:fs/promises";
 import { dirname, isAbsolute, join, resolve } from "node:path";
 import type { Socket } from "bun";
 import { umount2, MNT_DETACH, SyscallError } from "../../ffi/libc.ts";
@@ -106,7 +106,9 @@ export class Blockd {
     this.socketPath = join(opts.stateDir, "blockd.sock");
     this.table = new TableWriter(join(opts.stateDir, "devices.json"), () => [...this.devices.values()].map((d) => d.rec));
     this.remoteIo = IoLimiter.create(opts.remoteIo ?? 32);
-    const want = opts.frontend ?? (process.env.AENV_BLOCKD_FRONTEND as BlockdOptions["frontend"]) ?? "auto";
+    // AENV_BLOCKD_FRONTEND: one of blockd's own settings (BlockdSettings in client.ts).
+    const want = opts.frontend ?? process.env.AENV_BLOCKD_FRONTEND ?? "auto";
+    if (want !== "auto" && want !== "fuse" && want !== "ublk") throw new Error(`AENV_BLOCKD_FRONTEND=${want}: expected auto, fuse or ublk`);
     this.frontend = want === "auto" ? (UblkControl.available() ? "ublk" : "fuse") : want;
   }
 
@@ -198,7 +200,13 @@ export class Blockd {
       } catch {}
     }
     if (upperDir !== undefined && isAbsolute(upperDir)) {
-      rec.config = { lowers: rec.config.lowers, upper: { data: join(upperDir, WRITABLE_DATA), index: join(upperDir, WRITABLE_INDEX) } };
+      let above: LayerRef[] = [];
+      try {
+        above = parseImageConfig(JSON.parse(readFileSync(join(dir, ABOVE_LOWERS), "utf8"))).lowers;
+      } catch (e) {
+        if ((e as NodeJS.ErrnoException).code !== "ENOENT") throw new Error(`prepared device ${rec.id}: its ${ABOVE_LOWERS} is unreadable: ${(e as Error).message}`);
+      }
+      rec.config = { lowers: [...rec.config.lowers, ...above], upper: { data: join(upperDir, WRITABLE_DATA), index: join(upperDir, WRITABLE_INDEX) } };
       rec.acquired = true;
       rec.readOnly = false;
       console.error(`blockd: prepared device ${rec.id} had been acquired with its upper in ${upperDir}; it comes back acquired`);
@@ -679,33 +687,35 @@ export class Blockd {
    * as without one.
    */
   private async acquirePrepared(config: ImageConfig, upperDir: string, key: string): Promise<Device | undefined> {
-    let dev: Device | undefined;
-    for (const d of this.devices.values())
-      if (d.prepared === key && !d.handle.failure && !this.busy.has(d.rec.id)) {
-        dev = d;
-        break;
-      }
-    if (!dev) return undefined;
+    const found = this.preparedFor(key);
+    if (!found) return undefined;
+    const { dev, prefix } = found;
     const id = dev.rec.id;
     this.busy.add(id);
     const fresh = join(this.preparedDir(id), PREPARED_UPPER);
     const crumb = join(this.preparedDir(id), ACQUIRED_CRUMB);
+    const aboveFile = join(this.preparedDir(id), ABOVE_LOWERS);
+    const above: ImageConfig | undefined = prefix < config.lowers.length ? { lowers: config.lowers.slice(prefix) } : undefined;
     let retire = false; // the device cannot serve as prepared any more
     try {
       try {
+        // Durable before the rename commits the acquire: a restarted blockd rebuilds the whole stack from it.
+        if (above) await writeSynced(aboveFile, JSON.stringify(above));
         await renameDir(fresh, upperDir);
       } catch (e) {
         const code = (e as NodeJS.ErrnoException).code;
         if (code === "EXDEV") console.error(`blockd: ${upperDir} is not on the filesystem of ${this.opts.stateDir}: prepared devices cannot serve it`);
         retire = !(await exists(fresh));
+        await rm(aboveFile, { force: true }).catch(() => {});
         return undefined; // upperDir not empty or elsewhere: the device stays prepared
       }
       try {
         await symlink(upperDir, crumb);
-        await dev.handle.attach(config.upper!);
+        await dev.handle.attach(config.upper!, above);
       } catch (e) {
         // Back as it was: the upper in the prepared folder, no crumb. A worker that failed is retired.
         await rm(crumb, { force: true }).catch(() => {});
+        await rm(aboveFile, { force: true }).catch(() => {});
         const back = await rename(upperDir, fresh).then(
           () => true,
           () => false,
@@ -732,6 +742,24 @@ export class Blockd {
       this.busy.delete(id);
       if (retire) void this.retireIdle(dev).then(() => this.refillPrepared());
     }
+  }
+
+  /**
+   * A prepared device for the stack of `key`: one of exactly that stack, else one whose lowers are
+   * the longest prefix of it (same size), whose worker opens the rest above them (a resume or a
+   * fork child: its own sealed layers over its template's). `prefix`: how many lowers it holds.
+   */
+  private preparedFor(key: string): { dev: Device; prefix: number } | undefined {
+    const [want, size] = JSON.parse(key) as [string[], number];
+    let best: { dev: Device; prefix: number } | undefined;
+    for (const d of this.devices.values()) {
+      if (!d.prepared || d.handle.failure || this.busy.has(d.rec.id)) continue;
+      if (d.prepared === key) return { dev: d, prefix: want.length };
+      const [has, hasSize] = JSON.parse(d.prepared) as [string[], number];
+      if (hasSize !== size || has.length >= want.length || has.length <= (best?.prefix ?? 0)) continue;
+      if (has.every((p, i) => p === want[i])) best = { dev: d, prefix: has.length };
+    }
+    return best;
   }
 
   /**
@@ -1021,6 +1049,8 @@ const PREPARE_RETRY_MS = 5_000;
 /** In a prepared device's folder: its fresh upper, and (once acquired) the link to where it went. */
 const PREPARED_UPPER = "upper";
 const ACQUIRED_CRUMB = "acquired";
+/** In a prepared folder: the lowers an acquire stacks above the prepared ones (JSON), written before its rename. */
+const ABOVE_LOWERS = "above.json";
 /** How long shutdown lets calls under way finish (a restack's seal, a device start) before it stops devices. */
 const SHUTDOWN_WAIT_MS = 30_000;
 
@@ -1168,5 +1198,16 @@ function processAlive(pid: number): boolean {
     return true;
   } catch (e) {
     return (e as { code?: string }).code === "EPERM";
+  }
+}
+
+/** `text` written to `path` and synced before it resolves. */
+async function writeSynced(path: string, text: string): Promise<void> {
+  const f = await open(path, "w", 0o600);
+  try {
+    await f.writeFile(text);
+    await f.sync();
+  } finally {
+    await f.close();
   }
 }

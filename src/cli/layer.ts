@@ -170,7 +170,7 @@ async function openStack(operands: string[], upperDir?: string): Promise<Image> 
   return image;
 }
 
-/** The disk takes its size from the upper, else the topmost lower with one (§5.4): it must be a real disk size. */
+/** The disk takes its size from the upper, else the topmost lower with one (as C++): it must be a real disk size. */
 function checkStackSize(image: Image): void {
   const up = image.upper;
   if (up?.virtualSize) return checkDiskSize(up.virtualSize, up.dataPath);

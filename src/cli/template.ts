@@ -90,10 +90,25 @@ async function pull(a: ParsedArgs): Promise<void> {
   const [image] = a.need(1, "IMAGE");
   const start = a.value("start-cmd");
   const ready = a.value("ready-cmd");
-  if (ready !== undefined && start === undefined) throw new UsageError("--ready-cmd needs --start-cmd");
+  const imageCmd = a.flag("image-cmd");
+  if (imageCmd && start !== undefined) throw new UsageError("--image-cmd and --start-cmd: give one");
+  if (ready !== undefined && start === undefined && !imageCmd) throw new UsageError("--ready-cmd needs --start-cmd or --image-cmd");
   const t = await resolveTarget(a);
   const from = Template().fromImage(image!);
+  if (imageCmd) return runBuild(a, t, withImageCmd(ready === undefined ? from : from.setReadyCmd(ready)));
   await runBuild(a, t, start === undefined ? from : from.setStartCmd(start, ready ?? DEFAULT_READY_CMD));
+}
+
+/**
+ * The build's start request with the node's own `imageCmd: true` (the image's Entrypoint + Cmd is
+ * the start command): the SDK has no field for it, so its request body gets one.
+ */
+function withImageCmd<T extends object>(tpl: T): T {
+  const t = tpl as unknown as { serialize?(steps: unknown): Record<string, unknown> };
+  if (typeof t.serialize !== "function") throw new Error("this e2b SDK's Template has no serialize(): --image-cmd cannot be sent");
+  const serialize = t.serialize.bind(t);
+  t.serialize = (steps) => ({ ...serialize(steps), imageCmd: true });
+  return tpl;
 }
 
 /** `DIR` (its Dockerfile, DIR the context) or a Dockerfile (its folder the context). */
@@ -170,6 +185,7 @@ export const BUILD_VERBS: Record<string, Verb> = {
     summary: "make a template of an OCI image (registry/repo:tag); the build's log streams (on a terminal the pull's progress is a bar)",
     options: [
       { flag: "--start-cmd", value: "CMD", help: "started in the background in every sandbox of the template" },
+      { flag: "--image-cmd", help: "the image's Entrypoint + Cmd is the start command (without it neither runs)" },
       READY,
       ...BUILD_OPTIONS,
     ],

@@ -9,15 +9,17 @@
 //   ip daddr @s<n>_allow accept; ip daddr @s<n>_deny refuse; accept (or refuse when the internet is off)
 // Every packet is judged (no "established → accept" shortcut), so a policy change applies to open
 // flows at once; Egress.apply also deletes the slot's conntrack entries to now-refused destinations.
-// With domain rules, TCP to the proxied ports is redirected (nat prerouting, @redirect_slots → r<n>)
-// to the domain proxy on the host; `host_services` lets only those redirected connections in.
+// With domain or header rules, TCP to the proxied ports is redirected (nat prerouting,
+// @redirect_slots → r<n>) to the domain proxy on the host; with an egress proxy, every TCP
+// connection is (but DNS to the resolvers), and s<n> refuses whatever else the slot sends (UDP,
+// ICMP: nothing leaves but through that proxy). `host_services` lets only redirected connections in.
 // Forwarding is switched on per interface (the slot's host veth and the configured uplinks), never
 // host-wide; traffic leaving for the uplink is masqueraded to the uplink's address.
 
 import { readFile, writeFile } from "node:fs/promises";
 import { formatIpv4, parseCidr, parseIpv4, slotIdOf, type NetworkConfig, type Slot } from "./addressing.ts";
 import { NetworkError, run } from "./command.ts";
-import { hasDomainRules, PolicyMatcher, type EgressPolicy } from "./policy.ts";
+import { PolicyMatcher, redirectedPorts, type EgressPolicy } from "./policy.ts";
 
 export interface EgressOptions {
   /** Ranges refused whatever a policy allows; the slot CIDR is always added. */
@@ -150,7 +152,7 @@ export class Egress {
       const n = slot.id;
       const lines = [
         `delete element ${t} egress_slots { ${q(slot.hostVeth)} }`,
-        ...(hasDomainRules(previous.policy) ? [`delete element ${t} redirect_slots { ${q(slot.hostVeth)} }`, `delete chain ${t} r${n}`] : []),
+        ...(redirectedPorts(previous.policy) ? [`delete element ${t} redirect_slots { ${q(slot.hostVeth)} }`, `delete chain ${t} r${n}`] : []),
         `delete chain ${t} s${n}`,
         `delete set ${t} s${n}_allow`,
         `delete set ${t} s${n}_deny`,
@@ -182,20 +184,27 @@ export class Egress {
       ...(policy.denyCidrs.length ? [`add element ${t} s${n}_deny { ${policy.denyCidrs.join(", ")} }`] : []),
       `add chain ${t} s${n}`,
       `flush chain ${t} s${n}`,
-      `add rule ${t} s${n} ip daddr @s${n}_allow accept`,
-      `add rule ${t} s${n} ip daddr @s${n}_deny counter name s${n}_refused goto refuse`,
-      policy.internet ? `add rule ${t} s${n} accept` : `add rule ${t} s${n} counter name s${n}_refused goto refuse`,
+      ...(policy.upstream ? [] : [
+        `add rule ${t} s${n} ip daddr @s${n}_allow accept`,
+        `add rule ${t} s${n} ip daddr @s${n}_deny counter name s${n}_refused goto refuse`,
+      ]),
+      policy.internet && !policy.upstream ? `add rule ${t} s${n} accept` : `add rule ${t} s${n} counter name s${n}_refused goto refuse`,
       `add element ${t} egress_slots { ${veth} : jump s${n} }`,
     ];
-    if (hasDomainRules(policy)) {
-      if (!this.opts.proxyPort) throw new NetworkError("NoProxy", "domain rules need the domain proxy (EgressOptions.proxyPort)");
+    const ports = redirectedPorts(policy);
+    if (ports) {
+      if (!this.opts.proxyPort) throw new NetworkError("NoProxy", "domain rules, header rules and egress proxies need the domain proxy (EgressOptions.proxyPort)");
+      const resolvers = this.opts.resolvers;
       lines.push(
         `add chain ${t} r${n}`,
         `flush chain ${t} r${n}`,
-        `add rule ${t} r${n} tcp dport { ${policy.proxiedPorts.join(", ")} } redirect to :${this.opts.proxyPort}`,
+        ...(ports === "all" && resolvers.length ? [`add rule ${t} r${n} ip daddr { ${resolvers.join(", ")} } tcp dport 53 return`] : []),
+        ports === "all"
+          ? `add rule ${t} r${n} meta l4proto tcp redirect to :${this.opts.proxyPort}`
+          : `add rule ${t} r${n} tcp dport { ${ports.join(", ")} } redirect to :${this.opts.proxyPort}`,
         `add element ${t} redirect_slots { ${veth} : jump r${n} }`,
       );
-    } else if (previous && hasDomainRules(previous)) {
+    } else if (previous && redirectedPorts(previous)) {
       lines.push(`delete element ${t} redirect_slots { ${veth} }`, `delete chain ${t} r${n}`);
     }
     return lines.join("\n") + "\n";
@@ -215,7 +224,8 @@ export class Egress {
       const [, dst, sport, dport, replySrc] = m;
       // Redirected to the domain proxy (the reply comes from the host): the proxy judges it by name.
       if (replySrc !== dst) continue;
-      if (a.matcher.decide(dst!).allow) continue;
+      // With an egress proxy, nothing the slot opened directly may stay.
+      if (!a.policy.upstream && a.matcher.decide(dst!).allow) continue;
       await run(["conntrack", "-D", "-p", proto, "--orig-src", a.slot.nsIp, "--orig-dst", dst!, "--orig-port-src", sport!, "--orig-port-dst", dport!], { alsoOk: [1] });
     }
   }

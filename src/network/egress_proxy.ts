@@ -1,18 +1,38 @@
-// The domain proxy: sandboxes' TCP connections to the proxied ports (80, 443, httpsPorts) of a
-// sandbox with domain rules arrive here, redirected by the host table (egress.ts). For each one it
+// The domain proxy: sandboxes' TCP connections redirected by the host table (egress.ts) arrive
+// here: those to the proxied ports (80, 443, httpsPorts) of a sandbox with domain or header rules,
+// and every TCP connection of a sandbox with an egress proxy. For each one it
 //   1. finds the sandbox by the source address (the slot's nsIp) and the original destination
 //      (SO_ORIGINAL_DST, ffi/socket.ts);
-//   2. reads the name it claims (TLS SNI or HTTP Host, sniff.ts), nothing decrypted;
-//   3. decides with the sandbox's policy (policy.ts); a connection allowed by a domain rule must
-//      go to an address the name resolves to on the host (the node's resolvers), else it is refused;
-//   4. connects to the original destination from the host and passes bytes both ways.
+//   2. on a proxied port, reads the name it claims (TLS SNI or HTTP Host, sniff.ts), nothing
+//      decrypted; other ports (egress proxy only) are judged by address alone;
+//   3. decides with the sandbox's policy (policy.ts); a connection allowed by a domain rule, or one
+//      that header rules apply to, must go to an address the name resolves to on the host (the
+//      node's resolvers), else it is refused;
+//   4. connects to the original destination from the host, or through the sandbox's egress proxy
+//      (upstream.ts: SOCKS5 or HTTP CONNECT; by name when the name was checked, else by address),
+//      and passes bytes both ways:
+//        pass  as they are;
+//        http  header rules apply: every request is parsed (http_rewrite.ts), must name the host
+//              the connection was judged by (else 421), and gets the rules' headers;
+//        tls   a rule says `tls: "terminate"`: the proxy connects to the server over TLS, checking
+//              its certificate against the host's trust store (plus `upstreamCa`), then answers the
+//              sandbox's handshake with a leaf for the name from the node's CA (x509.ts) and
+//              carries the requests as in http.
 // A refused HTTP request gets a 403, a refused TLS connection is closed. Refusals are counted and
-// logged per sandbox. A policy change (Egress.onChange) closes the slot's connections it now refuses.
+// logged per sandbox (names and reasons, never header values). A policy change (Egress.onChange)
+// closes the slot's connections it now refuses, or would carry another way or through another proxy.
 
+import { Duplex } from "node:stream";
+import tls from "node:tls";
 import { originalDst } from "../../ffi/socket.ts";
 import { resolve4 } from "./dns.ts";
 import type { AppliedPolicy, Egress } from "./egress.ts";
+import { MAX_PENDING, RequestRewriter, type HeadDecision, type RequestHead } from "./http_rewrite.ts";
+import { rulesFor, type EgressPolicy, type UpstreamProxy } from "./policy.ts";
+import type { SecretStore } from "./secrets.ts";
 import { MAX_SNIFF_BYTES, sniff } from "./sniff.ts";
+import { Tunnel } from "./upstream.ts";
+import type { EgressCa } from "./x509.ts";
 
 export interface EgressProxyOptions {
   /** TCP port on every host address (0: any free one); connections not redirected from a slot are closed. */
@@ -22,6 +42,12 @@ export interface EgressProxyOptions {
   resolvers: string[];
   /** Connections open at once; more are closed at once. */
   maxConnections?: number;
+  /** Where `secret:NAME` header values are read (the node's $AENV_HOME/secrets). */
+  secrets?: SecretStore;
+  /** The node's CA: without it a `tls: "terminate"` rule is not applied (the TLS passes as it is). */
+  ca?: EgressCa;
+  /** PEM certificates trusted for servers besides the host's trust store (tests, private CAs). */
+  upstreamCa?: string[];
 }
 
 /** The first bytes must name the host within this. */
@@ -39,6 +65,7 @@ const STATS_SANDBOXES = 4096;
 const RECENT_DENIALS = 32;
 /** Bytes queued towards a socket that cannot take more before its source is paused. */
 const HIGH_WATER = 1 << 20;
+const STATUS_TEXT: Record<number, string> = { 400: "Bad Request", 403: "Forbidden", 421: "Misdirected Request", 431: "Request Header Fields Too Large", 502: "Bad Gateway" };
 
 export interface Denial {
   at: number;
@@ -62,18 +89,51 @@ interface Side {
   /** Bytes the socket did not take yet. */
   queue: Buffer[];
   queued: number;
+  /** A TLS engine's write waiting for the queue to drain below HIGH_WATER. */
+  waiting?: () => void;
+}
+
+type Kind = "http" | "tls" | "none";
+type Mode = "pass" | "http" | "tls";
+
+/** A TLS engine over one side's raw socket: `input` carries the socket's bytes into `sock`. */
+interface TlsEnd {
+  sock: tls.TLSSocket;
+  input: Duplex;
 }
 
 interface Conn {
   nsIp: string;
   dst: { address: string; port: number };
   name: string | undefined;
+  /** What the first bytes were; "none" on ports not sniffed. */
+  kind: Kind;
+  mode: Mode;
+  /** The egress proxy the connection leaves through (upstreamKey), "" when direct. */
+  via: string;
   state: "sniff" | "deciding" | "connecting" | "open" | "closed";
   head: Buffer[];
   headLen: number;
   client: Side;
   upstream: Side;
   timer: Timer | undefined;
+  tunnel: Tunnel | undefined;
+  rewriter: RequestRewriter | undefined;
+  /** The client's FIN, waiting for the rewriter to pass on the requests it holds. */
+  finAfterRequests: (() => void) | undefined;
+  /** tls mode: the engine facing the server (a TLS client) and the one facing the sandbox (a TLS server). */
+  tlsServer: TlsEnd | undefined;
+  tlsGuest: TlsEnd | undefined;
+}
+
+const upstreamKey = (u: UpstreamProxy | undefined) => (u ? `${u.kind}://${u.username ?? ""}:${u.password ?? ""}@${u.host}:${u.port}` : "");
+
+/** How a connection of this kind to `name` is carried under `policy`. */
+function modeFor(policy: EgressPolicy, kind: Kind, name: string | undefined, canTerminate: boolean): Mode {
+  const r = rulesFor(policy.rules, name);
+  if (!r) return "pass";
+  if (kind === "http") return "http";
+  return kind === "tls" && r.terminateTls && canTerminate ? "tls" : "pass";
 }
 
 export class EgressProxy {
@@ -97,7 +157,8 @@ export class EgressProxy {
       allowHalfOpen: true,
       socket: {
         open: (s) => this.accept(s),
-        data: (s, d) => this.fromClient(s.data, Buffer.from(d)),
+        // Each `data` is a fresh Buffer (kept as it is: no copy on the hot path).
+        data: (s, d) => this.fromClient(s.data, d),
         drain: (s) => this.drained(s.data, s.data.client),
         end: (s) => this.ended(s.data, s.data.upstream),
         close: (s) => this.close(s.data),
@@ -134,11 +195,13 @@ export class EgressProxy {
 
   private accept(s: Sock): void {
     const c: Conn = {
-      nsIp: s.remoteAddress, dst: { address: "", port: 0 }, name: undefined, state: "sniff", head: [], headLen: 0,
+      nsIp: s.remoteAddress, dst: { address: "", port: 0 }, name: undefined, kind: "none", mode: "pass", via: "", state: "sniff", head: [], headLen: 0,
       client: { sock: s, queue: [], queued: 0, finPending: false }, upstream: { sock: undefined, queue: [], queued: 0, finPending: false }, timer: undefined,
+      tunnel: undefined, rewriter: undefined, finAfterRequests: undefined, tlsServer: undefined, tlsGuest: undefined,
     };
     s.data = c;
-    if (this.conns.size >= this.maxConnections || !this.egress?.bySource(c.nsIp)) return void s.terminate();
+    const a = this.egress?.bySource(c.nsIp);
+    if (this.conns.size >= this.maxConnections || !a) return void s.terminate();
     try {
       // Bun has the accepted socket's fd, but its types do not say so yet.
       c.dst = originalDst((s as unknown as { fd: number }).fd);
@@ -147,12 +210,17 @@ export class EgressProxy {
     }
     this.conns.add(c);
     s.timeout(IDLE_TIMEOUT_S);
+    if (!a.policy.proxiedPorts.includes(c.dst.port)) {
+      // Redirected for the egress proxy only: no name to read (the server may speak first).
+      c.state = "deciding";
+      return void this.decide(c);
+    }
     c.timer = setTimeout(() => this.refuse(c, "no name within the first bytes' deadline"), SNIFF_TIMEOUT_MS);
   }
 
   private fromClient(c: Conn, d: Buffer): void {
     if (c.state === "closed") return;
-    if (c.state === "open") return this.send(c, c.upstream, c.client, d);
+    if (c.state === "open") return this.clientBytes(c, d);
     if (c.state !== "sniff") {
       // Deciding or connecting: keep it (bounded) for the upstream.
       c.head.push(d);
@@ -167,15 +235,31 @@ export class EgressProxy {
     clearTimeout(c.timer);
     c.state = "deciding";
     c.name = got.kind === "unknown" ? undefined : got.name;
-    void this.decide(c, got.kind === "http");
+    c.kind = got.kind === "unknown" ? "none" : got.kind;
+    void this.decide(c);
   }
 
-  private async decide(c: Conn, http: boolean): Promise<void> {
+  /** The client's bytes once the connection is open, carried as its mode says. */
+  private clientBytes(c: Conn, d: Buffer): void {
+    if (c.mode === "pass") return this.send(c, c.upstream, c.client, d);
+    if (c.mode === "http") {
+      c.rewriter!.push(d);
+      if (c.rewriter!.pending > MAX_PENDING) c.client.sock?.pause();
+      return;
+    }
+    if (!c.tlsGuest!.input.push(d)) c.client.sock?.pause();
+  }
+
+  private async decide(c: Conn): Promise<void> {
+    const http = c.kind === "http";
     const a = this.egress?.bySource(c.nsIp);
     if (!a) return this.refuse(c, "the sandbox has no policy", http);
     const d = a.matcher.decide(c.dst.address, c.name);
     if (!d.allow) return this.refuse(c, `${d.by}${d.domain ? ` ${d.domain}` : ""}`, http);
-    if (d.domain) {
+    c.mode = modeFor(a.policy, c.kind, c.name, !!this.opts.ca);
+    // The name must own the address when it allowed the connection or brings a rule's headers.
+    const byName = !!d.domain || c.mode !== "pass";
+    if (byName) {
       let ips: string[];
       try {
         ips = await this.resolve(c.name!);
@@ -184,40 +268,238 @@ export class EgressProxy {
       }
       if (!ips.includes(c.dst.address)) return this.refuse(c, `${c.name} does not resolve to ${c.dst.address} (${ips.join(", ") || "no addresses"})`, http);
     }
+    const up = a.policy.upstream;
+    let hop = c.dst;
+    if (up) {
+      try {
+        hop = { address: await this.upstreamAddress(up, a), port: up.port };
+      } catch (e) {
+        return this.refuse(c, (e as Error).message, http);
+      }
+    }
     if (c.state !== "deciding") return; // the client left meanwhile
     this.count(a.sandboxId, true);
     c.state = "connecting";
-    c.timer = setTimeout(() => this.close(c), CONNECT_TIMEOUT_MS);
+    c.via = upstreamKey(up);
+    c.timer = setTimeout(() => this.refuse(c, `connecting to ${hop.address}:${hop.port} took over ${CONNECT_TIMEOUT_MS} ms`, http), CONNECT_TIMEOUT_MS);
     try {
-      const up = await Bun.connect<Conn>({
-        hostname: c.dst.address,
-        port: c.dst.port,
+      const sock = await Bun.connect<Conn>({
+        hostname: hop.address,
+        port: hop.port,
         data: c,
         allowHalfOpen: true,
         socket: {
-          data: (_s, b) => this.send(c, c.client, c.upstream, Buffer.from(b)),
+          data: (_s, b) => this.fromUpstream(c, b),
           drain: (_s) => this.drained(c, c.upstream),
           end: () => this.ended(c, c.client),
           close: () => this.close(c),
           error: () => this.close(c),
         },
       });
+      if (c.state !== "connecting") return void sock.terminate();
+      c.upstream.sock = sock;
+      if (up) {
+        // By name when the name was checked (the proxy resolves it), else by the address asked for.
+        c.tunnel = new Tunnel(up, { host: byName ? c.name! : c.dst.address, port: c.dst.port });
+        this.send(c, c.upstream, c.client, c.tunnel.start());
+        return;
+      }
+      this.connected(c);
+    } catch {
+      this.refuse(c, `cannot connect to ${hop.address}:${hop.port}`, http);
+    }
+  }
+
+  /** The egress proxy's address; one in an always-denied range is refused (it would reach the node's networks). */
+  private async upstreamAddress(up: UpstreamProxy, a: AppliedPolicy): Promise<string> {
+    let ip = up.host;
+    if (!/^\d+\.\d+\.\d+\.\d+$/.test(ip)) {
+      const ips = await this.resolve(up.host).catch((e) => {
+        throw new Error(`egress proxy ${up.host}: ${(e as Error).message}`);
+      });
+      if (!ips.length) throw new Error(`egress proxy ${up.host} has no address`);
+      ip = ips[0]!;
+    }
+    if (a.matcher.alwaysDenied(ip)) throw new Error(`egress proxy ${up.host} (${ip}) is in an always-denied range`);
+    return ip;
+  }
+
+  /** Bytes from the server's side: the tunnel's handshake first, then as the mode says. */
+  private fromUpstream(c: Conn, d: Buffer): void {
+    if (c.state === "closed") return;
+    if (c.tunnel) {
+      const step = c.tunnel.feed(d);
+      if (step.kind === "more") {
+        if (step.send) this.send(c, c.upstream, c.client, step.send);
+        return;
+      }
+      if (step.kind === "failed") return this.refuse(c, `egress proxy: ${step.reason}`, c.kind === "http");
+      c.tunnel = undefined;
+      this.connected(c);
+      if (step.rest.length) this.fromUpstream(c, step.rest);
+      return;
+    }
+    if (c.tlsServer) {
+      if (!c.tlsServer.input.push(d)) c.upstream.sock?.pause();
+      return;
+    }
+    this.send(c, c.client, c.upstream, d);
+  }
+
+  /** The path to the server is open (directly or through the egress proxy's tunnel). */
+  private connected(c: Conn): void {
+    if (c.mode === "tls") return this.startTls(c);
+    clearTimeout(c.timer);
+    c.state = "open";
+    const head = Buffer.concat(c.head);
+    c.head = [];
+    c.headLen = 0;
+    if (c.mode === "http") c.rewriter = this.rewriter(c, (b) => this.send(c, c.upstream, c.client, b), () => c.client.sock?.resume());
+    if (head.length) this.clientBytes(c, head);
+    if (c.upstream.finPending) this.ended(c, c.upstream);
+  }
+
+  /** Parses the requests of `c` and sets its host's header rules on each; `out` carries them on. */
+  private rewriter(c: Conn, out: (b: Buffer) => void, idle: () => void): RequestRewriter {
+    return new RequestRewriter((h) => this.headers(c, h), out, (status, reason) => this.refuseRequest(c, status, reason), () => {
+      idle();
+      const fin = c.finAfterRequests;
+      c.finAfterRequests = undefined;
+      fin?.();
+    });
+  }
+
+  /** The headers one request gets, or its refusal. Values are never logged. */
+  private async headers(c: Conn, h: RequestHead): Promise<HeadDecision> {
+    if (h.host !== c.name) return { refuse: 421, reason: `a request for ${h.host ?? "no host"} on a connection to ${c.name}` };
+    const a = this.egress?.bySource(c.nsIp);
+    if (!a) return { refuse: 403, reason: "the sandbox has no policy" };
+    const rules = rulesFor(a.policy.rules, c.name);
+    const set: { name: string; value: string }[] = [];
+    for (const v of rules?.headers ?? []) {
+      if (v.value !== undefined) {
+        set.push({ name: v.name, value: v.value });
+        continue;
+      }
+      if (!this.opts.secrets) return { refuse: 502, reason: `secret ${v.secret}: this node has no secret store` };
+      try {
+        set.push({ name: v.name, value: await this.opts.secrets.get(v.secret!) });
+      } catch (e) {
+        return { refuse: 502, reason: (e as Error).message };
+      }
+    }
+    return { set };
+  }
+
+  /** A request the rules refuse: answered with `status` (over TLS in tls mode), then the connection closes. */
+  private refuseRequest(c: Conn, status: number, reason: string): void {
+    if (c.state === "closed") return;
+    const a = this.egress?.bySource(c.nsIp);
+    const destination = `${c.dst.address}:${c.dst.port}`;
+    if (a) this.count(a.sandboxId, false, { at: Date.now(), name: c.name, destination, reason });
+    console.error(`egress: sandbox ${a?.sandboxId ?? c.nsIp}: request to ${c.name ?? destination} refused (${status}): ${reason}`);
+    const body = `egress proxy: ${reason}\n`;
+    const answer = `HTTP/1.1 ${status} ${STATUS_TEXT[status] ?? "Refused"}\r\nContent-Type: text/plain\r\nContent-Length: ${Buffer.byteLength(body)}\r\nConnection: close\r\n\r\n${body}`;
+    if (c.tlsGuest) {
+      c.tlsGuest.sock.end(answer, () => this.close(c));
+      setTimeout(() => this.close(c), 1000).unref?.();
+      return;
+    }
+    if (!c.client.sock || c.client.queued > 0) return this.close(c); // mid-answer: an error line would corrupt it
+    this.answerAndClose(c, answer);
+  }
+
+  /** Writes `answer` to the client, ends it and drops the server side (its close then finds the connection closed). */
+  private answerAndClose(c: Conn, answer: string): void {
+    c.state = "closed";
+    clearTimeout(c.timer);
+    this.conns.delete(c);
+    c.client.sock?.write(answer);
+    c.client.sock?.end();
+    c.upstream.sock?.terminate();
+  }
+
+  /**
+   * tls mode, once the path to the server is open: a TLS client to the server (its certificate
+   * checked for the name), then, once that holds, the sandbox's handshake answered with the node
+   * CA's leaf for the name. Requests between the two are rewritten.
+   */
+  private startTls(c: Conn): void {
+    const name = c.name!;
+    c.tlsServer = this.tlsEnd(c, c.upstream, (input) =>
+      tls.connect({ socket: input as never, servername: name, ca: this.trust(), ALPNProtocols: ["http/1.1"] }));
+    const server = c.tlsServer.sock;
+    server.on("error", (e) => this.refuse(c, `TLS to ${name}: ${e.message}`));
+    server.once("secureConnect", () => {
+      if (c.state !== "connecting") return;
       clearTimeout(c.timer);
-      if (c.state !== "connecting") return void up.terminate();
-      c.upstream.sock = up;
+      let leaf;
+      try {
+        leaf = this.opts.ca!.leaf(name);
+      } catch (e) {
+        return this.refuse(c, (e as Error).message);
+      }
+      c.tlsGuest = this.tlsEnd(c, c.client, (input) =>
+        new tls.TLSSocket(input as never, { isServer: true, secureContext: tls.createSecureContext({ cert: leaf.certPem, key: leaf.keyPem }), ALPNProtocols: ["http/1.1"] } as tls.TLSSocketOptions));
+      const guest = c.tlsGuest.sock;
+      c.rewriter = this.rewriter(c, (b) => {
+        if (!server.write(b)) guest.pause();
+      }, () => guest.resume());
+      guest.on("data", (d: Buffer) => {
+        c.rewriter!.push(d);
+        if (c.rewriter!.pending > MAX_PENDING) guest.pause();
+      });
+      server.on("drain", () => guest.resume());
+      server.on("data", (d: Buffer) => {
+        if (!guest.write(d)) server.pause();
+      });
+      guest.on("drain", () => server.resume());
+      guest.on("end", () => {
+        if (c.rewriter!.pending > 0) c.finAfterRequests = () => server.end();
+        else server.end();
+      });
+      server.on("end", () => guest.end());
+      guest.on("error", () => this.close(c));
+      guest.on("close", () => this.close(c));
+      server.on("close", () => this.close(c));
       c.state = "open";
       const head = Buffer.concat(c.head);
       c.head = [];
       c.headLen = 0;
-      this.send(c, c.upstream, c.client, head);
-      if (c.upstream.finPending) this.ended(c, c.upstream);
-    } catch {
-      this.close(c);
+      this.clientBytes(c, head);
+    });
+  }
+
+  /** A TLS engine over `side`'s raw socket, with backpressure both ways. */
+  private tlsEnd(c: Conn, side: Side, make: (input: Duplex) => tls.TLSSocket): TlsEnd {
+    const input = new Duplex({
+      read: () => side.sock?.resume(),
+      write: (chunk: Buffer, _enc, cb) => {
+        this.send(c, side, undefined, chunk);
+        if (side.queued > HIGH_WATER) side.waiting = () => cb();
+        else cb();
+      },
+      final: (cb) => {
+        side.finPending = true;
+        if (side.queued === 0) side.sock?.shutdown();
+        cb();
+      },
+    });
+    return { sock: make(input), input };
+  }
+
+  /** The host's trust store plus `upstreamCa`, for servers behind a terminated connection. */
+  private trusted: string[] | undefined;
+  private trust(): string[] {
+    if (!this.trusted) {
+      const system = (tls as unknown as { getCACertificates?: (k: string) => string[] }).getCACertificates?.("system") ?? [];
+      this.trusted = [...(system.length ? system : tls.rootCertificates), ...(this.opts.upstreamCa ?? [])];
     }
+    return this.trusted;
   }
 
   /** Writes `d` to `to`, queueing what it does not take and pausing `from` past HIGH_WATER. */
-  private send(c: Conn, to: Side, from: Side, d: Buffer): void {
+  private send(c: Conn, to: Side, from: Side | undefined, d: Buffer): void {
     if (!to.sock || c.state === "closed") return;
     if (to.queued === 0) {
       const n = to.sock.write(d);
@@ -226,7 +508,7 @@ export class EgressProxy {
     }
     to.queue.push(d);
     to.queued += d.length;
-    if (to.queued > HIGH_WATER) from.sock?.pause();
+    if (to.queued > HIGH_WATER) from?.sock?.pause();
   }
 
   /** `side`'s socket takes more: flush its queue, resume the other side once it is empty. */
@@ -241,6 +523,14 @@ export class EgressProxy {
       }
       side.queue.shift();
     }
+    const waiting = side.waiting;
+    side.waiting = undefined;
+    waiting?.();
+    if (c.tlsServer) {
+      // tls mode: the TLS engines pace themselves (tlsEnd); a FIN they asked for goes now.
+      if (side.finPending && side.queued === 0) side.sock?.shutdown();
+      return;
+    }
     const other = side === c.client ? c.upstream : c.client;
     other.sock?.resume();
     if (side.finPending) this.ended(c, side);
@@ -252,15 +542,27 @@ export class EgressProxy {
    */
   private ended(c: Conn, to: Side): void {
     if (c.state === "closed") return;
+    if (c.mode === "tls" && c.state !== "deciding") {
+      // The FIN goes into the TLS engine of the side it came from; before the sandbox's handshake, there is nothing to finish.
+      if (to === c.client) c.tlsServer?.input.push(null);
+      else if (c.tlsGuest) c.tlsGuest.input.push(null);
+      else this.close(c);
+      return;
+    }
     to.finPending = true;
     if (c.state === "sniff" && to === c.upstream) {
       clearTimeout(c.timer);
       c.state = "deciding";
       const got = sniff(Buffer.concat(c.head));
       c.name = got.kind === "http" || got.kind === "tls" ? got.name : undefined;
-      return void this.decide(c, got.kind === "http");
+      c.kind = got.kind === "http" || got.kind === "tls" ? got.kind : "none";
+      return void this.decide(c);
     }
     if (!to.sock || to.queued > 0) return; // not connected yet, or still writing: later
+    if (to === c.upstream && c.rewriter && c.rewriter.pending > 0) {
+      c.finAfterRequests = () => this.ended(c, c.upstream); // after the requests the rewriter holds
+      return;
+    }
     to.sock.shutdown();
     const other = to === c.client ? c.upstream : c.client;
     if (other.finPending && other.queued === 0) this.close(c); // both directions done
@@ -274,12 +576,7 @@ export class EgressProxy {
     console.error(`egress: sandbox ${a?.sandboxId ?? c.nsIp}: refused ${c.name ?? "(no name)"} → ${destination}: ${reason}`);
     if (http && c.client.sock) {
       const body = `egress to ${c.name ?? destination} is refused by the sandbox's network policy\n`;
-      c.client.sock.write(`HTTP/1.1 403 Forbidden\r\nContent-Type: text/plain\r\nContent-Length: ${body.length}\r\nConnection: close\r\n\r\n${body}`);
-      c.client.sock.end();
-      c.state = "closed";
-      clearTimeout(c.timer);
-      this.conns.delete(c);
-      return;
+      return this.answerAndClose(c, `HTTP/1.1 403 Forbidden\r\nContent-Type: text/plain\r\nContent-Length: ${body.length}\r\nConnection: close\r\n\r\n${body}`);
     }
     this.close(c);
   }
@@ -294,6 +591,8 @@ export class EgressProxy {
     this.conns.delete(c);
     c.client.sock?.terminate();
     c.upstream.sock?.terminate();
+    c.tlsGuest?.sock.destroy();
+    c.tlsServer?.sock.destroy();
   }
 
   private count(sandboxId: string, allowed: boolean, denial?: Denial): void {
@@ -319,6 +618,8 @@ export class EgressProxy {
         continue;
       }
       if (!now.matcher.decide(c.dst.address, c.name).allow) this.refuse(c, "refused by the new policy");
+      // Carried another way (header rules came or went) or through another egress proxy: the client reconnects.
+      else if (modeFor(now.policy, c.kind, c.name, !!this.opts.ca) !== c.mode || upstreamKey(now.policy.upstream) !== c.via) this.close(c);
     }
   }
 

@@ -26,12 +26,25 @@ export {
   OPEN_POLICY,
   PolicyError,
   PolicyMatcher,
+  MAX_HEADERS_PER_RULE,
+  MAX_HEADER_VALUE,
+  MAX_RULE_HOSTS,
+  MAX_RULES_PER_HOST,
   hasDomainRules,
   parseEgressPolicy,
   parseInboundPolicy,
+  redirectedPorts,
+  rulesFor,
   type EgressPolicy,
+  type HeaderValue,
+  type HostRules,
   type InboundPolicy,
+  type UpstreamProxy,
 } from "./policy.ts";
 export { resolve4 } from "./dns.ts";
 export { EgressProxy, type Denial, type EgressProxyOptions, type SandboxEgressStats } from "./egress_proxy.ts";
 export { MAX_SNIFF_BYTES, sniff, type Sniffed } from "./sniff.ts";
+export { MAX_REQUEST_HEAD, RequestRewriter, type HeadDecision, type RequestHead } from "./http_rewrite.ts";
+export { SecretStore } from "./secrets.ts";
+export { Tunnel, type TunnelStep } from "./upstream.ts";
+export { EgressCa, loadOrCreateCa, type LeafCert } from "./x509.ts";

@@ -36,13 +36,177 @@ export interface EgressPolicy {
   denyDomains: string[];
   /** TCP ports whose connections go through the domain proxy when the policy has domain rules. */
   proxiedPorts: number[];
+  /** `network.rules`: headers set on HTTP requests to matching hosts. */
+  rules: HostRules[];
+  /** `network.egressProxy`: every allowed TCP connection leaves through it. */
+  upstream: UpstreamProxy | undefined;
 }
 
 /** E2B's default: the internet, nothing else named. */
-export const OPEN_POLICY: EgressPolicy = { internet: true, allowCidrs: [], denyCidrs: [], allowDomains: [], denyDomains: [], proxiedPorts: [...DEFAULT_PROXIED_PORTS] };
+export const OPEN_POLICY: EgressPolicy = {
+  internet: true, allowCidrs: [], denyCidrs: [], allowDomains: [], denyDomains: [], proxiedPorts: [...DEFAULT_PROXIED_PORTS], rules: [], upstream: undefined,
+};
 
 export function hasDomainRules(p: EgressPolicy): boolean {
   return p.allowDomains.length > 0 || p.denyDomains.length > 0;
+}
+
+/**
+ * The TCP ports of a slot that the host table redirects to the domain proxy: every port with an
+ * egress proxy, the proxied ports with domain or header rules, none otherwise.
+ */
+export function redirectedPorts(p: EgressPolicy): number[] | "all" | undefined {
+  if (p.upstream) return "all";
+  return hasDomainRules(p) || p.rules.length > 0 ? p.proxiedPorts : undefined;
+}
+
+/** One header a rule sets: a literal value, or a node-side secret read when a request is sent. */
+export interface HeaderValue {
+  name: string;
+  value?: string;
+  /** `secret:NAME`: the file $AENV_HOME/secrets/NAME (0600). */
+  secret?: string;
+}
+
+/** The rules of one `network.rules` key. */
+export interface HostRules {
+  /** `api.example.com` or `*.example.com`, lowercase. */
+  pattern: string;
+  /** Every header of the key's rules, in order (a later one of the same name replaces an earlier one). */
+  headers: HeaderValue[];
+  /** Some rule says `tls: "terminate"`: HTTPS to the host is terminated with the node's CA so the headers apply there too. */
+  terminateTls: boolean;
+}
+
+/** `network.egressProxy`: a SOCKS5 proxy (`host:port`, `socks5://host:port`: E2B's) or an HTTP CONNECT one (`http://host:port`). */
+export interface UpstreamProxy {
+  kind: "socks5" | "http";
+  host: string;
+  port: number;
+  username?: string;
+  password?: string;
+}
+
+/** Hosts in `network.rules`. */
+export const MAX_RULE_HOSTS = 256;
+/** Rules per host. */
+export const MAX_RULES_PER_HOST = 16;
+/** Headers per rule. */
+export const MAX_HEADERS_PER_RULE = 32;
+/** Bytes of one header value (a literal or a secret's file). */
+export const MAX_HEADER_VALUE = 8192;
+/** Bytes of an egress proxy's username and of its password (RFC 1929's limit). */
+export const MAX_PROXY_CREDENTIAL = 255;
+
+/** Headers a rule may not set: they frame the request or name its host, which the proxy has judged. */
+const RESERVED_HEADERS = new Set(["host", "content-length", "transfer-encoding", "connection", "keep-alive", "proxy-connection", "te", "trailer", "upgrade"]);
+const TOKEN = /^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,256}$/;
+/** A secret's file name; the node's own API key is never a header. */
+const SECRET_NAME = /^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$/;
+const NODE_SECRETS = new Set(["api-key"]);
+
+const isObject = (v: unknown): v is Record<string, unknown> => typeof v === "object" && v !== null && !Array.isArray(v);
+const key = (k: string) => `[${JSON.stringify(k)}]`;
+
+function parseHeaders(field: string, v: unknown): HeaderValue[] {
+  if (v === undefined || v === null) return [];
+  if (!isObject(v)) throw new PolicyError(field, "must be an object of header names to values");
+  const entries = Object.entries(v);
+  if (entries.length > MAX_HEADERS_PER_RULE) throw new PolicyError(field, `at most ${MAX_HEADERS_PER_RULE} headers`);
+  return entries.map(([name, value]) => {
+    const f = `${field}${key(name)}`;
+    if (!TOKEN.test(name)) throw new PolicyError(f, "a header name is a token of at most 256 characters");
+    if (RESERVED_HEADERS.has(name.toLowerCase())) throw new PolicyError(f, `${name} cannot be set by a rule`);
+    if (typeof value !== "string") throw new PolicyError(f, "must be a string");
+    if (Buffer.byteLength(value) > MAX_HEADER_VALUE) throw new PolicyError(f, `at most ${MAX_HEADER_VALUE} bytes`);
+    if (/[\r\n\0]/.test(value)) throw new PolicyError(f, "must not contain CR, LF or NUL");
+    if (value.startsWith("secret:")) {
+      const secret = value.slice(7);
+      if (!SECRET_NAME.test(secret) || NODE_SECRETS.has(secret)) throw new PolicyError(f, `secret:${secret} does not name a secret (letters, digits, _ . -; at most 64)`);
+      return { name, secret };
+    }
+    return { name, value };
+  });
+}
+
+function parseRules(field: string, v: unknown): HostRules[] {
+  if (v === undefined || v === null) return [];
+  if (!isObject(v)) throw new PolicyError(field, "must be an object of host names to lists of rules");
+  const hosts = Object.entries(v);
+  if (hosts.length > MAX_RULE_HOSTS) throw new PolicyError(field, `at most ${MAX_RULE_HOSTS} hosts`);
+  const seen = new Set<string>();
+  return hosts.map(([host, list]) => {
+    const f = `${field}${key(host)}`;
+    const pattern = parseDomain(host.trim());
+    if (!pattern) throw new PolicyError(f, `${JSON.stringify(host)} is not a host name (example.com, *.example.com)`);
+    if (seen.has(pattern)) throw new PolicyError(f, `${pattern} is named twice`);
+    seen.add(pattern);
+    if (!Array.isArray(list)) throw new PolicyError(f, "must be an array of rules");
+    if (list.length > MAX_RULES_PER_HOST) throw new PolicyError(f, `at most ${MAX_RULES_PER_HOST} rules`);
+    const out: HostRules = { pattern, headers: [], terminateTls: false };
+    list.forEach((rule, i) => {
+      const rf = `${f}[${i}]`;
+      if (!isObject(rule)) throw new PolicyError(rf, "must be an object ({transform: {headers}})");
+      if (rule.tls !== undefined && rule.tls !== null && rule.tls !== "terminate" && rule.tls !== "passthrough") {
+        throw new PolicyError(`${rf}.tls`, `must be "terminate" or "passthrough"`);
+      }
+      if (rule.tls === "terminate") out.terminateTls = true;
+      const t = rule.transform;
+      if (t === undefined || t === null) return;
+      if (!isObject(t)) throw new PolicyError(`${rf}.transform`, "must be an object ({headers})");
+      for (const h of parseHeaders(`${rf}.transform.headers`, t.headers)) {
+        out.headers = out.headers.filter((x) => x.name.toLowerCase() !== h.name.toLowerCase());
+        out.headers.push(h);
+      }
+    });
+    return out;
+  });
+}
+
+function parseUpstream(field: string, v: unknown): UpstreamProxy | undefined {
+  if (v === undefined || v === null) return undefined;
+  if (!isObject(v)) throw new PolicyError(field, "must be an object ({address, username?, password?})");
+  const a = v.address;
+  if (typeof a !== "string" || a.length === 0 || a.length > 300) throw new PolicyError(`${field}.address`, "must be host:port (SOCKS5), socks5://host:port or http://host:port");
+  const m = /^(?:(socks5h?|http):\/\/)?([^:/@\s]+):(\d{1,5})\/?$/.exec(a.trim());
+  const ipv4 = (s: string) => {
+    try {
+      return formatIpv4(parseIpv4(s)) === s ? s : undefined;
+    } catch {
+      return undefined;
+    }
+  };
+  const host = m && (/^[\d.]+$/.test(m[2]!) ? ipv4(m[2]!) : parseDomain(m[2]!));
+  if (!m || !host || host.startsWith("*.") || Number(m[3]) < 1 || Number(m[3]) > 65535) {
+    throw new PolicyError(`${field}.address`, `${JSON.stringify(a)} is not host:port, socks5://host:port or http://host:port (an IPv4 address or a host name, port 1..65535)`);
+  }
+  const out: UpstreamProxy = { kind: m[1] === "http" ? "http" : "socks5", host, port: Number(m[3]) };
+  for (const k of ["username", "password"] as const) {
+    const c = v[k];
+    if (c === undefined || c === null) continue;
+    if (typeof c !== "string" || Buffer.byteLength(c) > MAX_PROXY_CREDENTIAL || /[\r\n\0]/.test(c)) {
+      throw new PolicyError(`${field}.${k}`, `must be a string of at most ${MAX_PROXY_CREDENTIAL} bytes without CR, LF or NUL`);
+    }
+    out[k] = c;
+  }
+  if (out.password !== undefined && out.username === undefined) throw new PolicyError(`${field}.username`, "is needed with a password");
+  if (out.kind === "http" && out.username?.includes(":")) throw new PolicyError(`${field}.username`, "must not contain ':' (HTTP Basic)");
+  return out;
+}
+
+/**
+ * The rules of the most specific key matching `name`: the exact name, else the longest wildcard
+ * below which it lies (as E2B: rule sets are not merged).
+ */
+export function rulesFor(rules: HostRules[], name: string | undefined): HostRules | undefined {
+  if (name === undefined || rules.length === 0) return undefined;
+  const n = name.toLowerCase().replace(/\.$/, "");
+  let best: HostRules | undefined;
+  for (const r of rules) {
+    if (r.pattern === n) return r;
+    if (domainMatches(r.pattern, n) && (!best || r.pattern.length > best.pattern.length)) best = r;
+  }
+  return best;
 }
 
 const LABEL = /^(?!-)[a-z0-9-]{1,63}(?<!-)$/;
@@ -129,6 +293,8 @@ export function parseEgressPolicy(allowInternetAccess: unknown, network: unknown
   const allow = parseList("network.allowOut", n.allowOut);
   const deny = parseList("network.denyOut", n.denyOut);
   const ports = parsePorts("network.httpsPorts", n.httpsPorts);
+  const rules = parseRules("network.rules", n.rules);
+  const upstream = parseUpstream("network.egressProxy", n.egressProxy);
   return {
     internet: allowInternetAccess !== false,
     allowCidrs: allow.cidrs,
@@ -136,6 +302,8 @@ export function parseEgressPolicy(allowInternetAccess: unknown, network: unknown
     allowDomains: allow.domains,
     denyDomains: deny.domains,
     proxiedPorts: [...new Set([...DEFAULT_PROXIED_PORTS, ...ports])].sort((a, b) => a - b),
+    rules,
+    upstream,
   };
 }
 

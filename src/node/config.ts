@@ -3,6 +3,7 @@
 // docs/node.md lists the same table (test/node/config.test.ts keeps the two in step).
 import { chmodSync, closeSync, existsSync, mkdirSync, openSync, readFileSync, renameSync, writeSync } from "node:fs";
 import { dirname, join, resolve } from "node:path";
+import { S3_ENDPOINT } from "../snapshot/open.ts";
 
 export class ConfigError extends Error {
   constructor(message: string) { super(message); this.name = "ConfigError"; }
@@ -22,6 +23,18 @@ function oneOf<T extends string>(...values: T[]): Parse<T> {
   return (raw, name) => {
     if (!(values as string[]).includes(raw)) throw new ConfigError(`${name}=${raw}: expected one of ${values.join(", ")}`);
     return raw as T;
+  };
+}
+/** 1/0 in the environment, true/false in node.toml. */
+const flag: Parse<boolean> = (raw, name) => {
+  if (raw === "1" || raw === "true") return true;
+  if (raw === "0" || raw === "false") return false;
+  throw new ConfigError(`${name}=${raw}: expected 1 or 0 (true or false)`);
+};
+function matching(re: RegExp, what: string): Parse<string> {
+  return (raw, name) => {
+    if (!re.test(raw)) throw new ConfigError(`${name}=${raw}: expected ${what}`);
+    return raw;
   };
 }
 
@@ -51,11 +64,27 @@ export const SETTINGS = {
   maxBuilds: setting("AENV_MAX_BUILDS", "max_builds", "2", int(1, 64), "template builds running at once; up to 8 more wait, past that: 429"),
   buildTimeoutS: setting("AENV_BUILD_TIMEOUT_S", "build_timeout_s", "3600", int(60, 86_400), "a template build's limit, boot to checkpoint"),
   stepCacheMB: setting("AENV_STEP_CACHE_MB", "step_cache_mb", "20480", int(0, 1 << 24), "template builds' step layers kept; past it the least recently used go (a template's layers stay)"),
+  layerCacheMB: setting("AENV_LAYER_CACHE_MB", "layer_cache_mb", "65536", int(64, 1 << 24), "pulled images' converted layers kept; above 90 % the least recently used go until 70 % (a template's, snapshot's or sandbox's layers stay)"),
   snapshotStore: setting("AENV_SNAPSHOT_STORE", "snapshot_store", "$AENV_HOME/snapshots", str, "where snapshots live: a directory (local or shared FS) or s3://bucket/prefix"),
   egressResolvers: setting("AENV_EGRESS_RESOLVERS", "egress_resolvers", "", str, "DNS servers sandboxes may always reach and the domain proxy asks (comma-separated IPv4); empty: the host's non-loopback nameservers"),
   egressUplinks: setting("AENV_EGRESS_UPLINKS", "egress_uplinks", "", str, "interfaces sandbox egress leaves by (forwarding is switched on for them only); empty: the default route's; none: no interface is touched (tests on shared hosts)"),
   egressAlwaysDenied: setting("AENV_EGRESS_ALWAYS_DENIED", "egress_always_denied", "0.0.0.0/8,10.0.0.0/8,100.64.0.0/10,127.0.0.0/8,169.254.0.0/16,172.16.0.0/12,192.0.0.0/24,192.168.0.0/16,224.0.0.0/4,240.0.0.0/4", str, "CIDRs no sandbox reaches whatever its policy allows (the slot CIDR and the host's own networks are always added)"),
   egressProxyPort: setting("AENV_EGRESS_PROXY_PORT", "egress_proxy_port", "0", int(0, 65535), "TCP port of the domain proxy (sandboxes' redirected 80/443); 0: a free one"),
+  egressExtraCa: setting("AENV_EGRESS_EXTRA_CA", "egress_extra_ca", "", str, "PEM file of CAs the domain proxy trusts for servers besides the host's trust store, where a header rule terminates TLS; empty: none"),
+  guestCache: setting("AENV_GUEST_CACHE", "guest_cache", "$AENV_HOME/guest", str, "the guest's built kernel, initramfs, envd and tools disk (guest/*.sh build them into it)"),
+  qemuBin: setting("AENV_QEMU_BIN", "qemu_bin", "qemu-system-x86_64", str, "QEMU binary: a name on PATH or a path"),
+  qemuAccel: setting("AENV_QEMU_ACCEL", "qemu_accel", "auto", oneOf("auto", "kvm", "tcg"), "QEMU's accelerator; auto: KVM when /dev/kvm is usable, else TCG"),
+  vmmNice: setting("AENV_VMM_NICE", "vmm_nice", "10", int(0, 19), "CPU niceness of VMM processes (all their vCPU threads): busy guests never starve the node's API and blockd's I/O"),
+  firecrackerBin: setting("AENV_FIRECRACKER_BIN", "firecracker_bin", "firecracker", str, "Firecracker binary: a name on PATH or a path"),
+  blockdFrontend: setting("AENV_BLOCKD_FRONTEND", "blockd_frontend", "auto", oneOf("auto", "fuse", "ublk"), "how blockd serves devices; auto: ublk when ublk_drv is loaded, else FUSE"),
+  fuseUring: setting("AENV_FUSE_URING", "fuse_uring", "0", flag, "FUSE over io_uring for blockd's devices (Linux 6.14+); such a connection does not survive a blockd crash"),
+  fuseReaderSlots: setting("AENV_FUSE_READER_SLOTS", "fuse_reader_slots", "8", int(0, 64), "FUSE requests a device's reader thread takes while its worker is busy; 0: no reader thread"),
+  s3Endpoint: setting("AENV_S3_ENDPOINT", "s3_endpoint", "", matching(new RegExp(`^$|${S3_ENDPOINT.source}`), "http(s)://host[:port] or empty"), "endpoint of an s3:// snapshot store; empty: AWS in the region"),
+  s3Region: setting("AWS_REGION", "s3_region", "us-east-1", matching(/^[a-z0-9-]{1,64}$/, "a region name such as us-east-1"), "region of an s3:// snapshot store"),
+  s3AccessKeyId: setting("AWS_ACCESS_KEY_ID", "s3_access_key_id", "", str, "access key of an s3:// snapshot store (required for one)"),
+  s3SecretAccessKey: setting("AWS_SECRET_ACCESS_KEY", "s3_secret_access_key", "", str, "secret key of an s3:// snapshot store (required for one)"),
+  s3SessionToken: setting("AWS_SESSION_TOKEN", "s3_session_token", "", str, "session token of an s3:// snapshot store; empty: none"),
+  dockerConfig: setting("DOCKER_CONFIG", "docker_config", "", str, "folder of Docker's config.json, registry credentials for fromImage builds; empty: ~/.docker"),
 };
 
 export type SettingName = keyof typeof SETTINGS;

@@ -1,21 +1,21 @@
 // `bun run node`: the node on its settings (docs/node.md). It listens at once; /health answers 503
 // with the step it is on (blockd, network slots, VMM, guest kernel, the base template) until it
 // can create sandboxes, then 200. blockd and the VMMs outlive it: a stop leaves sandboxes running.
-import { mkdirSync } from "node:fs";
+import { mkdirSync, readFileSync } from "node:fs";
 import { join } from "node:path";
 import { debianKernel, envdToolsDisk, guestCmdline, sealedLayer } from "../template/artifacts.ts";
 import { createApi } from "../api/app.ts";
 import { ApiError } from "../api/errors.ts";
 import { SandboxProxy } from "../api/proxy.ts";
 import { serveNode } from "../api/server.ts";
+import { nodeRoutes } from "../api/nodes.ts";
 import { sandboxRoutes } from "../api/sandboxes.ts";
 import { templateRoutes } from "../api/templates.ts";
-import { TemplateBuilder, type ImageSource } from "../orchestrator/builder.ts";
-import { LayerCache } from "../template/layer_cache.ts";
-import { pullImage } from "../template/pull.ts";
-import { parseImageRef, RegistryClient } from "../template/registry.ts";
+import { TemplateBuilder } from "../orchestrator/builder.ts";
+import { defaultDockerConfigPath } from "../template/registry.ts";
+import { nodeImages } from "./images.ts";
 import { BlockdClient } from "../blockdev/client.ts";
-import { Egress, EgressProxy, SlotPool, defaultUplinks, hostNetworks, hostResolvers } from "../network/index.ts";
+import { Egress, EgressProxy, SecretStore, SlotPool, defaultUplinks, hostNetworks, hostResolvers, loadOrCreateCa } from "../network/index.ts";
 import { Orchestrator } from "../orchestrator/orchestrator.ts";
 import { SandboxStore } from "../orchestrator/store.ts";
 import { TemplateStore } from "../orchestrator/templates.ts";
@@ -52,7 +52,10 @@ const app = createApi({
     if (!builder) throw new ApiError(503, notReady() ?? "starting");
     return builder;
   }))
-  .get("/metrics", () => new Response(prometheus(), { headers: { "content-type": "text/plain; version=0.0.4" } }), { detail: { hide: true } });
+  .use(nodeRoutes({
+    store, templates, orch: () => orch, status: () => (orch ? "ready" : failed ? "unhealthy" : "connecting"),
+    openStreams: () => proxy?.streams.count(), version: pkg.version, home: cfg.home,
+  }));
 const server = serveNode(app, { hostname: cfg.host, port: cfg.port, proxy: () => proxy });
 
 const shown = cfg.host === "0.0.0.0" ? "127.0.0.1" : cfg.host;
@@ -60,16 +63,6 @@ console.log(`aenv node ${pkg.version} listening on http://${cfg.host}:${server.p
 console.log(`  API key:  ${keyPath ?? "from AENV_API_KEY"}`);
 console.log(`  Swagger:  http://${shown}:${server.port}/swagger`);
 console.log(`  state:    ${cfg.home}`);
-
-function prometheus(): string {
-  const by = new Map<string, number>();
-  for (const r of store.all()) by.set(r.state, (by.get(r.state) ?? 0) + 1);
-  const lines = ["# HELP aenv_sandboxes Sandboxes on this node by state.", "# TYPE aenv_sandboxes gauge"];
-  for (const [state, n] of by) lines.push(`aenv_sandboxes{state="${state}"} ${n}`);
-  lines.push("# HELP aenv_ready 1 once the node can create sandboxes.", "# TYPE aenv_ready gauge", `aenv_ready ${orch ? 1 : 0}`);
-  if (proxy) lines.push("# HELP aenv_proxy_open_streams Proxied requests in flight.", "# TYPE aenv_proxy_open_streams gauge", `aenv_proxy_open_streams ${proxy.streams.count()}`);
-  return lines.join("\n") + "\n";
-}
 
 async function start(): Promise<void> {
   const t0 = performance.now();
@@ -86,7 +79,9 @@ async function start(): Promise<void> {
   };
   progress("blockd");
   mkdirSync(join(cfg.home, "blockd"), { recursive: true });
-  const blockd = await BlockdClient.ensure(join(cfg.home, "blockd"), { pool: cfg.devicePool });
+  const blockd = await BlockdClient.ensure(join(cfg.home, "blockd"), {
+    pool: cfg.devicePool, settings: { frontend: cfg.blockdFrontend, fuseUring: cfg.fuseUring, fuseReaderSlots: cfg.fuseReaderSlots },
+  });
   progress("network slots");
   const slots = new SlotPool({ size: cfg.slotPool, hostCidr: cfg.slotCidr, prefix: cfg.slotPrefix, hostTable: `${cfg.slotPrefix.replace(/[^A-Za-z0-9]/g, "_")}host` });
   // Slots of sandboxes that kept running while the node was down are kept; the rest rebuilt.
@@ -94,7 +89,12 @@ async function start(): Promise<void> {
   progress("egress");
   const list = (v: string) => v.split(",").map((x) => x.trim()).filter(Boolean);
   const resolvers = cfg.egressResolvers ? list(cfg.egressResolvers) : await hostResolvers();
-  const egressProxy = new EgressProxy({ port: cfg.egressProxyPort, resolvers }).listen();
+  // The CA every guest trusts (header rules that terminate TLS); `secret:NAME` values from $AENV_HOME/secrets.
+  const egressCa = loadOrCreateCa(join(cfg.home, "egress-ca"));
+  const egressProxy = new EgressProxy({
+    port: cfg.egressProxyPort, resolvers, ca: egressCa, secrets: new SecretStore(join(cfg.home, "secrets")),
+    upstreamCa: cfg.egressExtraCa ? [readFileSync(cfg.egressExtraCa, "utf8")] : undefined,
+  }).listen();
   const egress = new Egress(slots.config, {
     // The node's own LANs too: other nodes and routers are not the internet.
     alwaysDenied: [...list(cfg.egressAlwaysDenied), ...(await hostNetworks(slots.config))], resolvers, proxyPort: egressProxy.port,
@@ -103,11 +103,14 @@ async function start(): Promise<void> {
   egressProxy.use(egress);
   await egress.start();
   progress("VMM");
-  const { driver, reason } = selectDriver({ vmm: cfg.vmm });
+  const { driver, reason } = selectDriver({
+    vmm: cfg.vmm, qemu: { binary: cfg.qemuBin, accel: cfg.qemuAccel === "auto" ? undefined : cfg.qemuAccel, nice: cfg.vmmNice },
+    firecracker: { binary: cfg.firecrackerBin, nice: cfg.vmmNice },
+  });
   console.log(`  VMM: ${reason}`);
   progress("guest kernel and tools disk");
-  const kernel = await debianKernel();
-  const toolsLayer = await sealedLayer(await envdToolsDisk());
+  const kernel = await debianKernel(cfg.guestCache);
+  const toolsLayer = await sealedLayer(await envdToolsDisk(cfg.guestCache));
   if (!templates.resolve("base")) {
     progress("template base");
     const built = await buildBaseTemplate({
@@ -126,7 +129,10 @@ async function start(): Promise<void> {
     // The base image maps the hostname `sandbox` in /etc/hosts (sudo looks its host up).
     cmdline: (s) => guestCmdline({ ip: `${s.guestIp}/${s.guestPrefixLen}`, gw: s.gatewayIp, hostname: "sandbox" }),
   }, { home: cfg.home, runRoot: join(cfg.runDir, "vms"), defaultTimeoutS: cfg.defaultTimeoutS, maxSandboxes: cfg.maxSandboxes, preparedDevices: cfg.devicePool,
-    snapshots: openSnapshotStore(cfg.snapshotStore, { home: cfg.home }), egress });
+    snapshots: openSnapshotStore(cfg.snapshotStore, {
+      home: cfg.home,
+      s3: { endpoint: cfg.s3Endpoint, region: cfg.s3Region, accessKeyId: cfg.s3AccessKeyId, secretAccessKey: cfg.s3SecretAccessKey, sessionToken: cfg.s3SessionToken },
+    }), egress, caBundle: egressCa.certPem });
   const base = templates.resolve("base")!;
   if (!base.checkpoint) {
     progress("template base: boot and checkpoint");
@@ -140,23 +146,11 @@ async function start(): Promise<void> {
   o.warmUp();
   o.startReaper(cfg.reaperIntervalMs);
   proxy = new SandboxProxy(o, { domain: cfg.domain });
-  // fromImage parents: pulled and converted into the node's layer cache (a layer a template uses is never collected).
-  const layerCache = new LayerCache(join(cfg.home, "image-layers"), { pinned: () => templates.layersInUse() });
-  const images: ImageSource = {
-    async pull(ref, auth, log) {
-      const registry = new RegistryClient(auth ? { credentials: { [parseImageRef(ref).registry]: auth } } : {});
-      let said = 0;
-      const img = await pullImage(ref, {
-        registry, cache: layerCache, blockd,
-        onProgress: (p) => {
-          if (p.phase === "layers" && p.layersDone < p.layersTotal && Date.now() - said < 2000) return;
-          said = Date.now();
-          log(`pull ${p.phase}: ${p.layersDone}/${p.layersTotal} layers (${p.layersCached} cached), ${(p.bytesDownloaded / 2 ** 20).toFixed(1)}/${(p.bytesTotal / 2 ** 20).toFixed(1)} MiB`);
-        },
-      });
-      return { digest: img.manifestDigest, layers: img.layers, diskSizeMB: img.diskSizeMB, env: img.config.env, user: img.config.user, workdir: img.config.workingDir };
-    },
-  };
+  // fromImage parents: pulled and converted into the node's layer cache (src/node/images.ts).
+  const { source: images } = nodeImages({
+    dir: join(cfg.home, "image-layers"), capacityMB: cfg.layerCacheMB, templates, sandboxes: store, blockd,
+    registry: { dockerConfigPath: defaultDockerConfigPath(cfg.dockerConfig) },
+  });
   builder = new TemplateBuilder(o, store.db, {
     filesDir: join(cfg.home, "template-files"), stepsDir: join(cfg.home, "template-steps"),
     maxConcurrent: cfg.maxBuilds, buildTimeoutMs: cfg.buildTimeoutS * 1000, stepCacheBytes: cfg.stepCacheMB * 2 ** 20, images,

@@ -63,6 +63,8 @@ export interface BuildSpec {
   startCmd?: string;
   readyCmd?: string;
   steps?: BuildStep[];
+  /** aenv's own field (`aenv pull --image-cmd`): a fromImage build without startCmd starts the image's Entrypoint + Cmd. */
+  imageCmd?: boolean;
 }
 
 /** An OCI image as a clean layer stack plus its config (the node composes it from src/template). */
@@ -74,6 +76,11 @@ export interface PulledImage {
   env: Record<string, string>;
   user?: string;
   workdir?: string;
+  /** The config's Entrypoint and Cmd (run only with the build's imageCmd), ExposedPorts (`8080/tcp`) and Labels. */
+  entrypoint?: string[];
+  cmd?: string[];
+  exposedPorts?: string[];
+  labels?: Record<string, string>;
 }
 
 export interface ImageSource {
@@ -385,6 +392,9 @@ export class TemplateBuilder {
       if (reg.type !== "registry") throw new TemplateBuildError(400, `fromImageRegistry type '${reg.type}' is not supported: only 'registry' (username and password)`);
       if (typeof reg.username !== "string" || typeof reg.password !== "string" || !reg.username) throw new TemplateBuildError(400, "fromImageRegistry needs username and password");
     }
+    if (spec.imageCmd !== undefined && typeof spec.imageCmd !== "boolean") throw new TemplateBuildError(400, "imageCmd: true or false");
+    if (spec.imageCmd && !hasImage) throw new TemplateBuildError(400, "imageCmd goes with fromImage");
+    if (spec.imageCmd && spec.startCmd) throw new TemplateBuildError(400, "give imageCmd or startCmd, not both");
     if (hasTemplate) {
       const parent = this.orch.templates.resolve(spec.fromTemplate!);
       if (!parent) throw new TemplateBuildError(404, `template '${spec.fromTemplate}' not found`);
@@ -479,6 +489,8 @@ export class TemplateBuilder {
     b.status = "building";
     try {
       const parent = await this.parent(b, spec, abort.signal);
+      // imageCmd: the image's Entrypoint + Cmd is the start command (by default neither runs, as in E2B's fromImage).
+      const start = spec.imageCmd ? { ...spec, startCmd: startCmdOf(parent.command) } : spec;
       const steps = spec.steps ?? [];
       const plan = await this.plan(b.templateId, parent, steps);
       const n = steps.length;
@@ -518,13 +530,13 @@ export class TemplateBuilder {
         }
       }
       const final = plan.length ? after(plan[plan.length - 1]!) : parent.state;
-      await this.startAndWait(vm, shell, b, spec, final, deadline, abort.signal);
+      await this.startAndWait(vm, shell, b, start, final, deadline, abort.signal);
       await this.exec(vm, b, SYNC, SHORT_CMD_MS, "finalize", abort.signal);
       b.log("info", "Checkpointing the ready VM");
       const cp = await vm.checkpoint(b.templateId, stack);
       checkpointDir = cp.dir;
       if (abort.signal.aborted) throw abort.signal.reason;
-      this.publish(req, b, parent, stack, cp, final, spec);
+      this.publish(req, b, parent, stack, cp, final, start);
       checkpointDir = undefined;
       b.status = "ready";
       b.log("info", `Template ${req.name} (${b.templateId}) is ready`);
@@ -542,7 +554,7 @@ export class TemplateBuilder {
   }
 
   /** The parent's clean layer stack, VM size and run-time state. */
-  private async parent(b: Build, spec: BuildSpec, signal: AbortSignal): Promise<{ root: string; layers: string[]; size: { cpuCount: number; memoryMB: number; diskSizeMB: number }; state: StepState; envdVersion: string }> {
+  private async parent(b: Build, spec: BuildSpec, signal: AbortSignal): Promise<{ root: string; layers: string[]; size: { cpuCount: number; memoryMB: number; diskSizeMB: number }; state: StepState; envdVersion: string; command: ImageCommand }> {
     const req = this.requests.get(b.templateId)!;
     const stateOf = (c: { env?: Record<string, string>; user?: string; workdir?: string } | null | undefined, labels: Record<string, string> = {}, exposed: string[] = []): StepState => {
       const user = c?.user || "user";
@@ -558,6 +570,7 @@ export class TemplateBuilder {
         size: { cpuCount: req.cpuCount ?? t.cpuCount, memoryMB: req.memoryMB ?? t.memoryMB, diskSizeMB: t.diskSizeMB },
         state: stateOf(t.config, { ...t.config?.labels }, [...(t.config?.exposed ?? [])]),
         envdVersion: t.envdVersion,
+        command: { entrypoint: t.config?.entrypoint ?? [], cmd: t.config?.cmd ?? [] },
       };
     }
     b.log("info", `FROM image ${spec.fromImage}`, "base");
@@ -569,8 +582,9 @@ export class TemplateBuilder {
       layers: img.layers,
       size: { cpuCount: req.cpuCount ?? base?.cpuCount ?? 2, memoryMB: req.memoryMB ?? base?.memoryMB ?? 512, diskSizeMB: img.diskSizeMB },
       // An image's sandboxes run as its User (root when it names none) in its WorkingDir (/ when none).
-      state: stateOf({ env: img.env, user: img.user || "root", workdir: img.workdir || "/" }),
+      state: stateOf({ env: img.env, user: img.user || "root", workdir: img.workdir || "/" }, { ...img.labels }, [...(img.exposedPorts ?? [])]),
       envdVersion: base?.envdVersion ?? "0.6.13",
+      command: { entrypoint: img.entrypoint ?? [], cmd: img.cmd ?? [] },
     };
   }
 
@@ -687,7 +701,7 @@ export class TemplateBuilder {
     }
   }
 
-  private publish(req: Request, b: Build, parent: { envdVersion: string; size: { cpuCount: number; memoryMB: number; diskSizeMB: number } }, stack: string[], cp: TemplateRecord["checkpoint"], s: StepState, spec: BuildSpec): void {
+  private publish(req: Request, b: Build, parent: { envdVersion: string; size: { cpuCount: number; memoryMB: number; diskSizeMB: number }; command: ImageCommand }, stack: string[], cp: TemplateRecord["checkpoint"], s: StepState, spec: BuildSpec): void {
     const old = this.orch.templates.resolve(req.templateId);
     // One build per template is kept: its earlier tags move to it with the requested ones.
     const now = Date.now();
@@ -696,6 +710,7 @@ export class TemplateBuilder {
     const config: TemplateConfig = {
       env: s.env, user: s.user, workdir: s.workdir, startCmd: spec.startCmd, readyCmd: spec.readyCmd,
       exposed: s.exposed, labels: s.labels, buildId: b.buildId, tags: [...tags.values()],
+      ...(parent.command.entrypoint.length + parent.command.cmd.length > 0 ? parent.command : {}),
     };
     const rec: TemplateRecord = {
       id: req.templateId, alias: req.name, kind: "template", names: [...tags.keys()].map((t) => `${req.name}:${t}`),
@@ -778,6 +793,19 @@ async function loginShell(vm: BuildVm): Promise<Shell> {
   const r = await runProcess(vm.envdUrl, null, { cmd: BUSYBOX, args: ["test", "-x", "/bin/bash"], user: "root", cwd: "/" }, { timeoutMs: SHORT_CMD_MS });
   const sh = r.exitCode === 0 ? "/bin/bash" : "/bin/sh";
   return { run: (cmd) => ({ cmd: sh, args: ["-lc", cmd] }) };
+}
+
+/** An image's Entrypoint and Cmd (a template built on one keeps its image's). */
+interface ImageCommand {
+  entrypoint: string[];
+  cmd: string[];
+}
+
+/** Entrypoint + Cmd as one shell command line, each word single-quoted where it needs it. */
+function startCmdOf(c: ImageCommand): string {
+  const words = [...c.entrypoint, ...c.cmd];
+  if (words.length === 0) throw new StepFailed("imageCmd: the image has no Entrypoint or Cmd to start", "base");
+  return words.map((w) => (/^[A-Za-z0-9_./:=@%+,-]+$/.test(w) ? w : `'${w.replaceAll("'", "'\\''")}'`)).join(" ");
 }
 
 /** The state after a step (the next step's `before`). */

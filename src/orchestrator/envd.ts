@@ -1,5 +1,5 @@
 // The orchestrator's two calls into a sandbox's envd: wait until it answers, and /init (token,
-// env, clock, entropy). Both are bounded in time; each attempt has its own short timeout.
+// env, clock, entropy, the node's egress CA). Both are bounded in time; each attempt has its own short timeout.
 
 /** envd's port in every sandbox (E2B's). */
 export const ENVD_PORT = 49983;
@@ -36,6 +36,8 @@ export interface EnvdInit {
   envVars: Record<string, string>;
   defaultUser?: string;
   defaultWorkdir?: string;
+  /** PEM certificates envd adds to the guest's trust store (the node's egress CA). */
+  caBundle?: string;
 }
 
 /**
@@ -55,6 +57,7 @@ export async function initEnvd(baseUrl: string, init: EnvdInit, timeoutMs: numbe
       envVars: init.envVars,
       defaultUser: init.defaultUser ?? "user",
       ...(init.defaultWorkdir ? { defaultWorkdir: init.defaultWorkdir } : {}),
+      ...(init.caBundle ? { caBundle: init.caBundle } : {}),
       timestamp: new Date().toISOString(),
       aenvEntropy: entropy,
     });

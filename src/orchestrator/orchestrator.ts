@@ -1,4 +1,4 @@
-// The orchestrator: sandboxes from templates, their lifecycle (DESIGN's state machine) and what
+// The orchestrator: sandboxes from templates, their lifecycle (docs/node.md's state machine) and what
 // each one holds (a network slot, blockd devices, a VMM process, checkpoint directories).
 // Every operation either completes or gives back what it took; state changes are
 // compare-and-set in the SandboxStore; concurrent requests on one sandbox join the operation
@@ -56,6 +56,8 @@ export interface OrchestratorOptions {
   snapshots?: SnapshotStore;
   /** Sandbox egress policies (without it a sandbox's slot lets nothing out). */
   egress?: Egress;
+  /** PEM of the node's egress CA: every guest trusts it from its /init on (TLS-terminating header rules). */
+  caBundle?: string;
 }
 
 /** The fields of `network` that PUT /sandboxes/{id}/network replaces; the others (inbound) stay. */
@@ -113,10 +115,28 @@ export interface CreateOptions {
   autoResume?: boolean;
   allowInternetAccess?: boolean | null;
   network?: unknown;
+  customExtensionParams?: Record<string, unknown>;
 }
 
-/** Bounds of the API's inputs that reach the orchestrator. */
-export const LIMITS = { metadataPairs: 64, envVars: 256, keyBytes: 256, valueBytes: 8192, timeoutS: 86_400 * 30, forkCount: 100 };
+/** Bounds of the API's inputs that reach the orchestrator (extensionParamsBytes: customExtensionParams as JSON). */
+export const LIMITS = { metadataPairs: 64, envVars: 256, keyBytes: 256, valueBytes: 8192, timeoutS: 86_400 * 30, forkCount: 100, extensionParamsBytes: 16_384 };
+
+/** E2B's SandboxMetric: one sample of the guest's envd. */
+export interface SandboxMetric {
+  timestamp: string;
+  timestampUnix: number;
+  cpuCount: number;
+  cpuUsedPct: number;
+  memUsed: number;
+  memTotal: number;
+  memCache: number;
+  diskUsed: number;
+  diskTotal: number;
+}
+
+/** A running sandbox is sampled every 5 s; the last 360 samples (30 min) of each are kept. */
+export const METRICS_INTERVAL_MS = 5000;
+const METRICS_KEPT = 360;
 
 interface Live {
   vm: Vmm;
@@ -207,6 +227,10 @@ export class Orchestrator {
   private readonly goneListeners: ((id: string) => void)[] = [];
   /** Phase timings of recent operations (create, resume, pause, fork, snapshot). */
   readonly timings = new TimingLog();
+  /** Metric samples by sandbox, at most METRICS_KEPT each; a sandbox's go when it is killed or lost. */
+  private readonly samples = new Map<string, SandboxMetric[]>();
+  /** Creates (POST /sandboxes, fork children) since this process started: succeeded, failed. */
+  readonly creates = { successes: 0, fails: 0 };
   private closed = false;
 
   constructor(
@@ -249,24 +273,47 @@ export class Orchestrator {
     return { host: l.slot.nsIp, port };
   }
 
-  /** One sample from the guest's envd (E2B's SandboxMetric); none while paused. */
-  async metrics(id: string): Promise<Record<string, unknown>[]> {
+  /**
+   * The kept samples of the sandbox with `timestampUnix` in [startS, endS] (unix seconds, either
+   * open), oldest first; one is taken now when the newest is older than METRICS_INTERVAL_MS.
+   */
+  async metrics(id: string, startS?: number, endS?: number): Promise<SandboxMetric[]> {
+    const newest = this.samples.get(id)?.at(-1);
+    if (!newest || Date.now() - newest.timestampUnix * 1000 >= METRICS_INTERVAL_MS) await this.sample(id);
+    return (this.samples.get(id) ?? []).filter((s) => (startS === undefined || s.timestampUnix >= startS) && (endS === undefined || s.timestampUnix <= endS));
+  }
+
+  /** One sample from the guest's envd into the sandbox's ring (none while it is paused or gone). */
+  private async sample(id: string): Promise<void> {
     const url = this.envdUrl(id);
     const rec = this.store.get(id);
-    if (!url || !rec) return [];
+    if (!url || !rec) return;
+    let m: Record<string, number>;
     try {
       const r = await fetch(`${url}/metrics`, { headers: { "x-access-token": rec.envdAccessToken }, signal: AbortSignal.timeout(5000) });
-      if (!r.ok) return [];
-      const m = (await r.json()) as Record<string, number>;
-      const ts = (m.ts ?? Math.floor(Date.now() / 1000)) * 1000;
-      return [{
-        timestamp: new Date(ts).toISOString(), timestampUnix: Math.floor(ts / 1000), cpuCount: m.cpu_count ?? rec.cpuCount,
-        cpuUsedPct: m.cpu_used_pct ?? 0, memUsed: m.mem_used ?? 0, memTotal: m.mem_total ?? 0, memCache: m.mem_cache ?? 0,
-        diskUsed: m.disk_used ?? 0, diskTotal: m.disk_total ?? 0,
-      }];
+      if (!r.ok) return;
+      m = (await r.json()) as Record<string, number>;
     } catch {
-      return [];
+      return;
     }
+    if (!this.live.has(id)) return; // went away while asked: no ring for it again
+    const ts = (m.ts ?? Math.floor(Date.now() / 1000)) * 1000;
+    const s: SandboxMetric = {
+      timestamp: new Date(ts).toISOString(), timestampUnix: Math.floor(ts / 1000), cpuCount: m.cpu_count ?? rec.cpuCount,
+      cpuUsedPct: m.cpu_used_pct ?? 0, memUsed: m.mem_used ?? 0, memTotal: m.mem_total ?? 0, memCache: m.mem_cache ?? 0,
+      diskUsed: m.disk_used ?? 0, diskTotal: m.disk_total ?? 0,
+    };
+    const ring = this.samples.get(id) ?? [];
+    // One sample per second at most: a second one in the same second replaces it.
+    if (ring.at(-1)?.timestampUnix === s.timestampUnix) ring.pop();
+    ring.push(s);
+    if (ring.length > METRICS_KEPT) ring.shift();
+    this.samples.set(id, ring);
+  }
+
+  /** A sample of every running sandbox with no operation in flight (the reaper's tick, every METRICS_INTERVAL_MS). */
+  private async sampleAll(): Promise<void> {
+    await Promise.all([...this.live.keys()].filter((id) => !this.inflight.has(id)).map((id) => this.sample(id)));
   }
 
   /** The guest console's last lines (at most 64 KiB of them), as E2B log entries. */
@@ -315,6 +362,7 @@ export class Orchestrator {
       allowInternetAccess: o.allowInternetAccess ?? null,
       network: o.network ?? null,
       runtime: null,
+      customExtensionParams: o.customExtensionParams ?? {},
     };
     this.store.insert(rec);
     return this.track(rec.id, "create", async () => {
@@ -327,8 +375,10 @@ export class Orchestrator {
         if (!done) throw new OrchestratorError(409, `sandbox ${rec.id} changed state while it was created`);
         clock.lap("record");
         this.timings.add("create", rec.id, clock);
+        this.creates.successes++;
         return done;
       } catch (e) {
+        this.creates.fails++;
         await this.teardown(rec.id);
         this.store.delete(rec.id);
         throw asOrchestratorError(e, `create from template '${tpl.alias ?? tpl.id}' failed`);
@@ -544,6 +594,7 @@ export class Orchestrator {
         envVars: { ...config?.env, ...rec.envVars, E2B_SANDBOX_ID: rec.id, E2B_TEMPLATE_ID: rec.templateId },
         defaultUser: config?.user,
         defaultWorkdir: config?.workdir,
+        caBundle: this.opts.caBundle,
       }, 30_000);
       clock.lap("init");
       return rt;
@@ -636,19 +687,24 @@ export class Orchestrator {
 
   /**
    * Connect (E2B): a running sandbox gets its TTL extended (never shortened) → "running"; a paused
-   * one is resumed with the TTL set → "resumed".
+   * one is resumed with the TTL set → "resumed"; a connect that joins a resume in flight extends
+   * the TTL. `extendOnly` (auto-resume by traffic): a resume never shortens the TTL either, its
+   * end becomes max(the stored end, now + timeoutS).
    */
-  async connect(id: string, timeoutS: number): Promise<{ rec: SandboxRecord; resumed: boolean }> {
+  async connect(id: string, timeoutS: number, o: { extendOnly?: boolean } = {}): Promise<{ rec: SandboxRecord; resumed: boolean }> {
     const rec = this.get(id);
     const endAt = Date.now() + timeoutS * 1000;
     if (rec.state === "running") return { rec: this.store.setEndAt(id, endAt, true)!, resumed: false };
     const cur = this.inflight.get(id);
-    if (cur?.op === "resume") { await cur.done; return { rec: this.get(id), resumed: true }; }
+    if (cur?.op === "resume") {
+      await cur.done;
+      return { rec: this.store.setEndAt(id, Date.now() + timeoutS * 1000, true) ?? this.get(id), resumed: true };
+    }
     if (cur) await this.settled(id);
     const now = this.get(id);
     if (now.state === "running") return { rec: this.store.setEndAt(id, endAt, true)!, resumed: false };
     if (now.state !== "paused") throw new OrchestratorError(409, `sandbox ${id} is ${now.state}`);
-    if (!this.store.transition(id, ["paused"], "resuming")) return this.connect(id, timeoutS);
+    if (!this.store.transition(id, ["paused"], "resuming")) return this.connect(id, timeoutS, o);
     const out = await this.track(id, "resume", async () => {
       await this.cleanups.get(id);
       const rt = this.runtime(id);
@@ -657,7 +713,9 @@ export class Orchestrator {
       try {
         const clock = new PhaseClock();
         const started = await this.startFrom(now, cp, clock);
-        const out = this.store.transition(id, ["resuming"], "running", { runtime: started, endAt })!;
+        const until = Date.now() + timeoutS * 1000;
+        const end = o.extendOnly ? Math.max(this.store.get(id)?.endAt ?? 0, until) : until;
+        const out = this.store.transition(id, ["resuming"], "running", { runtime: started, endAt: end })!;
         clock.lap("record");
         this.timings.add("resume", id, clock);
         return out;
@@ -768,8 +826,10 @@ export class Orchestrator {
         const out = this.store.transition(rec.id, ["creating"], "running", { runtime, endAt: Date.now() + ttl })!;
         clock.lap("record");
         this.timings.add("fork-child", rec.id, clock);
+        this.creates.successes++;
         return out;
       } catch (e) {
+        this.creates.fails++;
         await this.teardown(rec.id);
         this.store.delete(rec.id);
         throw asOrchestratorError(e, `fork of ${src.id} failed`);
@@ -958,7 +1018,10 @@ export class Orchestrator {
       await this.release(rt);
       if (rt.upperDir) await rm(rt.upperDir, { recursive: true, force: true });
     }
-    if (!o.keepPaused) await rm(join(this.opts.home, "sandboxes", id), { recursive: true, force: true });
+    if (!o.keepPaused) {
+      this.samples.delete(id);
+      await rm(join(this.opts.home, "sandboxes", id), { recursive: true, force: true });
+    }
   }
 
   /**
@@ -1085,9 +1148,19 @@ export class Orchestrator {
 
   // ─── reaper ────────────────────────────────────────────────────────────────
 
-  /** Every `intervalMs`: an expired running sandbox is paused (autoPause) or killed. */
+  /**
+   * Every `intervalMs`: an expired running sandbox is paused (autoPause) or killed. Every
+   * METRICS_INTERVAL_MS it also starts a metrics round (one at a time, not waited for).
+   */
   startReaper(intervalMs: number): void {
+    let sampledAt = 0;
+    let sampling = false;
     const tick = async () => {
+      if (!sampling && Date.now() - sampledAt >= METRICS_INTERVAL_MS) {
+        sampling = true;
+        sampledAt = Date.now();
+        void this.sampleAll().catch(() => {}).finally(() => { sampling = false; });
+      }
       for (const r of this.store.expired(Date.now(), 64)) {
         if (this.inflight.has(r.id)) continue;
         const op = r.autoPause ? this.pause(r.id) : this.kill(r.id);

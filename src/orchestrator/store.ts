@@ -1,7 +1,8 @@
 // SandboxStore: the node's sandbox table in bun:sqlite. Every state change is a compare-and-set on
 // the stored state (`transition`), so two requests racing on one sandbox cannot both win; list order
-// and its cursor follow E2B's (startedAt desc, then id; base64url "<startedAt>__<id>").
+// and its cursor follow E2B's (startedAt desc, then id; base64url "<startedAt>__<id>__<list scope>").
 import { Database } from "bun:sqlite";
+import { createHash } from "node:crypto";
 
 export const SANDBOX_STATES = [
   "creating", "running", "pausing", "paused", "resuming", "snapshotting", "forking", "killing",
@@ -38,6 +39,8 @@ export interface SandboxRecord {
   network: unknown;
   /** Where the orchestrator keeps what it needs to find the sandbox's parts again (slot, devices, VMM). */
   runtime: unknown;
+  /** AgentENV's customExtensionParams: opaque JSON kept with the sandbox (fork children inherit it); absent: `{}`. */
+  customExtensionParams?: Record<string, unknown>;
 }
 
 export class StoreError extends Error {
@@ -63,6 +66,7 @@ interface Row {
   started_at: number; end_at: number; cpu_count: number; memory_mb: number; disk_size_mb: number;
   envd_version: string; envd_access_token: string; traffic_access_token: string | null;
   auto_pause: number; auto_resume: number; allow_internet_access: number | null; network: string; runtime: string;
+  custom_extension_params: string;
 }
 
 const SCHEMA = `
@@ -85,7 +89,8 @@ CREATE TABLE IF NOT EXISTS sandboxes (
   auto_resume INTEGER NOT NULL,
   allow_internet_access INTEGER,
   network TEXT NOT NULL,
-  runtime TEXT NOT NULL
+  runtime TEXT NOT NULL,
+  custom_extension_params TEXT NOT NULL DEFAULT '{}'
 );
 CREATE INDEX IF NOT EXISTS sandboxes_end_at ON sandboxes (end_at);
 `;
@@ -111,18 +116,29 @@ function toRecord(r: Row): SandboxRecord {
     allowInternetAccess: r.allow_internet_access === null ? null : r.allow_internet_access === 1,
     network: JSON.parse(r.network),
     runtime: JSON.parse(r.runtime),
+    customExtensionParams: JSON.parse(r.custom_extension_params),
   };
 }
 
-export function encodeCursor(startedAt: number, id: string): string {
-  return Buffer.from(`${startedAt}__${id}`).toString("base64url");
+/**
+ * A list's page token: base64url of `<at>__<id>__<scope>`, the last item's sort key (unix ms) and
+ * ID, and the list it was issued for (`listScope`), so it is good for that list only.
+ */
+export function encodeCursor(at: number, id: string, scope: string): string {
+  return Buffer.from(`${at}__${id}__${scope}`).toString("base64url");
 }
 
-/** Undefined when the token is not one this store made (the API answers 400). */
-export function decodeCursor(token: string): { startedAt: number; id: string } | undefined {
-  const text = Buffer.from(token, "base64url").toString("utf8");
-  const m = /^(\d{1,16})__([a-z0-9]{1,64})$/.exec(text);
-  return m ? { startedAt: Number(m[1]), id: m[2]! } : undefined;
+/** A list's scope: its kind and a hash of its filters and order (16 hex digits). */
+export function listScope(kind: string, filters: unknown): string {
+  return `${kind}.${createHash("sha256").update(JSON.stringify(filters)).digest("hex").slice(0, 16)}`;
+}
+
+/** Where a token of the list `scope` points; a StoreError (400) when it does not decode or belongs to another list. */
+export function decodeCursor(token: string, scope: string): { at: number; id: string } {
+  const m = /^(\d{1,16})__([A-Za-z0-9_.-]{1,128}?)__([a-z0-9]+\.[0-9a-f]{16})$/.exec(Buffer.from(token, "base64url").toString("utf8"));
+  if (!m) throw new StoreError("nextToken is not a token this node issued");
+  if (m[3] !== scope) throw new StoreError("nextToken belongs to another list (other filters or order): list again without it");
+  return { at: Number(m[1]), id: m[2]! };
 }
 
 export class SandboxStore {
@@ -135,6 +151,9 @@ export class SandboxStore {
     this.db.run("PRAGMA synchronous = NORMAL");
     this.db.run("PRAGMA busy_timeout = 5000");
     this.db.run(SCHEMA);
+    // Databases made before the custom_extension_params column: added in place (empty params).
+    const cols = this.db.query<{ name: string }, []>("PRAGMA table_info(sandboxes)").all().map((c) => c.name);
+    if (!cols.includes("custom_extension_params")) this.db.run("ALTER TABLE sandboxes ADD COLUMN custom_extension_params TEXT NOT NULL DEFAULT '{}'");
     const max = this.db.query<{ m: number | null }, []>("SELECT MAX(started_at) AS m FROM sandboxes").get();
     this.lastStartedAt = max?.m ?? 0;
   }
@@ -151,7 +170,7 @@ export class SandboxStore {
     try {
       this.db.query(`INSERT INTO sandboxes VALUES ($id, $state, $template_id, $alias, $metadata, $env_vars,
         $started_at, $end_at, $cpu_count, $memory_mb, $disk_size_mb, $envd_version, $envd_access_token,
-        $traffic_access_token, $auto_pause, $auto_resume, $allow_internet_access, $network, $runtime)`).run({
+        $traffic_access_token, $auto_pause, $auto_resume, $allow_internet_access, $network, $runtime, $custom_extension_params)`).run({
         id: rec.id, state: rec.state, template_id: rec.templateId, alias: rec.alias,
         metadata: JSON.stringify(rec.metadata), env_vars: JSON.stringify(rec.envVars),
         started_at: rec.startedAt, end_at: rec.endAt, cpu_count: rec.cpuCount, memory_mb: rec.memoryMB,
@@ -160,6 +179,7 @@ export class SandboxStore {
         auto_resume: rec.autoResume ? 1 : 0,
         allow_internet_access: rec.allowInternetAccess === null ? null : rec.allowInternetAccess ? 1 : 0,
         network: JSON.stringify(rec.network ?? null), runtime: JSON.stringify(rec.runtime ?? null),
+        custom_extension_params: JSON.stringify(rec.customExtensionParams ?? {}),
       });
     } catch (e) {
       throw new StoreError(`insert ${rec.id}: ${(e as Error).message}`);
@@ -204,6 +224,13 @@ export class SandboxStore {
     return r ? toRecord(r) : undefined;
   }
 
+  /** Replaces the customExtensionParams of a running sandbox; undefined when it is gone or not running. */
+  setExtensionParams(id: string, params: Record<string, unknown>): SandboxRecord | undefined {
+    const r = this.db.query<Row, any>("UPDATE sandboxes SET custom_extension_params = $p WHERE id = $id AND state = 'running' RETURNING *")
+      .get({ id, p: JSON.stringify(params) });
+    return r ? toRecord(r) : undefined;
+  }
+
   /** Records what the sandbox holds (slot, devices, VMM), whatever its state. */
   setRuntime(id: string, runtime: unknown): void {
     this.db.query("UPDATE sandboxes SET runtime = ? WHERE id = ?").run(JSON.stringify(runtime ?? null), id);
@@ -242,12 +269,14 @@ export class SandboxStore {
     }
     if (q.template !== undefined) { where.push("(template_id = $tpl OR alias = $tpl)"); params.tpl = q.template; }
     if (q.startedAfter !== undefined) { where.push("started_at >= $after"); params.after = q.startedAfter; }
+    // A token belongs to the list of these filters and this order.
+    const state = q.states?.length === 1 ? q.states[0] : "";
+    const scope = listScope("sandboxes", [desc, state, Object.entries(q.metadata ?? {}).sort(), q.template ?? null, q.startedAfter ?? null]);
     if (q.nextToken !== undefined) {
-      const c = decodeCursor(q.nextToken);
-      if (!c) throw new StoreError("nextToken is not a token this node issued");
+      const c = decodeCursor(q.nextToken, scope);
       // startedAt is unique, so it alone orders; the id is kept in the token for readability.
       where.push(desc ? "started_at < $cur" : "started_at > $cur");
-      params.cur = c.startedAt;
+      params.cur = c.at;
     }
     const sql = `SELECT * FROM sandboxes ${where.length ? "WHERE " + where.join(" AND ") : ""}
       ORDER BY started_at ${desc ? "DESC" : "ASC"}`;
@@ -260,6 +289,6 @@ export class SandboxStore {
       items.push(rec);
     }
     const last = items[items.length - 1];
-    return more && last ? { items, nextToken: encodeCursor(last.startedAt, last.id) } : { items };
+    return more && last ? { items, nextToken: encodeCursor(last.startedAt, last.id, scope) } : { items };
   }
 }

@@ -46,9 +46,12 @@ export interface TemplateConfig {
   workdir?: string;
   startCmd?: string;
   readyCmd?: string;
-  /** EXPOSE and LABEL steps: kept, not acted on. */
+  /** The image's ExposedPorts and Labels plus EXPOSE and LABEL steps: kept, not acted on (no readyCmd comes of a port). */
   exposed?: string[];
   labels?: Record<string, string>;
+  /** The image's Entrypoint and Cmd: run only when the build asked (imageCmd), then as startCmd. */
+  entrypoint?: string[];
+  cmd?: string[];
   /** The build that made it (E2B's buildID). */
   buildId?: string;
   /** Tags (E2B `name:tag`): each names this template's one kept build; `default` always does. */

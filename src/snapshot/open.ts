@@ -1,6 +1,6 @@
 // AENV_SNAPSHOT_STORE → a SnapshotStore. A directory (absolute path; local disk or a shared
 // filesystem, the same code) or s3://bucket/prefix, with S3's endpoint, region and credentials
-// from AENV_S3_ENDPOINT and the standard AWS_* variables.
+// from the caller (the node's s3_* settings, docs/node.md).
 import { S3Client } from "bun";
 import { join } from "node:path";
 import { SnapshotCache } from "./cache.ts";
@@ -13,13 +13,27 @@ import type { SnapshotStore } from "./store.ts";
 export interface OpenOptions {
   /** $AENV_HOME: the default store is `<home>/snapshots`, the default cache `<home>/snapshot-cache`. */
   home: string;
-  /** Where AWS_* and AENV_S3_ENDPOINT are read (default process.env). */
-  env?: Record<string, string | undefined>;
+  /** S3 only: endpoint, region and credentials. */
+  s3?: S3Settings;
   /** S3 only: the local cache of downloaded snapshots and its bound in bytes (default 32 GiB). */
   cacheDir?: string;
   cacheBytes?: number;
   limits?: StoreLimits;
 }
+
+/** Empty strings count as unset: the node's settings default to "". */
+export interface S3Settings {
+  /** http(s)://host[:port]; unset: AWS itself, in the region. */
+  endpoint?: string;
+  /** Default us-east-1. */
+  region?: string;
+  accessKeyId?: string;
+  secretAccessKey?: string;
+  sessionToken?: string;
+}
+
+/** What an S3 endpoint looks like: http(s)://host[:port][/path]. */
+export const S3_ENDPOINT = /^https?:\/\/[^\s/]+(\/.*)?$/;
 
 export const DEFAULT_CACHE_BYTES = 32 * 1024 ** 3;
 const BUCKET_RE = /^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$/;
@@ -40,15 +54,13 @@ export function openSnapshotStore(setting: string | undefined, o: OpenOptions): 
   const path = parts.filter((p) => p !== "");
   if (!path.every((p) => PREFIX_PART_RE.test(p) && p !== "..")) throw new SnapshotStoreError("BadConfig", `AENV_SNAPSHOT_STORE=${s}: prefix parts are 1-128 of [A-Za-z0-9._-]`);
   const prefix = path.length === 0 ? "" : `${path.join("/")}/`;
-  const env = o.env ?? process.env;
-  const accessKeyId = env.AWS_ACCESS_KEY_ID;
-  const secretAccessKey = env.AWS_SECRET_ACCESS_KEY;
+  const { accessKeyId, secretAccessKey } = o.s3 ?? {};
   if (!accessKeyId || !secretAccessKey) throw new SnapshotStoreError("BadConfig", `AENV_SNAPSHOT_STORE=${s}: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY must be set`);
-  const region = env.AWS_REGION || env.AWS_DEFAULT_REGION || "us-east-1";
-  const endpoint = env.AENV_S3_ENDPOINT || env.AWS_ENDPOINT_URL_S3 || env.AWS_ENDPOINT_URL || undefined;
-  if (endpoint !== undefined && !/^https?:\/\/[^\s/]+(\/.*)?$/.test(endpoint)) throw new SnapshotStoreError("BadConfig", `AENV_S3_ENDPOINT=${endpoint}: expected http(s)://host[:port]`);
+  const region = o.s3?.region || "us-east-1";
+  const endpoint = o.s3?.endpoint || undefined;
+  if (endpoint !== undefined && !S3_ENDPOINT.test(endpoint)) throw new SnapshotStoreError("BadConfig", `AENV_S3_ENDPOINT=${endpoint}: expected http(s)://host[:port]`);
   const client = new S3Client({
-    bucket, region, accessKeyId, secretAccessKey, sessionToken: env.AWS_SESSION_TOKEN || undefined,
+    bucket, region, accessKeyId, secretAccessKey, sessionToken: o.s3?.sessionToken || undefined,
     // Without an endpoint: AWS itself, in the region.
     endpoint: endpoint ?? `https://s3.${region}.amazonaws.com`,
   });

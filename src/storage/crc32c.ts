@@ -1,11 +1,11 @@
 // CRC-32C (Castagnoli) in the "raw" form ZFile uses: no initial and no final inversion
-// (overlaybd-format.md §7.3). std(b) = raw(0xFFFFFFFF, b) ^ 0xFFFFFFFF.
+// (docs/formats.md, ZFile). std(b) = raw(0xFFFFFFFF, b) ^ 0xFFFFFFFF.
 
 import { createRequire } from "node:module";
 
 type NativeCrc32c = (input: Uint8Array, initialState?: number) => number;
 
-// @node-rs/crc32 runs at ~4.5 GB/s against ~1.5 GB/s for a TS table (bun-measurements.md §3).
+// @node-rs/crc32 runs at ~4.5 GB/s against ~1.6 GB/s for a TS slicing-by-8 table (4 KiB buffers).
 function loadNativeCrc32c(): NativeCrc32c | null {
   try {
     const mod = createRequire(import.meta.url)("@node-rs/crc32") as { crc32c?: NativeCrc32c };

@@ -1,5 +1,5 @@
 // Image: a stack of read-only layers under one optional writable upper, served as one virtual
-// disk (DESIGN.md §3). Reads consult the upper's index, then one merged index of every lower
+// disk (docs/storage.md). Reads consult the upper's index, then one merged index of every lower
 // (tag = layer, base = 0); holes and zero segments read as zeros.
 
 import { link, rename, rm, truncate, unlink } from "node:fs/promises";
@@ -42,16 +42,27 @@ export class Image {
    * node-wide budget that remote layer backends (registry, S3, peers) draw their reads from.
    */
   static async open(config: ImageConfig, opts: { remoteIo?: IoLimiter } = {}): Promise<Image> {
+    const lowers = await Image.openLowers(config, 0, opts);
+    try {
+      const upper = config.upper ? await WritableLayer.open(config.upper.data, config.upper.index) : undefined;
+      return new Image(lowers, upper);
+    } catch (e) {
+      for (const l of lowers) await l.close();
+      throw e;
+    }
+  }
+
+  /** The config's lowers from position `from` on, opened; all or none (a failure closes those opened). */
+  static async openLowers(config: ImageConfig, from: number, opts: { remoteIo?: IoLimiter } = {}): Promise<ReadOnlyLayer[]> {
     const lowers: ReadOnlyLayer[] = [];
     try {
-      for (let i = 0; i < config.lowers.length; i++) {
+      for (let i = from; i < config.lowers.length; i++) {
         const ref = config.lowers[i]!;
         const path = resolveLayerPath(ref, i);
         if (path.startsWith(REMOTE_PREFIX)) registerRemoteLayer(await handleFromSpec(ref.digest as LayerDigest, ref.size!, ref.remote!));
         lowers.push(await openLayerFile(path, opts));
       }
-      const upper = config.upper ? await WritableLayer.open(config.upper.data, config.upper.index) : undefined;
-      return new Image(lowers, upper);
+      return lowers;
     } catch (e) {
       for (const l of lowers) await l.close();
       throw e;
@@ -67,16 +78,22 @@ export class Image {
    * rebuild is ~0.5 ms for a 9k-segment base). Fresh: it maps nothing, so no read in flight sees
    * the stack change.
    */
-  attachUpper(upper: WritableLayer): void {
+  attachUpper(upper: WritableLayer, above: ReadOnlyLayer[] = []): void {
     if (this.upperLayer) throw new ConfigError("the image already has a writable layer");
     if (upper.index.size) throw new ConfigError("only a fresh upper (one that maps nothing) can be attached", upper.dataPath);
+    if (this.lowers.length + above.length > MAX_LOWERS) throw new ConfigError(`${this.lowers.length + above.length} lowers exceed ${MAX_LOWERS}`);
+    // `above`: more lowers between the open ones and the upper (a sandbox's own sealed layers over its template's).
+    for (const l of above) {
+      this.lowers.push(l);
+      this.addToMerged(l, this.lowers.length - 1);
+    }
     this.upperLayer = upper;
   }
   get readOnly(): boolean {
     return !this.upperLayer;
   }
 
-  /** The upper's virtual size when set, else the top-most lower's non-zero one (§5.4). */
+  /** The upper's virtual size when set, else the top-most lower's non-zero one, as C++ sizes a stack. */
   get virtualSize(): number {
     if (this.upperLayer?.virtualSize) return this.upperLayer.virtualSize;
     for (let i = this.lowers.length - 1; i >= 0; i--) if (this.lowers[i]!.virtualSize) return this.lowers[i]!.virtualSize;
@@ -252,12 +269,18 @@ export class Image {
       let layer: ReadOnlyLayer | undefined;
       let fresh: WritableLayer;
       try {
-        await (await WritableLayer.create(next.data, next.index, { virtualSize: up.virtualSize, parentUuid: up.uuid, sparse: up.sparse })).close();
-        sealing = true;
-        await up.seal();
-        closing = true;
-        await up.close();
-        layer = await openLayerFile(layerPath);
+        // The fresh upper is made while the old one is sealed: neither waits on the other's syncs.
+        const making = WritableLayer.create(next.data, next.index, { virtualSize: up.virtualSize, parentUuid: up.uuid, sparse: up.sparse }).then((l) => l.close());
+        const sealed = (async () => {
+          sealing = true;
+          await up.seal();
+          closing = true;
+          await up.close();
+          layer = await openLayerFile(layerPath);
+        })();
+        const [made, seal] = await Promise.allSettled([making, sealed]);
+        if (seal.status === "rejected") throw seal.reason;
+        if (made.status === "rejected") throw made.reason;
         if (!up.sparse) {
           await link(up.indexPath, prevIndex);
           indexSaved = true;
@@ -284,8 +307,9 @@ export class Image {
         await Promise.all([rm(next.data, { force: true }), rm(next.index, { force: true })]).catch(() => {});
         throw e instanceof StorageError ? e : new StorageError(`restack failed: ${(e as Error).message}`, layerPath);
       }
-      this.lowers.push(layer);
-      this.addToMerged(layer, this.lowers.length - 1);
+      const sealedLayer = layer!; // set once the seal settled without an error
+      this.lowers.push(sealedLayer);
+      this.addToMerged(sealedLayer, this.lowers.length - 1);
       this.upperLayer = fresh;
       await rm(prevIndex, { force: true }).catch(() => {});
       return layerPath;

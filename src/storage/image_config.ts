@@ -1,5 +1,5 @@
 // The image config (config.v1.json) that names a stack: read-only lowers, base first, and an
-// optional writable upper (overlaybd-format.md §9). Fields we do not serve yet are refused by name.
+// optional writable upper (docs/formats.md, Image config). Fields we do not serve yet are refused by name.
 
 import { existsSync } from "node:fs";
 import { isAbsolute, join, resolve } from "node:path";

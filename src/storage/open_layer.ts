@@ -1,5 +1,5 @@
 // Open a read-only layer file whatever its wrapping: tar → ZFile → LSMT, detected in that order
-// (overlaybd-format.md §1); each level is a plain random-access file to the next.
+// (docs/formats.md, How a layer file nests); each level is a plain random-access file to the next.
 
 import { statSync } from "node:fs";
 import { FileTypeError, FormatError, hexBytes } from "./errors.ts";

@@ -1,4 +1,4 @@
-// The tar wrapper of overlaybd's `-t` flag (overlaybd-format.md §8): a ustar "00" archive with a
+// The tar wrapper of overlaybd's `-t` flag (docs/formats.md, Tar wrapper): a ustar "00" archive with a
 // PAX header carrying the size, one entry "overlaybd.commit", then the payload.
 
 import { FormatError, IoRangeError, TruncatedError } from "./errors.ts";

@@ -1,5 +1,5 @@
 // ZFile: a file stored as independently compressed fixed-size blocks plus a table of their stored
-// lengths (overlaybd-format.md §7). Reader (a ReadableFile view), writer, and the 512-byte
+// lengths (docs/formats.md, ZFile). Reader (a ReadableFile view), writer, and the 512-byte
 // header/trailer codec.
 
 import { decompress as fzstdDecompress } from "fzstd";
@@ -23,7 +23,7 @@ export const ZF_FLAG_HEADER_OVERWRITE = 0x08;
 export const ZF_FLAG_DIGEST = 0x10;
 export const ZF_FLAG_INDEX_COMPRESSED = 0x20;
 
-/** Flags the C++ writer puts in the initial header, the trailer and the rewritten header (§7.2). */
+/** Flags the C++ writer puts in the initial header, the trailer and the rewritten header. */
 export const ZF_FLAGS_INITIAL_HEADER = 0x13;
 export const ZF_FLAGS_TRAILER = 0x16;
 export const ZF_FLAGS_OVERWRITTEN_HEADER = 0x1b;
@@ -31,14 +31,14 @@ export const ZF_FLAGS_OVERWRITTEN_HEADER = 0x1b;
 export const ZF_ALGO_LZ4 = 1;
 export const ZF_ALGO_ZSTD = 2;
 export const ZF_BLOCK_CRC_SEED = 100007;
-// The C++ reader refuses more blocks than this (§7.6).
+// The C++ reader refuses more blocks than this.
 const MAX_INDEX_ENTRIES = 1e9;
 // Compressed bytes fetched by one pread when a request spans many blocks.
 const MAX_READ_SPAN = 1 << 20;
 // Output staged by the writer before one pwrite.
 const WRITE_FLUSH_BYTES = 1 << 20;
 
-/** The 96-byte structure of a ZFile header or trailer (§7.1); sizes and offsets in bytes. */
+/** The 96-byte structure of a ZFile header or trailer; sizes and offsets in bytes. */
 export interface ZFileHeader {
   flags: number;
   indexOffset: number;
@@ -148,7 +148,7 @@ const ZSTD_MAGIC = [0x28, 0xb5, 0x2f, 0xfd];
 // RFC 8878: a block holds at most min(Window_Size, 128 KiB).
 const ZSTD_MAX_BLOCK = 128 * 1024;
 
-// Bun's built-in zstd decodes 4 KiB blocks 2.5-4x faster than fzstd (bun-measurements.md §2).
+// Bun's built-in zstd decodes 4 KiB blocks 2.5-4x faster than fzstd (61–123k against 22–27k blocks/s).
 const bunZstd: { compress: (b: Uint8Array) => Uint8Array; decompress: (b: Uint8Array) => Uint8Array } | null =
   typeof Bun !== "undefined" && typeof Bun.zstdDecompressSync === "function" && typeof Bun.zstdCompressSync === "function"
     ? { compress: (b) => Bun.zstdCompressSync(b, { level: 3 }), decompress: (b) => Bun.zstdDecompressSync(b) }
@@ -313,7 +313,7 @@ export class ZFileReader implements ReadableFile {
     this.cacheData = new Uint8Array(slots * meta.blockSize);
   }
 
-  /** Open and validate a ZFile (§7.6): magic, header digest, trailer or rewritten header, index bounds and CRC. */
+  /** Open and validate a ZFile as C++ does: magic, header digest, trailer or rewritten header, index bounds and CRC. */
   static async open(file: ReadableFile, opts: ZFileOpenOptions = {}): Promise<ZFileReader> {
     const name = file.name;
     const fileSize = file.size();

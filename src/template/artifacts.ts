@@ -9,7 +9,10 @@ import { WritableLayer } from "../storage/lsmt/writable_layer.ts";
 /** guest/: the build scripts and envd sources (what runs inside the VM). */
 const GUEST_DIR = join(import.meta.dir, "../../guest");
 
-/** Where built artifacts are cached; the same rule as lib.sh (AENV_GUEST_CACHE moves it). */
+/**
+ * Where tests and benchmarks cache built artifacts: AENV_GUEST_CACHE, else guest/.cache
+ * (gitignored), as lib.sh decides. The node passes its own (its guest_cache setting, docs/node.md).
+ */
 export function guestCache(): string {
   return process.env.AENV_GUEST_CACHE ?? join(GUEST_DIR, ".cache");
 }
@@ -22,9 +25,10 @@ export interface GuestKernel {
   vmlinuz: string;
 }
 
-/** A build script's stdout lines; asynchronous, so a node building its guest keeps serving. */
-async function run(script: string, args: string[] = []): Promise<string[]> {
-  const p = Bun.spawn(["bash", join(GUEST_DIR, script), ...args], { stdout: "pipe", stderr: "pipe" });
+/** A build script's stdout lines, built into `cache`; asynchronous, so a node building its guest keeps serving. */
+async function run(script: string, args: string[], cache: string): Promise<string[]> {
+  const env = { ...process.env, AENV_GUEST_CACHE: cache };
+  const p = Bun.spawn(["bash", join(GUEST_DIR, script), ...args], { stdout: "pipe", stderr: "pipe", env });
   const timer = setTimeout(() => p.kill("SIGKILL"), BUILD_TIMEOUT_MS);
   const [out, err, code] = await Promise.all([new Response(p.stdout).text(), new Response(p.stderr).text(), p.exited]);
   clearTimeout(timer);
@@ -36,17 +40,17 @@ async function run(script: string, args: string[] = []): Promise<string[]> {
 const BUILD_TIMEOUT_MS = 10 * 60_000;
 
 /** Debian's stock cloud kernel with our initramfs. */
-export async function debianKernel(): Promise<GuestKernel> {
-  const [vmlinux, initrd, vmlinuz] = await run("kernel/fetch-debian-kernel.sh");
+export async function debianKernel(cache = guestCache()): Promise<GuestKernel> {
+  const [vmlinux, initrd, vmlinuz] = await run("kernel/fetch-debian-kernel.sh", [], cache);
   return { vmlinux: vmlinux!, initrd: initrd!, vmlinuz: vmlinuz! };
 }
 
 /** The read-only tools disk; with envd, the binary goes in at /agentenv/envd. */
-export async function toolsDisk(opts: { envd?: string; out?: string } = {}): Promise<string> {
+export async function toolsDisk(opts: { envd?: string; out?: string; cache?: string } = {}): Promise<string> {
   const args: string[] = [];
   if (opts.envd) args.push("--envd", opts.envd);
   if (opts.out) args.push("--out", opts.out);
-  return (await run("build-tools-disk.sh", args)).at(-1)!;
+  return (await run("build-tools-disk.sh", args, opts.cache ?? guestCache())).at(-1)!;
 }
 
 /**
@@ -54,7 +58,8 @@ export async function toolsDisk(opts: { envd?: string; out?: string } = {}): Pro
  * code; rebuilt when any source file is newer. Still linked against the host's glibc: the tools
  * disk build points it at its own copy of the loader and libraries.
  */
-export async function envdBinary(out = join(guestCache(), "envd", "envd")): Promise<string> {
+export async function envdBinary(cache = guestCache()): Promise<string> {
+  const out = join(cache, "envd", "envd");
   const srcDir = join(GUEST_DIR, "envd");
   const newest = Math.max(...readdirSync(srcDir).filter((f) => f.endsWith(".ts")).map((f) => statSync(join(srcDir, f)).mtimeMs));
   if (existsSync(out) && statSync(out).mtimeMs >= newest) return out;
@@ -70,8 +75,8 @@ export async function envdBinary(out = join(guestCache(), "envd", "envd")): Prom
 }
 
 /** The tools disk with the real envd on it (a separate image, so the envd-less default stays). */
-export async function envdToolsDisk(): Promise<string> {
-  return toolsDisk({ envd: await envdBinary(), out: join(guestCache(), "tools-envd.img") });
+export async function envdToolsDisk(cache = guestCache()): Promise<string> {
+  return toolsDisk({ envd: await envdBinary(cache), out: join(cache, "tools-envd.img"), cache });
 }
 
 /** A busybox-only root filesystem image (raw ext4), standing in for a user's image. */
@@ -79,7 +84,7 @@ export async function testRootfs(opts: { out?: string; sizeMiB?: number } = {}):
   const args: string[] = [];
   if (opts.out) args.push("--out", opts.out);
   if (opts.sizeMiB) args.push("--size", String(opts.sizeMiB));
-  return (await run("build-test-rootfs.sh", args)).at(-1)!;
+  return (await run("build-test-rootfs.sh", args, guestCache())).at(-1)!;
 }
 
 export interface GuestCmdline {

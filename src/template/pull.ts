@@ -1,7 +1,8 @@
 // pullImage: an OCI image from a registry as a stack of sealed overlaybd layers (lowest first) and
 // the parts of its config a sandbox inherits. Tar layers are converted onto the cached empty ext4
 // layer, each result cached by chain ID, the download of layer i+1 overlapping the conversion of
-// layer i; overlaybd-native layers are used as they are (digest verified, no conversion).
+// layer i; overlaybd-native layers are used as they are (digest verified, opened as a layer, no
+// conversion), the disk their virtual size.
 
 import { rm } from "node:fs/promises";
 import { join } from "node:path";
@@ -10,6 +11,7 @@ import { convertLayer, DEFAULT_DISK_BYTES, emptyExt4Layer, initCache, type Conve
 import { ConvertError } from "./convert_error.ts";
 import { chainId, type LayerCache } from "./layer_cache.ts";
 import type { Descriptor, ImageRef, OciImageConfig, RegistryClient, ResolvedImage } from "./registry.ts";
+import { openLayerFile } from "../storage/open_layer.ts";
 
 export interface PullProgress {
   /** resolving: reading manifests and config; layers: downloading and converting; done. */
@@ -48,6 +50,7 @@ export interface PulledImage {
   /** Sealed overlaybd layer files, lowest first (the empty ext4 layer first for converted images). */
   layers: string[];
   config: ImageRunConfig;
+  /** The sandbox's disk: a converted image's size, or a native image's largest layer virtual size (whole MiB, rounded up). */
   diskSizeMB: number;
   overlaybdNative: boolean;
   /** Layers this pull converted (or took as native blobs), and layers it found in the cache. */
@@ -133,6 +136,8 @@ async function pullLayers(image: ResolvedImage, chains: string[], bottom: Conver
   };
   const stack: ConvertedLayer[] = bottom ? [bottom] : [];
   let converted = 0;
+  /** A native image's disk: the largest virtual size of its layers. */
+  let virtualBytes = 0;
   try {
     for (let i = 0; i < descs.length; i++) {
       const next = needed.indexOf(true, i + 1);
@@ -142,8 +147,14 @@ async function pullLayers(image: ResolvedImage, chains: string[], bottom: Conver
       };
       let layer: ConvertedLayer;
       if (image.overlaybdNative) {
-        const r = await opts.cache.get(chains[i]!, blob);
+        // A blob is cached only once it opens as an overlaybd layer (its digest alone says nothing of that).
+        const r = await opts.cache.get(chains[i]!, async () => {
+          const path = await blob();
+          await nativeVirtualSize(path, descs[i]!.digest);
+          return path;
+        });
         layer = { chain: chains[i]!, path: r.path, converted: r.made };
+        virtualBytes = Math.max(virtualBytes, await nativeVirtualSize(r.path, descs[i]!.digest));
       } else {
         layer = await convertLayer(ctx, stack, { blob, diffId: image.config.diffIds[i]!, digest: descs[i]!.digest }, diskBytes, (lp) => {
           p.bytesApplied = lp.tarBytes;
@@ -168,11 +179,27 @@ async function pullLayers(image: ResolvedImage, chains: string[], bottom: Conver
     manifestDigest: image.manifestDigest,
     layers: stack.map((l) => l.path),
     config: runConfig(image.config),
-    diskSizeMB: Math.round(diskBytes / 2 ** 20),
+    diskSizeMB: Math.ceil((image.overlaybdNative ? virtualBytes : diskBytes) / 2 ** 20),
     overlaybdNative: image.overlaybdNative,
     converted,
     cached: descs.length - converted,
   };
+}
+
+/** An overlaybd blob's virtual size, once it opens as a layer (tar or ZFile wrapped, or bare LSMT); else CorruptLayer. */
+async function nativeVirtualSize(path: string, digest: string): Promise<number> {
+  let layer;
+  try {
+    layer = await openLayerFile(path);
+  } catch (e) {
+    throw new ConvertError("CorruptLayer", `the blob is not an overlaybd layer: ${(e as Error).message}`, undefined, digest);
+  }
+  try {
+    if (!(layer.virtualSize > 0)) throw new ConvertError("CorruptLayer", "the overlaybd layer has a virtual size of 0", undefined, digest);
+    return layer.virtualSize;
+  } finally {
+    await layer.close();
+  }
 }
 
 function runConfig(c: OciImageConfig): ImageRunConfig {

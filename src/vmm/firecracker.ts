@@ -398,7 +398,7 @@ export function loadSnapshot(o: SnapshotLoad): FcRequest {
 // ---- jailer -------------------------------------------------------------------------------------
 
 export interface JailerOptions {
-  /** The jailer binary (AENV_JAILER_BIN or `jailer`). */
+  /** The jailer binary (default `jailer` on PATH). */
   binary?: string;
   uid: number;
   gid: number;
@@ -424,7 +424,7 @@ export function checkVmId(id: unknown): string {
 /** jailer argv: it chroots, drops privileges and execs firecracker with the args after `--`. */
 export function jailerArgs(id: string, execFile: string, j: JailerOptions, firecrackerArgs: string[]): string[] {
   checkVmId(id);
-  const argv = [j.binary ?? process.env.AENV_JAILER_BIN ?? "jailer", "--id", id, "--exec-file", execFile, "--uid", String(int("uid", j.uid)), "--gid", String(int("gid", j.gid))];
+  const argv = [j.binary ?? "jailer", "--id", id, "--exec-file", execFile, "--uid", String(int("uid", j.uid)), "--gid", String(int("gid", j.gid))];
   if (j.chrootBaseDir) argv.push("--chroot-base-dir", j.chrootBaseDir);
   if (j.netns) argv.push("--netns", j.netns);
   if (j.cgroupVersion) argv.push("--cgroup-version", String(j.cgroupVersion));
@@ -477,7 +477,7 @@ export class FirecrackerApi {
 // ---- driver -------------------------------------------------------------------------------------
 
 export interface FirecrackerOptions {
-  /** firecracker binary (AENV_FIRECRACKER_BIN or `firecracker`). */
+  /** firecracker binary (default `firecracker` on PATH; the node passes its firecracker_bin setting). */
   binary?: string;
   /** Run under the jailer; spec paths must then be the paths inside the jail. */
   jailer?: JailerOptions;
@@ -486,10 +486,12 @@ export interface FirecrackerOptions {
   /** Dirty page tracking, for Diff snapshots. */
   trackDirtyPages?: boolean;
   startTimeoutMs?: number;
+  /** CPU niceness of the VMM process and its vCPU threads (0..19; the node passes its vmm_nice setting). */
+  nice?: number;
 }
 
 export function firecrackerBinary(o: FirecrackerOptions = {}): string {
-  return o.binary ?? process.env.AENV_FIRECRACKER_BIN ?? "firecracker";
+  return o.binary ?? "firecracker";
 }
 
 /** Whether Firecracker can run here: its binary on PATH (or given) and a usable /dev/kvm. */
@@ -606,7 +608,7 @@ export class FirecrackerDriver implements VmmDriver {
       sock = join(jailRoot(spec.id, bin, this.opts.jailer), "firecracker.sock");
     } else {
       sock = join(spec.runDir, "firecracker.sock");
-      argv = netnsArgv(spec.netnsPath, [bin, "--api-sock", sock, "--id", spec.id]);
+      argv = netnsArgv(spec.netnsPath, [bin, "--api-sock", sock, "--id", spec.id], this.opts.nice);
     }
     await rm(sock, { force: true });
     // The guest's serial console is Firecracker's stdout.

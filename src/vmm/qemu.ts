@@ -28,14 +28,16 @@ import { withTimeout } from "./wait.ts";
 export type Accel = "kvm" | "tcg";
 
 export interface QemuOptions {
-  /** qemu-system-x86_64 by default (AENV_QEMU_BIN overrides). */
+  /** qemu-system-x86_64 on PATH by default (the node passes its qemu_bin setting). */
   binary?: string;
-  /** Forced accelerator; otherwise AENV_QEMU_ACCEL, otherwise KVM when probeKvm() says usable. */
+  /** Forced accelerator (the node's qemu_accel setting); otherwise KVM when probeKvm() says usable. */
   accel?: Accel;
   /** Guest TSC frequency for TCG (the host's by default); 0 leaves the kernel command line alone. */
   tscKhz?: number;
   /** How long QEMU may take to answer on QMP after it starts. */
   startTimeoutMs?: number;
+  /** CPU niceness of the VMM process and its vCPU threads (0..19; the node passes its vmm_nice setting). */
+  nice?: number;
 }
 
 /** How the RAM of one QEMU is backed. */
@@ -160,14 +162,14 @@ export function hostTscKhz(): number | undefined {
 }
 
 export function resolveAccel(opts: QemuOptions = {}): Accel {
-  const forced = opts.accel ?? (process.env.AENV_QEMU_ACCEL as Accel | undefined);
+  const forced: string | undefined = opts.accel;
   if (forced === "kvm" || forced === "tcg") return forced;
-  if (forced) throw new VmmError("BadSpec", `AENV_QEMU_ACCEL must be kvm or tcg, not ${forced}`);
+  if (forced !== undefined) throw new VmmError("BadSpec", `accel must be kvm or tcg, not ${forced}`);
   return probeKvm().usable ? "kvm" : "tcg";
 }
 
 export function qemuBinary(opts: QemuOptions = {}): string {
-  return opts.binary ?? process.env.AENV_QEMU_BIN ?? "qemu-system-x86_64";
+  return opts.binary ?? "qemu-system-x86_64";
 }
 
 function shellQuote(s: string): string {
@@ -327,7 +329,7 @@ export class QemuDriver implements VmmDriver {
 
   /** Spawn QEMU and connect to QMP; a QEMU that dies first is reported with its stderr. */
   private async start(launch: QemuLaunch, qemuLog: string): Promise<{ proc: ReturnType<typeof Bun.spawn>; qmp: QmpClient }> {
-    const argv = netnsArgv(launch.spec.netnsPath, [this.binary, ...qemuArgs(launch)]);
+    const argv = netnsArgv(launch.spec.netnsPath, [this.binary, ...qemuArgs(launch)], this.opts.nice);
     await rm(launch.qmpSocket, { force: true });
     await Bun.write(join(dirname(qemuLog), "qemu.argv"), JSON.stringify(argv));
     const log = Bun.file(qemuLog);

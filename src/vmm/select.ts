@@ -1,5 +1,5 @@
-// Picks the VMM at node start (DESIGN.md §6): Firecracker when its binary and a usable /dev/kvm
-// exist, QEMU otherwise. `vmm` (or AENV_VMM) forces one; forcing an unusable one is an error.
+// Picks the VMM at node start (docs/vmm.md): Firecracker when its binary and a usable /dev/kvm
+// exist, QEMU otherwise. `vmm` (the node's AENV_VMM) forces one; forcing an unusable one is an error.
 
 import { FirecrackerDriver, type FirecrackerOptions, firecrackerAvailable } from "./firecracker.ts";
 import { QemuDriver, type QemuOptions } from "./qemu.ts";
@@ -12,7 +12,7 @@ export interface SelectOptions {
 }
 
 export function selectDriver(o: SelectOptions = {}): { driver: VmmDriver; reason: string } {
-  const want = o.vmm ?? (process.env.AENV_VMM as VmmKind | "auto" | undefined) ?? "auto";
+  const want: string = o.vmm ?? "auto";
   if (want !== "auto" && want !== "qemu" && want !== "firecracker") throw new VmmError("BadSpec", `AENV_VMM must be qemu, firecracker or auto, not ${want}`);
   const fc = firecrackerAvailable(o.firecracker);
   if (want === "firecracker") {

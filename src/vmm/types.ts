@@ -1,4 +1,4 @@
-// The one interface every VMM driver implements (DESIGN.md §6): boot, pause, resume, snapshot,
+// The one interface every VMM driver implements (docs/vmm.md): boot, pause, resume, snapshot,
 // restore, stop, balloon. The orchestrator only sees these types; qemu.ts and firecracker.ts
 // translate them to their VMM's command line and API.
 
@@ -147,9 +147,14 @@ function checkNetnsPath(path: string): string {
   return path;
 }
 
-/** argv run inside the network namespace at `netnsPath` (nsenter execs in place: the pid stays). */
-export function netnsArgv(netnsPath: string | undefined, argv: string[]): string[] {
-  return netnsPath === undefined ? argv : ["nsenter", `--net=${checkNetnsPath(netnsPath)}`, "--", ...argv];
+/**
+ * argv run inside the network namespace at `netnsPath` and, with `nice` > 0, at that lower CPU
+ * priority for all its threads (nsenter and nice exec in place: the pid stays the VMM's).
+ */
+export function netnsArgv(netnsPath: string | undefined, argv: string[], nice = 0): string[] {
+  if (!Number.isInteger(nice) || nice < 0 || nice > 19) throw new VmmError("BadSpec", `nice ${nice} is not an integer in 0..19`);
+  const run = nice > 0 ? ["nice", "-n", String(nice), ...argv] : argv;
+  return netnsPath === undefined ? run : ["nsenter", `--net=${checkNetnsPath(netnsPath)}`, "--", ...run];
 }
 
 /** The VMM process as a VM sees it: a child we spawned (Bun's Subprocess) or one we adopted. */

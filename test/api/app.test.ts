@@ -1,7 +1,15 @@
 import { afterAll, describe, expect, test } from "bun:test";
 import { t } from "elysia";
+import { hostname } from "node:os";
+import { join } from "node:path";
 import { createApi } from "../../src/api/app.ts";
 import { ApiError, conflict } from "../../src/api/errors.ts";
+import { CLUSTER_ID, nodeRoutes } from "../../src/api/nodes.ts";
+import { sandboxRoutes } from "../../src/api/sandboxes.ts";
+import { templateRoutes } from "../../src/api/templates.ts";
+import { SandboxStore } from "../../src/orchestrator/store.ts";
+import { TemplateStore } from "../../src/orchestrator/templates.ts";
+import { scratchDir } from "../helpers/tmp.ts";
 
 const KEY = "e2b_" + "ab".repeat(20);
 let notReady: string | undefined = "blockd is starting";
@@ -9,6 +17,7 @@ const app = createApi({ apiKey: KEY, maxBodyBytes: 4096, notReadyReason: () => n
   .post("/echo", ({ body }) => body, { body: t.Object({ n: t.Number() }) })
   .post("/busy", () => { throw conflict("sandbox is pausing"); })
   .get("/boom", () => { throw new Error("secret internal detail"); })
+  .get("/badshape", () => ({ n: "not a number" }) as unknown as { n: number }, { response: { 200: t.Object({ n: t.Number() }) } })
   .listen({ hostname: "127.0.0.1", port: 0 });
 afterAll(() => app.stop());
 const base = `http://127.0.0.1:${app.server!.port}`;
@@ -41,6 +50,10 @@ describe("API basics", () => {
     for (const [r, status] of [
       [await post("{bad"), 400],
       [await post('{"n":"x"}'), 400],
+      // Not an object: refused before validation would normalize it into one.
+      [await post("[1]"), 400],
+      [await post("5"), 400],
+      [await post("null"), 400],
       [await post(JSON.stringify({ n: 1, pad: "x".repeat(5000) })), 413],
       [await post(new ReadableStream({ start(c) { for (let i = 0; i < 10; i++) c.enqueue(new Uint8Array(1000).fill(32)); c.close(); } })), 413],
       [await post("n=1", { "content-type": "application/x-www-form-urlencoded" }), 415],
@@ -58,6 +71,10 @@ describe("API basics", () => {
     expect(boom.status).toBe(500);
     expect(JSON.stringify(boom.body)).not.toContain("secret");
     expect(new ApiError(404, "x", { sandboxId: "a" }).body()).toEqual({ code: 404, message: "x", sandboxId: "a" });
+    // An answer that breaks its own response schema is the node's fault: 500, not the caller's 400.
+    const bad = await json(await fetch(base + "/badshape", { headers: auth }));
+    expect(bad.status).toBe(500);
+    expect(bad.body.code).toBe(500);
   });
 
   test("unknown route → 404 JSON", async () => {
@@ -81,5 +98,75 @@ describe("API basics", () => {
     }
     expect((await fetch(base + "/swagger/_plugin_ui")).status).toBe(404);
     expect((await fetch(base + "/swagger/assets/../../package.json")).status).not.toBe(200);
+  });
+});
+
+// The node's whole route table (sandboxes, templates, nodes) over a real store while the node
+// starts: the OpenAPI document and the routes that answer before an orchestrator exists.
+describe("the node's routes before it is ready", () => {
+  const home = scratchDir("api-routes");
+  const store = new SandboxStore(join(home, "node.db"));
+  const templates = new TemplateStore(store.db);
+  const starting = () => { throw new ApiError(503, "starting: blockd"); };
+  const node = createApi({ apiKey: KEY, maxBodyBytes: 4096, notReadyReason: () => "starting: blockd", version: "0.0.0-test" })
+    .use(sandboxRoutes(starting, { domain: null, defaultTimeoutS: 300 }))
+    .use(templateRoutes(starting))
+    .use(nodeRoutes({ store, templates, orch: () => undefined, status: () => "connecting", openStreams: () => undefined, version: "0.0.0-test", home }))
+    .listen({ hostname: "127.0.0.1", port: 0 });
+  afterAll(() => { node.stop(); store.close(); });
+  const url = `http://127.0.0.1:${node.server!.port}`;
+
+  test("Swagger: every route has its parameters and a response schema per status, errors as {code, message}; none hidden", async () => {
+    const doc = (await (await fetch(url + "/swagger/json")).json()) as { paths: Record<string, Record<string, any>> };
+    const ops = Object.entries(doc.paths).flatMap(([path, methods]) => Object.entries(methods).map(([method, op]) => ({ where: `${method.toUpperCase()} ${path}`, path, op })));
+    expect(ops.length).toBeGreaterThanOrEqual(40);
+    for (const route of ["GET /metrics", "GET /nodes", "GET /nodes/{nodeID}", "GET /sandboxes/{sandboxID}/custom-extension-params", "PATCH /sandboxes/{sandboxID}/custom-extension-params"])
+      expect(ops.map((o) => o.where)).toContain(route);
+    for (const { where, path, op } of ops) {
+      const responses = Object.entries(op.responses ?? {}) as [string, any][];
+      // A success with its body's schema (a 202/204 without a body: its description).
+      const ok = responses.filter(([s]) => s.startsWith("2"));
+      expect({ where, ok: ok.length > 0 }).toEqual({ where, ok: true });
+      for (const [status, r] of responses) {
+        expect({ where, status, description: typeof r.description }).toEqual({ where, status, description: "string" });
+        if (status === "204" || (status === "202" && !r.content)) continue;
+        const schema = (Object.values(r.content ?? {})[0] as { schema?: unknown } | undefined)?.schema;
+        expect({ where, status, schema: schema !== undefined }).toEqual({ where, status, schema: true });
+        if (!status.startsWith("2")) expect({ where, status, required: (schema as any).required }).toEqual({ where, status, required: ["code", "message"] });
+      }
+      // A route that wants the key says 401, and its path parameters are declared.
+      if (!(Array.isArray(op.security) && op.security.length === 0)) expect({ where, has401: !!op.responses["401"] }).toEqual({ where, has401: true });
+      const inPath = [...path.matchAll(/\{(\w+)\}/g)].map((m) => m[1]).sort();
+      const declared = ((op.parameters ?? []) as { in: string; name: string }[]).filter((p) => p.in === "path").map((p) => p.name).sort();
+      expect({ where, params: declared }).toEqual({ where, params: inPath });
+    }
+  });
+
+  test("sandbox routes answer 503 {code, message} while the node starts; /nodes and /metrics already answer", async () => {
+    const r = await fetch(url + "/v2/sandboxes", { headers: auth });
+    expect(r.status).toBe(503);
+    expect(await r.json()).toEqual({ code: 503, message: "starting: blockd" });
+    // Opaque JSON fields must be objects (validation alone would turn [1] into {"0": 1}).
+    for (const body of [{ templateID: "base", customExtensionParams: [1] }, { templateID: "base", network: "open" }]) {
+      const bad = await fetch(url + "/v2/sandboxes", { method: "POST", headers: { ...auth, "content-type": "application/json" }, body: JSON.stringify(body) });
+      expect(bad.status).toBe(400);
+      expect(((await bad.json()) as { message: string }).message).toContain("must be a JSON object");
+    }
+    const nodes = (await (await fetch(url + "/nodes", { headers: auth })).json()) as any[];
+    expect(nodes.length).toBe(1);
+    expect(nodes[0]).toMatchObject({ id: hostname(), clusterID: CLUSTER_ID, status: "connecting", sandboxCount: 0, sandboxStartingCount: 0, sandboxPausedCount: 0, createSuccesses: 0 });
+    expect(nodes[0].metrics.cpuCount).toBeGreaterThan(0);
+    expect(nodes[0].metrics.disks[0].totalBytes).toBeGreaterThan(0);
+    expect(await (await fetch(url + `/nodes?clusterID=${"1".repeat(8)}-0000-0000-0000-000000000000`, { headers: auth })).json()).toEqual([]);
+    const one = (await (await fetch(url + `/nodes/${hostname()}`, { headers: auth })).json()) as any;
+    expect(one).toMatchObject({ id: hostname(), cachedBuilds: [] });
+    expect(one.sandboxStartingCount).toBeUndefined();
+    const other = await fetch(url + "/nodes/elsewhere", { headers: auth });
+    expect(other.status).toBe(404);
+    expect(((await other.json()) as { code: number }).code).toBe(404);
+    expect((await fetch(url + "/nodes")).status).toBe(401);
+    const prom = await fetch(url + "/metrics");
+    expect(prom.headers.get("content-type")).toContain("text/plain");
+    expect(await prom.text()).toContain("aenv_ready 0");
   });
 });

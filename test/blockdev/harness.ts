@@ -3,7 +3,7 @@
 import { afterAll } from "bun:test";
 import { closeSync, existsSync, fsyncSync, mkdirSync, openSync, readdirSync, readFileSync, readlinkSync, readSync, renameSync, rmSync, writeSync } from "node:fs";
 import { join } from "node:path";
-import { BlockdClient } from "../../src/blockdev/client.ts";
+import { BlockdClient, type BlockdSettings } from "../../src/blockdev/client.ts";
 import { WritableLayer } from "../../src/storage/lsmt/writable_layer.ts";
 import { scratchDir } from "../helpers/tmp.ts";
 
@@ -15,8 +15,11 @@ const SHUTDOWN_BOUND_MS = 120_000;
 /** How long a keeper has to follow a blockd that shut down (it is told to go before blockd exits). */
 const KEEPER_GRACE_MS = 10_000;
 
-/** env: set for the blockd started here (AENV_BLOCKD_FAULT, AENV_BLOCKD_DEVICE_TIMEOUT_MS, ...), and only for it. */
-export async function startBlockd(label: string, opts: { pool?: number; env?: Record<string, string> } = {}) {
+/**
+ * env: set for the blockd started here (AENV_BLOCKD_FAULT, AENV_BLOCKD_DEVICE_TIMEOUT_MS, ...), and only for it;
+ * settings: the node's blockd settings, as the node passes them.
+ */
+export async function startBlockd(label: string, opts: { pool?: number; env?: Record<string, string>; settings?: BlockdSettings } = {}) {
   const dir = scratchDir(label, { keep: true }); // removed below, after the mounts are gone
   const state = join(dir, "state");
   mkdirSync(state, { recursive: true });

@@ -107,6 +107,32 @@ describe.skipIf(!haveFuse)("prepared pool devices", async () => {
     expect(await readUpper(lowers, upperDir, 2 * MiB, 8192)).toEqual(mark);
   }, 60_000);
 
+  test("a stack that extends a prepared one takes a prepared device, which opens only the layers above; a stack it does not begin is not served", async () => {
+    await client.call("prepare", { lowers, size: SIZE, count: 1 });
+    await settled(1);
+    const own = await makeLayer(join(dir, "own.sealed"), SIZE, 1 * MiB + 4096, new Uint8Array(4096).fill(0x11)); // a sandbox's sealed pause layer
+    const stack = [...lowers, own];
+    const upperDir = join(dir, "resumed", "upper");
+    const dev: Dev = await client.call("acquire", { lowers: stack, upperDir, size: SIZE });
+    expect(dev.prepared).toBe(true);
+    expect(dev.config?.lowers.map((l) => l.file)).toEqual(stack);
+    expect(readAll(dev.path, 4096, 1 * MiB).every((b) => b === 0x7e)).toBe(true);
+    expect(readAll(dev.path, 4096, 1 * MiB + 4096).every((b) => b === 0x11)).toBe(true);
+    expect(readAll(dev.path, 4096).every((b) => b === 0x3c)).toBe(true);
+    const mark = crypto.getRandomValues(new Uint8Array(4096));
+    writeAt(dev.path, mark, 3 * MiB);
+    expect(await readUpper(stack, upperDir, 3 * MiB, 4096)).toEqual(mark);
+    await until(() => JSON.parse(readFileSync(join(state, "devices.json"), "utf8")).find((r: Dev) => r.id === dev.id)?.config?.lowers?.length === 3, "the whole stack in the table");
+    await settled(1);
+    // Not a prefix (the order differs), or another size: a plain acquire, the prepared device stays.
+    const other: Dev = await client.call("acquire", { lowers: [top, base, own], upperDir: join(dir, "other", "upper"), size: SIZE });
+    expect(other.prepared).toBe(false);
+    expect(preparedOf(await list())).toHaveLength(1);
+    for (const d of [dev, other]) await client.call("release", { id: d.id });
+    await client.call("prepare", { lowers, size: SIZE, count: 0 });
+    await settled(0);
+  }, 60_000);
+
   test("racing acquires of prepared devices each get a distinct device with its own upper", async () => {
     await client.call("prepare", { lowers, size: SIZE, count: 4 });
     await settled(4);
@@ -186,20 +212,24 @@ async function killAndRestart(state: string, client: BlockdClient, meanwhile: ()
 }
 
 describe.skipIf(!haveFuse)("prepared devices across kill -9", () => {
-  for (const tableWritten of [true, false])
+  for (const [tableWritten, extended] of [[true, false], [false, false], [false, true]] as const)
     test(
       tableWritten
         ? "acquired, table written: it comes back acquired with its data; prepared ones come back idle; no prepared folder is left"
-        : "acquired, table not yet written: the rename is the commit, so it comes back acquired over its upperDir with its data",
+        : extended
+          ? "acquired over a stack that extends the prepared one, table not yet written: it comes back with the whole stack"
+          : "acquired, table not yet written: the rename is the commit, so it comes back acquired over its upperDir with its data",
       async () => {
-        const label = tableWritten ? "blockd-prep-crash" : "blockd-prep-crash-nt";
+        const label = tableWritten ? "blockd-prep-crash" : extended ? "blockd-prep-crash-ext" : "blockd-prep-crash-nt";
         const { dir, state, client } = await startBlockd(label, { pool: 1 });
-        const base = await makeLayer(join(dir, "base.sealed"), SIZE, 0, new Uint8Array(64 << 10).fill(0x3c));
-        await client.call("prepare", { lowers: [base], size: SIZE, count: 3 });
+        const prepared = await makeLayer(join(dir, "base.sealed"), SIZE, 0, new Uint8Array(64 << 10).fill(0x3c));
+        const stack = extended ? [prepared, await makeLayer(join(dir, "own.sealed"), SIZE, 7 * MiB, new Uint8Array(4096).fill(0x22))] : [prepared];
+        const base = stack.at(-1)!;
+        await client.call("prepare", { lowers: [prepared], size: SIZE, count: 3 });
         const tmp = join(state, "devices.json.tmp");
         if (!tableWritten) mkdirSync(join(tmp, "in-the-way"), { recursive: true }); // every table write fails from here
         const upperDir = join(dir, "vm", "upper");
-        const dev: Dev = await client.call("acquire", { lowers: [base], upperDir, size: SIZE });
+        const dev: Dev = await client.call("acquire", { lowers: stack, upperDir, size: SIZE });
         expect(dev.prepared).toBe(true);
         const mark = crypto.getRandomValues(new Uint8Array(16384));
         writeAt(dev.path, mark, 5 * MiB);
@@ -207,7 +237,7 @@ describe.skipIf(!haveFuse)("prepared devices across kill -9", () => {
         if (tableWritten) await until(() => onDisk()?.acquired === true, "the acquire in the table");
         else {
           await until(() => readFileSync(join(state, "blockd.log"), "utf8").includes(`recording the acquire of ${dev.id}`), "the failed table write");
-          expect(onDisk()).toMatchObject({ kind: "pool", config: { lowers: [{ file: base }] } }); // the table still says prepared
+          expect(onDisk()).toMatchObject({ kind: "pool", config: { lowers: [{ file: prepared }] } }); // the table still says prepared
           expect(onDisk().acquired).toBeFalsy();
           expect(existsSync(join(state, "prepared", dev.id, "acquired"))).toBe(true);
         }
@@ -221,10 +251,12 @@ describe.skipIf(!haveFuse)("prepared devices across kill -9", () => {
         expect(it.config?.upper).toEqual({ data: join(upperDir, WRITABLE_DATA), index: join(upperDir, WRITABLE_INDEX) });
         expect(readAll(dev.path, 16384, 5 * MiB)).toEqual(mark);
         expect(readAll(dev.path, 4096).every((b) => b === 0x3c)).toBe(true);
+        expect(it.config?.lowers.map((l) => l.file)).toEqual(stack);
+        if (extended) expect(readAll(dev.path, 4096, 7 * MiB).every((b) => b === 0x22)).toBe(true);
         // It still takes writes, into the same upper.
         const more = crypto.getRandomValues(new Uint8Array(4096));
         writeAt(dev.path, more, 6 * MiB);
-        expect(await readUpper([base], upperDir, 6 * MiB, 4096)).toEqual(more);
+        expect(await readUpper(stack, upperDir, 6 * MiB, 4096)).toEqual(more);
         // No prepared device survives a restart (prepare is asked again), none of their folders, no orphan.
         expect(preparedOf(back)).toEqual([]);
         expect(preparedFolders(state)).toEqual([]);

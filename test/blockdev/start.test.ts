@@ -6,13 +6,13 @@ import { existsSync, mkdirSync, readFileSync, rmSync } from "node:fs";
 import { join } from "node:path";
 import { BlockdClient } from "../../src/blockdev/client.ts";
 import { scratchDir } from "../helpers/tmp.ts";
-import { blockdPid, haveFuse, mountsAt, processGone, until } from "./harness.ts";
+import { blockdPid, haveFuse, mountsAt, processGone, startBlockd, until } from "./harness.ts";
 
 const MAIN = join(import.meta.dir, "../../src/blockdev/main.ts");
 
-/** Run blockd's entry point to its end (bounded): exit code and stderr. */
-async function runMain(args: string[]): Promise<{ code: number | string; err: string }> {
-  const p = Bun.spawn([process.execPath, MAIN, ...args], { stdout: "pipe", stderr: "pipe" });
+/** Run blockd's entry point to its end (bounded), with `env` added to ours: exit code and stderr. */
+async function runMain(args: string[], env: Record<string, string> = {}): Promise<{ code: number | string; err: string }> {
+  const p = Bun.spawn([process.execPath, MAIN, ...args], { stdout: "pipe", stderr: "pipe", env: { ...process.env, ...env } });
   const code = await Promise.race([p.exited, Bun.sleep(30_000).then(() => "still running")]);
   if (code === "still running") p.kill(9);
   return { code, err: (await new Response(p.stderr).text()).trim() };
@@ -72,6 +72,26 @@ test.skipIf(!haveFuse)(
   },
   60_000,
 );
+
+test.skipIf(!haveFuse)("the node's blockd settings reach the blockd it starts, in its environment", async () => {
+  const { state, client } = await startBlockd("blockd-start-settings", { settings: { frontend: "fuse", fuseUring: false, fuseReaderSlots: 0 } });
+  expect((await client.call<{ frontend: string }>("hello")).frontend).toBe("fuse");
+  const env = readFileSync(`/proc/${blockdPid(state)}/environ`, "utf8").split("\0");
+  for (const v of ["AENV_BLOCKD_FRONTEND=fuse", "AENV_FUSE_URING=0", "AENV_FUSE_READER_SLOTS=0"]) expect(env).toContain(v);
+  client.close();
+});
+
+test("a frontend that is not auto, fuse or ublk fails the start, naming AENV_BLOCKD_FRONTEND", async () => {
+  const dir = scratchDir("blockd-start-frontend");
+  try {
+    const { code, err } = await runMain(["--state", join(dir, "state")], { AENV_BLOCKD_FRONTEND: "nbd" });
+    expect(code).toBe(1);
+    expect(err).toBe("blockd: start failed: AENV_BLOCKD_FRONTEND=nbd: expected auto, fuse or ublk");
+    expect(existsSync(join(dir, "state", "keeper.pid"))).toBe(false);
+  } finally {
+    rmSync(dir, { recursive: true, force: true });
+  }
+});
 
 test("a pool size that is not 0..256 is a usage error, before anything starts", async () => {
   for (const pool of ["-1", "abc", "100000"]) {

@@ -8,7 +8,7 @@ import { progressBar } from "../../src/cli/template.ts";
 import { scratchDir, sha256 } from "../helpers/tmp.ts";
 import { FIRST_START_MS, nodeSetup, nodeSkipReason, startNode, stopNode, until, type NodeProc } from "../node/harness.ts";
 import { RegistryClient } from "../../src/template/registry.ts";
-import { BUSYBOX_CONFIG, busyboxRoot, pushImage, registrySkipReason, registrySuite } from "../template/registry_harness.ts";
+import { BUSYBOX_CONFIG, busyboxRoot, overlaybdLayerOf, pushImage, pushOverlaybdImage, registrySkipReason, registrySuite } from "../template/registry_harness.ts";
 
 const AENV = join(import.meta.dir, "../../src/cli/aenv.ts");
 /** A CLI call that hangs is killed after this long and fails its test, instead of hanging it. */
@@ -357,6 +357,59 @@ describe.skipIf(!!skip)("aenv against bun run node", () => {
     expect(await t.exited).toBe(0);
     expect(t.output()).toMatch(/\r\x1b\[K\[[#.]{30}\] done: 1\/1 layers/);
     await ok(["template", "rm", `${name}-tty`]);
+  }, 20 * 60_000);
+
+  /** A template's row in `template ls --json`. */
+  const templateRow = async (name: string) => {
+    const rows = JSON.parse((await ok(["template", "ls", "--json"])).out) as { aliases?: string[]; diskSizeMB: number; config?: Record<string, unknown> }[];
+    const row = rows.find((t) => t.aliases?.includes(name));
+    if (!row) throw new Error(`template ${name} is not listed`);
+    return row;
+  };
+
+  test.skipIf(!!noBuilds)(`pull keeps the image's Entrypoint, Cmd, ExposedPorts and Labels with the template and runs neither; --image-cmd makes them the start command${noBuilds ? ` (skipped: ${noBuilds})` : ""}`, async () => {
+    const root = await busyboxRoot(join(scratchDir("cli-image-cmd"), "root"));
+    writeFileSync(join(root, "bin/bash"), '#!/bin/sh\nexec /bin/busybox sh "$@"\n');
+    chmodSync(join(root, "bin/bash"), 0o755);
+    const ref = `${registry!().reg.host}/cli/cmd:1`;
+    const cmd = ['echo "ran with $FOO" > /tmp/image-cmd; exec sleep 100000'];
+    await pushImage(new RegistryClient({ dockerConfigPath: null }), ref, {
+      layers: [root], config: { ...BUSYBOX_CONFIG, Entrypoint: ["/bin/sh", "-c"], Cmd: cmd, ExposedPorts: { "8080/tcp": {} }, Labels: { "org.example.suite": "cli" } },
+    });
+    const name = `cli-cmd-${setup.tag}`;
+    await ok(["pull", ref, "--name", name]);
+    const plain = await templateRow(name);
+    expect(plain.config).toMatchObject({ entrypoint: ["/bin/sh", "-c"], cmd, exposed: ["8080/tcp"], labels: { "org.example.suite": "cli" }, env: { FOO: "bar" }, workdir: "/work" });
+    expect(plain.config!.startCmd).toBeUndefined();
+    const a = (await ok(["start", "-d", name])).out.trim();
+    expect((await ok(["exec", a, "--", "cat /tmp/image-cmd 2>/dev/null || echo not run"])).out).toBe("not run\n");
+    await ok(["rm", a]);
+
+    expect((await run(["pull", ref, "--name", `${name}-x`, "--image-cmd", "--start-cmd", "true"])).code).toBe(2);
+    await ok(["pull", ref, "--name", `${name}-run`, "--image-cmd", "--ready-cmd", "test -e /tmp/image-cmd"]);
+    const started = await templateRow(`${name}-run`);
+    expect(started.config!.startCmd).toBe(`/bin/sh -c '${cmd[0]}'`);
+    const b = (await ok(["start", "-d", `${name}-run`])).out.trim();
+    expect((await ok(["exec", b, "--", "cat /tmp/image-cmd"])).out).toBe("ran with bar\n");
+    await ok(["rm", b]);
+    await ok(["template", "rm", name, `${name}-run`]);
+  }, 20 * 60_000);
+
+  test.skipIf(!!noBuilds)(`pull of an overlaybd image: its layer is the template's as it is, the disk its virtual size; a sandbox runs a command from it${noBuilds ? ` (skipped: ${noBuilds})` : ""}`, async () => {
+    const work = scratchDir("cli-obd");
+    const root = await busyboxRoot(join(work, "root"));
+    writeFileSync(join(root, "bin/bash"), '#!/bin/sh\nexec /bin/busybox sh "$@"\n');
+    chmodSync(join(root, "bin/bash"), 0o755);
+    writeFileSync(join(root, "etc/obd"), "from the overlaybd layer\n");
+    const ref = `${registry!().reg.host}/cli/obd:1`;
+    await pushOverlaybdImage(new RegistryClient({ dockerConfigPath: null }), ref, { layers: [await overlaybdLayerOf(root, join(work, "obd.layer"), 512)], config: BUSYBOX_CONFIG });
+    const name = `cli-obd-${setup.tag}`;
+    await ok(["pull", ref, "--name", name]);
+    expect((await templateRow(name)).diskSizeMB).toBe(512);
+    const sbx = (await ok(["start", "-d", name])).out.trim();
+    expect((await ok(["exec", sbx, "--", 'pwd; echo "$FOO"; cat /etc/obd'])).out).toBe("/work\nbar\nfrom the overlaybd layer\n");
+    await ok(["rm", sbx]);
+    await ok(["template", "rm", name]);
   }, 20 * 60_000);
 
   test.skipIf(!!noBuilds)(`build DIR --name N: a Dockerfile's ENV, ARG, WORKDIR, USER, COPY, RUN, LABEL and EXPOSE; a failing RUN fails the build${noBuilds ? ` (skipped: ${noBuilds})` : ""}`, async () => {

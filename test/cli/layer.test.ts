@@ -139,7 +139,7 @@ describe("aenv layer replays overlaybd's own operations", () => {
     }
   });
 
-  test("scenario A (§11.2) from the shell: create/write --append-only and discard give C++'s bytes", () => {
+  test("the layer vector from the shell: create/write --append-only and discard give C++'s bytes", () => {
     const l = join(d, "a");
     ok(["layer", "create", "--append-only", "--size", "1G", "--uuid", "5D8A6F1E-2B3C-4D4E-8F90-A1B2C3D4E5F6", l]);
     ok(["layer", "write", "--append-only", l, "--offset", "0"], fill(4096, 0xaa));

@@ -139,7 +139,7 @@ describe("SQE encoding (no kernel)", () => {
     expect(dv.getUint32(8, true)).toBe(IORING_SETUP_CQSIZE | IORING_SETUP_SQE128);
     expect(dv.getUint32(16, true)).toBe(10);
     expect(new Uint8Array(dv.buffer, 28, 92).every((x) => x === 0)).toBe(true); // resv + offsets
-    // What 6.18 returned for entries = 8 (kernel-and-vmm.md §1.2).
+    // What Linux 6.18 returned for entries = 8.
     const put = (o: number, v: number) => dv.setUint32(o, v, true);
     put(0, 8); put(4, 16); put(20, 0x3ffff);
     put(40, 0); put(44, 4); put(48, 16); put(52, 24); put(56, 36); put(60, 32); put(64, 320);

@@ -13,7 +13,7 @@ describe("egress policy input", () => {
     const p = parseEgressPolicy(false, { allowOut: ["1.2.3.4", "10.0.0.0/8", "*.Example.com", "api.example.org"], denyOut: ["0.0.0.0/0", "::/0"], httpsPorts: [8443] });
     expect(p).toEqual({
       internet: false, allowCidrs: ["1.2.3.4/32", "10.0.0.0/8"], denyCidrs: ["0.0.0.0/0"],
-      allowDomains: ["*.example.com", "api.example.org"], denyDomains: [], proxiedPorts: [80, 443, 8443],
+      allowDomains: ["*.example.com", "api.example.org"], denyDomains: [], proxiedPorts: [80, 443, 8443], rules: [], upstream: undefined,
     });
     expect(parseEgressPolicy(undefined, undefined).internet).toBe(true);
   });

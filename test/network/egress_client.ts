@@ -1,8 +1,9 @@
 // What a guest does in the egress tests, run inside the fake guest's namespace:
 //   bun egress_client.ts '[{op,...}, ...]'   → one outcome per action, as a JSON array.
 // ops: tcp {ip,port} → "connected" | "refused" | "timeout" | "reset" | code
-//      http {ip,port,host?} → the response body, or an error word
-//      https {ip,port,servername} → the response body (certificate not checked), or an error word
+//      http {ip,port,host?,path?,headers?} → the response body, or an error word
+//      https {ip,port,servername,path?,headers?,ca?} → the response body (the certificate checked
+//            against `ca` when given, else not checked), or an error word
 //      raw {ip,port,chunks:[base64],gapMs} → everything answered, as text ("" when closed silently)
 //      dns {server,name} → the A records, or "timeout" / an error code
 import net from "node:net";
@@ -11,8 +12,8 @@ import { encodeQuery, parseAnswer } from "../../src/network/dns.ts";
 
 type Action =
   | { op: "tcp"; ip: string; port: number }
-  | { op: "http"; ip: string; port: number; host?: string }
-  | { op: "https"; ip: string; port: number; servername: string }
+  | { op: "http"; ip: string; port: number; host?: string; path?: string; headers?: Record<string, string> }
+  | { op: "https"; ip: string; port: number; servername: string; path?: string; headers?: Record<string, string>; ca?: string }
   | { op: "raw"; ip: string; port: number; chunks: string[]; gapMs?: number }
   | { op: "dns"; server: string; name: string };
 
@@ -51,6 +52,8 @@ function exchange(sock: net.Socket, chunks: Buffer[], gapMs: number, connectEven
   });
 }
 
+const extra = (h: Record<string, string> = {}) => Object.entries(h).map(([k, v]) => `${k}: ${v}\r\n`).join("");
+
 function body(response: string): string {
   if (!response.startsWith("HTTP/")) return response === "" ? "closed" : response;
   const [head, rest] = response.split("\r\n\r\n", 2);
@@ -69,12 +72,12 @@ async function one(a: Action): Promise<unknown> {
       });
     case "http": {
       const host = a.host === undefined ? "" : `Host: ${a.host}\r\n`;
-      const req = Buffer.from(`GET / HTTP/1.1\r\n${host}Connection: close\r\n\r\n`);
+      const req = Buffer.from(`GET ${a.path ?? "/"} HTTP/1.1\r\n${host}${extra(a.headers)}Connection: close\r\n\r\n`);
       return body(await exchange(net.connect({ host: a.ip, port: a.port }), [req], 0, "connect"));
     }
     case "https": {
-      const req = Buffer.from(`GET / HTTP/1.1\r\nHost: ${a.servername}\r\nConnection: close\r\n\r\n`);
-      const sock = tls.connect({ host: a.ip, port: a.port, servername: a.servername, rejectUnauthorized: false });
+      const req = Buffer.from(`GET ${a.path ?? "/"} HTTP/1.1\r\nHost: ${a.servername}\r\n${extra(a.headers)}Connection: close\r\n\r\n`);
+      const sock = tls.connect({ host: a.ip, port: a.port, servername: a.servername, ...(a.ca ? { ca: a.ca } : { rejectUnauthorized: false }) });
       return body(await exchange(sock, [req], 0, "secureConnect"));
     }
     case "raw":

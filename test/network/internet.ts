@@ -3,6 +3,7 @@
 // TLS, TCP echo and DNS servers (internet_servers.ts) on four addresses. Slots reach it as egress
 // leaves a slot: through the host's routing over this veth (forwarding switched on for it only)
 // and the host table's masquerade. The host's own routes, eth0 and default route are never touched.
+import { readFileSync, rmSync } from "node:fs";
 import { join } from "node:path";
 import { netnsExecArgv } from "../../src/network/index.ts";
 import { scratchDir } from "../helpers/tmp.ts";
@@ -24,6 +25,12 @@ export interface TestInternet {
   /** An address inside 100.64.0.0/10 (an always-denied range) that also serves, via the same veth. */
   internalIp: string;
   zone: Record<string, string[]>;
+  /** The TLS servers' (self-signed) certificate. */
+  certPem: string;
+  /** ips[3]:1080, the upstream egress proxy (SOCKS5 and HTTP CONNECT). */
+  proxyAddress: string;
+  /** The tunnels that proxy opened so far, in order. */
+  proxied(): { kind: string; target: string; user?: string; pass?: string }[];
   stop(): Promise<void>;
 }
 
@@ -57,7 +64,7 @@ export async function startInternet(): Promise<TestInternet> {
     `address add ${internalIp}/30 dev eth0`,
     `link set eth0 up`,
   ].join("\n"));
-  const dir = scratchDir("internet");
+  const dir = scratchDir("internet", { keep: true }); // removed by stop(): benchmarks run it outside bun test
   const cert = join(dir, "cert.pem");
   const key = join(dir, "key.pem");
   must(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=a.test", "-keyout", key, "-out", cert,
@@ -73,12 +80,14 @@ export async function startInternet(): Promise<TestInternet> {
   await eventually(() => out.includes("listening") || proc.exitCode !== null, "test internet servers start");
   if (!out.includes("listening")) throw new Error(`test internet servers exited ${proc.exitCode}`);
   return {
-    netns, uplink, hostIp: `${net}.1`, ips, internalIp, zone,
+    netns, uplink, hostIp: `${net}.1`, ips, internalIp, zone, certPem: readFileSync(cert, "utf8"), proxyAddress: `${ips[3]}:1080`,
+    proxied: () => [...out.matchAll(/^proxied (.*)$/gm)].map((m) => JSON.parse(m[1]!)),
     async stop() {
       proc.kill(9);
       await proc.exited;
       sh(["ip", "link", "delete", uplink]);
       sh(["ip", "netns", "delete", netns]);
+      rmSync(dir, { recursive: true, force: true });
     },
   };
 }

@@ -38,6 +38,35 @@ describe("node settings", () => {
     expect(() => loadConfig({ AENV_HOME: home })).toThrow(ConfigError);
   });
 
+  test("the guest cache, VMM binaries, blockd, S3 and Docker settings: defaults, node.toml, environment", () => {
+    const home = join(dir, "h4");
+    const c = loadConfig({ AENV_HOME: home });
+    expect(c.guestCache).toBe(join(home, "guest"));
+    expect([c.qemuBin, c.qemuAccel, c.firecrackerBin]).toEqual(["qemu-system-x86_64", "auto", "firecracker"]);
+    expect([c.blockdFrontend, c.fuseUring, c.fuseReaderSlots]).toEqual(["auto", false, 8]);
+    expect([c.s3Endpoint, c.s3Region, c.s3AccessKeyId, c.s3SecretAccessKey, c.s3SessionToken]).toEqual(["", "us-east-1", "", "", ""]);
+    expect(c.dockerConfig).toBe("");
+    mkdirSync(home, { recursive: true });
+    writeFileSync(join(home, "node.toml"), 'fuse_uring = true\nqemu_accel = "tcg"\ns3_endpoint = "http://127.0.0.1:9000"\nguest_cache = "/srv/guest"\n');
+    const t = loadConfig({ AENV_HOME: home, AENV_FUSE_READER_SLOTS: "0", AWS_ACCESS_KEY_ID: "k", AENV_BLOCKD_FRONTEND: "fuse" });
+    expect([t.fuseUring, t.qemuAccel, t.s3Endpoint, t.guestCache]).toEqual([true, "tcg", "http://127.0.0.1:9000", "/srv/guest"]);
+    expect([t.fuseReaderSlots, t.s3AccessKeyId, t.blockdFrontend]).toEqual([0, "k", "fuse"]);
+    expect(loadConfig({ AENV_HOME: home, AENV_FUSE_URING: "0" }).fuseUring).toBe(false);
+  });
+
+  test("a malformed new setting names it", () => {
+    const home = join(dir, "h5");
+    expect(() => loadConfig({ AENV_HOME: home, AENV_QEMU_ACCEL: "hvf" })).toThrow(/AENV_QEMU_ACCEL=hvf/);
+    expect(() => loadConfig({ AENV_HOME: home, AENV_BLOCKD_FRONTEND: "nbd" })).toThrow(/AENV_BLOCKD_FRONTEND=nbd/);
+    expect(() => loadConfig({ AENV_HOME: home, AENV_FUSE_URING: "yes" })).toThrow(/AENV_FUSE_URING=yes/);
+    expect(() => loadConfig({ AENV_HOME: home, AENV_FUSE_READER_SLOTS: "65" })).toThrow(/AENV_FUSE_READER_SLOTS=65/);
+    expect(() => loadConfig({ AENV_HOME: home, AENV_S3_ENDPOINT: "ftp://x" })).toThrow(/AENV_S3_ENDPOINT=ftp:\/\/x/);
+    expect(() => loadConfig({ AENV_HOME: home, AWS_REGION: "US East" })).toThrow(/AWS_REGION=US East/);
+    mkdirSync(home, { recursive: true });
+    writeFileSync(join(home, "node.toml"), 'blockd_frontend = "loop"\n');
+    expect(() => loadConfig({ AENV_HOME: home })).toThrow(/blockd_frontend=loop/);
+  });
+
   test("docs/node.md lists every setting with its env, key and default", () => {
     const doc = readFileSync(join(import.meta.dir, "../../docs/node.md"), "utf8");
     for (const s of Object.values(SETTINGS)) {

@@ -7,6 +7,7 @@ import { mkdirSync, rmSync } from "node:fs";
 import { join } from "node:path";
 import { Sandbox } from "e2b";
 import { SlotPool } from "../../src/network/index.ts";
+import { guestCache } from "../../src/template/artifacts.ts";
 import { stopBlockd } from "../blockdev/harness.ts";
 import { scratchDir } from "../helpers/tmp.ts";
 import { sandboxSkipReason } from "../orchestrator/harness.ts";
@@ -58,6 +59,8 @@ export function nodeSetup(name: string, octet: number, key: string, extra: Recor
       PORT: "0",
       AENV_API_KEY: key,
       AENV_TEMPLATE_CACHE: TEMPLATE_CACHE,
+      // The kernel and tools disk the other suites built, not a fresh build under this home.
+      AENV_GUEST_CACHE: guestCache(),
       AENV_RUN_DIR: runDir,
       AENV_SLOT_PREFIX: `${name}${tag}-`,
       AENV_SLOT_CIDR: `10.${octet}.${process.pid % 250}.0/24`,

@@ -170,6 +170,8 @@ describe.skipIf(!!skip)("template builds through the API with the e2b SDK", () =
     await expectError(await start({ fromTemplate: "no-such-template", steps: [] }), 404, "no-such-template");
     await expectError(await start({ fromImage: "x", fromImageRegistry: { type: "aws", awsAccessKeyId: "a", awsSecretAccessKey: "b", awsRegion: "c" } }), 400, "aws");
     await expectError(await start({ fromTemplate: "base", steps: [{ type: "FROB", args: [] }] }), 400, "type");
+    await expectError(await start({ fromTemplate: "base", imageCmd: true }), 400, "imageCmd goes with fromImage");
+    await expectError(await start({ fromImage: "x", imageCmd: true, startCmd: "true" }), 400, "imageCmd or startCmd");
     await expectError(await start({ fromTemplate: "base", steps: [{ type: "COPY", args: ["a", "/b"], filesHash: "0".repeat(64) }] }), 400, "not uploaded");
     await expectError(await start({ fromTemplate: "base", steps: [] }, "00000000-0000-0000-0000-000000000000"), 404, "not found");
     await expectError(await api(`/templates/${templateID}/builds/${buildID}x/status`), 404, "not found");

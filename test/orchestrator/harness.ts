@@ -11,7 +11,7 @@ import { existsSync } from "node:fs";
 import { haveTool, SlotPool, type Egress, type NetworkConfig } from "../../src/network/index.ts";
 import { Orchestrator } from "../../src/orchestrator/orchestrator.ts";
 import { SandboxStore } from "../../src/orchestrator/store.ts";
-import { openSnapshotStore } from "../../src/snapshot/index.ts";
+import { openSnapshotStore, type S3Settings } from "../../src/snapshot/index.ts";
 import { TemplateStore } from "../../src/orchestrator/templates.ts";
 import { QemuDriver } from "../../src/vmm/qemu.ts";
 import { guestFixture, vmSkipReason } from "../vmm/harness.ts";
@@ -46,13 +46,13 @@ export async function busyboxTemplate(templates: TemplateStore): Promise<void> {
 }
 
 /** Store, templates, slots (keeping those that sandboxes use) and an orchestrator over `blockd`. */
-/** `snapshots`: where snapshots go (openSnapshotStore's location and env); default a directory in d.dir. */
+/** `snapshots`: where snapshots go (openSnapshotStore's location and S3 settings); default a directory in d.dir. */
 /** `egress`: builds the node's egress over the started pool (egress policies are then enforced). */
-export async function nodeParts(d: NodeDirs, blockd: BlockdClient, o: { slotPool?: number; maxSandboxes?: number; snapshots?: { location: string; env: Record<string, string> }; egress?: (cfg: NetworkConfig) => Promise<Egress> } = {}) {
+export async function nodeParts(d: NodeDirs, blockd: BlockdClient, o: { slotPool?: number; maxSandboxes?: number; snapshots?: { location: string; s3: S3Settings }; egress?: (cfg: NetworkConfig) => Promise<Egress>; caBundle?: string } = {}) {
   const fx = await guestFixture();
   const toolsLayer = await sealedLayer(await envdToolsDisk());
   const store = new SandboxStore(join(d.dir, "node.db"));
-  const snapshotStore = openSnapshotStore(o.snapshots?.location ?? join(d.dir, "snapshots"), { home: join(d.dir, "home"), env: o.snapshots?.env });
+  const snapshotStore = openSnapshotStore(o.snapshots?.location ?? join(d.dir, "snapshots"), { home: join(d.dir, "home"), s3: o.snapshots?.s3 });
   const templates = new TemplateStore(store.db);
   await busyboxTemplate(templates);
   const pool = new SlotPool({ size: o.slotPool ?? 1, prefix: d.slotPrefix, hostCidr: d.slotCidr, hostTable: `${d.slotPrefix.replaceAll("-", "_")}host` });
@@ -61,7 +61,7 @@ export async function nodeParts(d: NodeDirs, blockd: BlockdClient, o: { slotPool
   const orch = new Orchestrator(store, templates, blockd, pool, new QemuDriver(), {
     kernel: fx.kernel.vmlinux, initrd: fx.kernel.initrd, toolsLayer,
     cmdline: (s) => guestCmdline({ ip: `${s.guestIp}/${s.guestPrefixLen}`, gw: s.gatewayIp }),
-  }, { home: join(d.dir, "home"), runRoot: d.runRoot, defaultTimeoutS: 300, maxSandboxes: o.maxSandboxes ?? 12, forkParallelism: 2, snapshots: snapshotStore, egress });
+  }, { home: join(d.dir, "home"), runRoot: d.runRoot, defaultTimeoutS: 300, maxSandboxes: o.maxSandboxes ?? 12, forkParallelism: 2, snapshots: snapshotStore, egress, caBundle: o.caBundle });
   return { store, templates, pool, orch, snapshotStore };
 }
 

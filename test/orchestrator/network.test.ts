@@ -1,11 +1,14 @@
 // Sandbox network policy end to end: a real VM (QEMU, busybox template, our envd) created through
 // the node's API with an egress policy, talking to the test "internet" (test/network/internet.ts)
 // with busybox nc; PUT /sandboxes/{id}/network live, bad input refused with the field named, the
-// inbound Host mask. Traffic goes only to namespaces and veths this file creates.
+// inbound Host mask, a header rule's secret that reaches the server but never the VM, the node's CA
+// in the guest's trust store. Traffic goes only to namespaces and veths this file creates.
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
+import { createHash } from "node:crypto";
+import { chmodSync, mkdirSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { Sandbox } from "e2b";
-import { DEFAULT_ALWAYS_DENIED, Egress, EgressProxy, type SlotPool } from "../../src/network/index.ts";
+import { DEFAULT_ALWAYS_DENIED, Egress, EgressCa, EgressProxy, SecretStore, type SlotPool } from "../../src/network/index.ts";
 import type { Orchestrator } from "../../src/orchestrator/orchestrator.ts";
 import { startBlockd } from "../blockdev/harness.ts";
 import { startInternet, type TestInternet } from "../network/internet.ts";
@@ -27,13 +30,18 @@ describe.skipIf(!!skip)("sandbox network policy through the API (QEMU, slots, eg
   let proxy: EgressProxy;
   let stopServer = () => {};
   let base = "";
+  const ca = EgressCa.generate();
+  const secret = `vm-secret-${process.pid}-${Date.now()}`;
   const opts = () => ({ apiKey: KEY, apiUrl: base, sandboxUrl: base, requestTimeoutMs: 120_000 });
   const api = (method: string, path: string, body?: unknown) =>
     fetch(base + path, { method, headers: { "x-api-key": KEY, "content-type": "application/json" }, body: body === undefined ? undefined : JSON.stringify(body) });
 
   beforeAll(async () => {
     net = await startInternet();
-    proxy = new EgressProxy({ resolvers: [net.ips[0]!] }).listen();
+    mkdirSync(join(dir, "secrets"), { recursive: true });
+    writeFileSync(join(dir, "secrets", "tok"), secret);
+    chmodSync(join(dir, "secrets", "tok"), 0o600);
+    proxy = new EgressProxy({ resolvers: [net.ips[0]!], ca, secrets: new SecretStore(join(dir, "secrets")), upstreamCa: [net.certPem] }).listen();
     const parts = await nodeParts({ dir, runRoot: root, slotPrefix: `aon${tag}-`, slotCidr: `10.216.${process.pid % 250}.0/24` }, client, {
       egress: async (cfg) => {
         egress = new Egress(cfg, { alwaysDenied: DEFAULT_ALWAYS_DENIED, resolvers: [net.ips[0]!], uplinks: [net.uplink], proxyPort: proxy.port });
@@ -41,6 +49,7 @@ describe.skipIf(!!skip)("sandbox network policy through the API (QEMU, slots, eg
         await egress.start();
         return egress;
       },
+      caBundle: ca.certPem,
     });
     ({ orch, pool } = parts);
     const served = serveParts(orch, KEY);
@@ -101,12 +110,37 @@ describe.skipIf(!!skip)("sandbox network policy through the API (QEMU, slots, eg
     expect(egress.get(slot)).toBeUndefined();
   }, 300_000);
 
+  test("a header rule's secret reaches the server and never the VM; the node's CA is in the guest's trust store", async () => {
+    const [a] = net.ips as [string];
+    const r = await api("POST", "/v2/sandboxes", {
+      templateID: "busybox", network: { allowOut: ["x.a.test"], denyOut: ["0.0.0.0/0"], rules: { "x.a.test": [{ transform: { headers: { Authorization: "secret:tok" } } }] } },
+    });
+    expect(r.status).toBe(201);
+    const id = ((await r.json()) as { sandboxID: string }).sandboxID;
+    const s = await Sandbox.connect(id, opts());
+    const got = await s.commands.run(`printf 'GET /auth HTTP/1.0\\r\\nHost: x.a.test\\r\\n\\r\\n' | nc -w 5 ${a} 80`).then((x) => x.stdout);
+    expect(got).toContain(createHash("sha256").update(secret).digest("hex"));
+    expect(got).not.toContain(secret);
+    const seen = await s.commands.run("env; cat /proc/[0-9]*/environ 2>/dev/null | tr '\\0' '\\n'; true").then((x) => x.stdout);
+    expect(seen).toContain("E2B_SANDBOX_ID");
+    expect(seen).not.toContain(secret);
+    const bundle = await s.commands.run("cat /etc/ssl/certs/ca-certificates.crt /usr/local/share/ca-certificates/aenv-*.crt").then((x) => x.stdout);
+    expect(bundle.split(ca.certPem.trim()).length - 1).toBe(2);
+    // A rule naming a secret that is not a name: 400, the rules in force stay.
+    const bad = await api("PUT", `/sandboxes/${id}/network`, { allowOut: ["x.a.test"], rules: { "x.a.test": [{ transform: { headers: { Authorization: "secret:../x" } } }] } });
+    expect(bad.status).toBe(400);
+    expect(((await bad.json()) as { message: string }).message).toContain('network.rules["x.a.test"][0].transform.headers["Authorization"]');
+    await s.kill();
+  }, 300_000);
+
   test("create refuses a malformed policy naming the field", async () => {
     const before = orch.store.count();
     for (const [body, field] of [
       [{ templateID: "busybox", network: { denyOut: ["10.0.0.1/8"] } }, "network.denyOut[0]"],
       [{ templateID: "busybox", network: { maskRequestHost: "a b" } }, "network.maskRequestHost"],
       [{ templateID: "busybox", network: { httpsPorts: [70000] } }, "network.httpsPorts[0]"],
+      [{ templateID: "busybox", network: { egressProxy: { address: "nowhere" } } }, "network.egressProxy.address"],
+      [{ templateID: "busybox", network: { rules: { "a.test": [{ tls: "always" }] } } }, 'network.rules["a.test"][0].tls'],
     ] as const) {
       const r = await api("POST", "/v2/sandboxes", body);
       expect(r.status).toBe(400);

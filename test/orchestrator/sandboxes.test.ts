@@ -39,7 +39,7 @@ describe.skipIf(!!skip)("node API + orchestrator with the e2b SDK (QEMU, blockd,
     // Snapshots go to S3 (s3rver on loopback): the store a cluster of nodes shares.
     mkdirSync(join(dir, "s3"), { recursive: true });
     s3 = await startS3Server(join(dir, "s3"));
-    const snapshots = { location: "s3://snapshots/node", env: { AWS_ACCESS_KEY_ID: "S3RVER", AWS_SECRET_ACCESS_KEY: "S3RVER", AENV_S3_ENDPOINT: s3.endpoint } };
+    const snapshots = { location: "s3://snapshots/node", s3: { accessKeyId: "S3RVER", secretAccessKey: "S3RVER", endpoint: s3.endpoint } };
     const parts = await nodeParts({ dir, runRoot: root, slotPrefix: `aor${tag}-`, slotCidr: `10.215.${process.pid % 250}.0/24` }, client, { snapshots });
     ({ orch, store, pool, templates, snapshotStore } = parts);
     const served = serveParts(orch, KEY);
@@ -158,7 +158,7 @@ describe.skipIf(!!skip)("node API + orchestrator with the e2b SDK (QEMU, blockd,
     expect(Date.parse((await Sandbox.getInfo(s.sandboxId, opts())).endAt.toISOString())).toBeGreaterThan(end0);
     const m = await fetch(`${base}/sandboxes/${s.sandboxId}/metrics`, { headers: { "x-api-key": KEY } });
     const metrics = (await m.json()) as { timestamp: string; memTotal: number }[];
-    expect(metrics.length).toBe(1);
+    expect(metrics.length).toBeGreaterThanOrEqual(1); // the reaper's round may have sampled it too
     expect(Number.isNaN(Date.parse(metrics[0]!.timestamp))).toBe(false);
     expect(metrics[0]!.memTotal).toBeGreaterThan(0);
     for (const path of ["/init", "/upgrade"]) {

@@ -1,6 +1,7 @@
 import { describe, expect, test } from "bun:test";
 import { join } from "node:path";
-import { SandboxStore, StoreError, decodeCursor, encodeCursor, publicState, type SandboxRecord } from "../../src/orchestrator/store.ts";
+import { Database } from "bun:sqlite";
+import { SandboxStore, StoreError, decodeCursor, encodeCursor, listScope, publicState, type SandboxRecord } from "../../src/orchestrator/store.ts";
 import { scratchDir } from "../helpers/tmp.ts";
 
 const dir = scratchDir("store");
@@ -12,7 +13,7 @@ function record(store: SandboxStore, over: Partial<SandboxRecord> = {}): Sandbox
     id: `sbx${n++}`, state: "running", templateId: "tpl1", alias: "base", metadata: {}, envVars: {},
     startedAt, endAt: startedAt + 300_000, cpuCount: 2, memoryMB: 512, diskSizeMB: 1024,
     envdVersion: "0.6.13", envdAccessToken: "tok", trafficAccessToken: null, autoPause: false,
-    autoResume: false, allowInternetAccess: null, network: null, runtime: { slot: 3 }, ...over,
+    autoResume: false, allowInternetAccess: null, network: null, runtime: { slot: 3 }, customExtensionParams: {}, ...over,
   };
 }
 
@@ -141,10 +142,45 @@ describe("SandboxStore", () => {
     s.close();
   });
 
-  test("cursor encoding round-trips and refuses foreign tokens", () => {
-    expect(decodeCursor(encodeCursor(1700000000123, "abc9"))).toEqual({ startedAt: 1700000000123, id: "abc9" });
-    expect(decodeCursor(Buffer.from("x__y").toString("base64url"))).toBeUndefined();
-    expect(decodeCursor("")).toBeUndefined();
+  test("cursor encoding round-trips and refuses foreign tokens and other lists' tokens", () => {
+    const scope = listScope("sandboxes", ["desc"]);
+    expect(decodeCursor(encodeCursor(1700000000123, "abc9", scope), scope)).toEqual({ at: 1700000000123, id: "abc9" });
+    expect(decodeCursor(encodeCursor(5, "tpl_a.b-c", scope), scope)).toEqual({ at: 5, id: "tpl_a.b-c" });
+    expect(() => decodeCursor(Buffer.from("x__y").toString("base64url"), scope)).toThrow("not a token this node issued");
+    expect(() => decodeCursor("", scope)).toThrow(StoreError);
+    expect(() => decodeCursor(encodeCursor(5, "abc9", listScope("snapshots", [])), scope)).toThrow("another list");
+    const s = new SandboxStore(join(dir, "scope.db"));
+    for (let i = 0; i < 3; i++) s.insert(record(s, { metadata: { team: "a" } }));
+    const page = s.list({ limit: 1 });
+    expect(page.nextToken).toBeDefined();
+    expect(s.list({ limit: 1, nextToken: page.nextToken }).items.length).toBe(1);
+    // The token of the default list (desc, no filters) is no page of another order or filter.
+    expect(() => s.list({ limit: 1, order: "asc", nextToken: page.nextToken })).toThrow("another list");
+    expect(() => s.list({ limit: 1, metadata: { team: "a" }, nextToken: page.nextToken })).toThrow("another list");
+    expect(() => s.list({ limit: 1, states: ["running"], nextToken: page.nextToken })).toThrow("another list");
+    s.close();
+  });
+
+  test("customExtensionParams: kept with the row, replaced only while running; an older table gains the column", () => {
+    const path = join(dir, "ext.db");
+    // A table as it was before the column existed, with one row.
+    const old = new Database(path, { create: true });
+    old.run(`CREATE TABLE sandboxes (id TEXT PRIMARY KEY, state TEXT NOT NULL, template_id TEXT NOT NULL, alias TEXT, metadata TEXT NOT NULL,
+      env_vars TEXT NOT NULL, started_at INTEGER NOT NULL UNIQUE, end_at INTEGER NOT NULL, cpu_count INTEGER NOT NULL, memory_mb INTEGER NOT NULL,
+      disk_size_mb INTEGER NOT NULL, envd_version TEXT NOT NULL, envd_access_token TEXT NOT NULL, traffic_access_token TEXT,
+      auto_pause INTEGER NOT NULL, auto_resume INTEGER NOT NULL, allow_internet_access INTEGER, network TEXT NOT NULL, runtime TEXT NOT NULL)`);
+    old.run(`INSERT INTO sandboxes VALUES ('oldrow', 'running', 't', NULL, '{}', '{}', 1, 2, 1, 256, 64, '0.6.13', 'tok', NULL, 0, 0, NULL, 'null', 'null')`);
+    old.close();
+    const s = new SandboxStore(path);
+    expect(s.get("oldrow")!.customExtensionParams).toEqual({});
+    const r = record(s, { customExtensionParams: { gpu: { count: 1 } } });
+    s.insert(r);
+    expect(s.get(r.id)!.customExtensionParams).toEqual({ gpu: { count: 1 } });
+    expect(s.setExtensionParams(r.id, { gpu: null, b: [1] })!.customExtensionParams).toEqual({ gpu: null, b: [1] });
+    s.transition(r.id, ["running"], "paused");
+    expect(s.setExtensionParams(r.id, {})).toBeUndefined();
+    expect(s.get(r.id)!.customExtensionParams).toEqual({ gpu: null, b: [1] });
+    s.close();
   });
 
   test("publicState maps transitional states as E2B reports them", () => {

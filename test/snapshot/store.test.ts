@@ -8,7 +8,7 @@ import { mkdir, open, readdir, stat, truncate, utimes, writeFile } from "node:fs
 import { join } from "node:path";
 import {
   DirSnapshotStore, openSnapshotStore, S3SnapshotStore, SnapshotCache, SnapshotStoreError,
-  type SnapshotFile, type SnapshotStore,
+  type S3Settings, type SnapshotFile, type SnapshotStore,
 } from "../../src/snapshot/index.ts";
 import { scratchDir } from "../helpers/tmp.ts";
 import { startS3Server, type TestS3 } from "./s3_server.ts";
@@ -302,7 +302,7 @@ describe("shared filesystem: two stores (two nodes) on one directory", () => {
 const s3Dir = scratchDir("snapshot-s3");
 let s3: TestS3 | undefined;
 let client: S3Client;
-const env = () => ({ AWS_ACCESS_KEY_ID: "S3RVER", AWS_SECRET_ACCESS_KEY: "S3RVER", AWS_REGION: "us-east-1", AENV_S3_ENDPOINT: s3!.endpoint });
+const s3Settings = () => ({ accessKeyId: "S3RVER", secretAccessKey: "S3RVER", region: "us-east-1", endpoint: s3!.endpoint });
 
 beforeAll(async () => {
   mkdirSync(join(s3Dir, "objects"), { recursive: true });
@@ -316,7 +316,7 @@ afterAll(async () => {
 let caches = 0;
 function s3Store(prefix = "node/snaps", cacheBytes?: number, holdMs?: number): S3SnapshotStore {
   const home = join(s3Dir, `home-${caches++}`);
-  const store = openSnapshotStore(`s3://${BUCKET}/${prefix}`, { home, env: env(), cacheBytes });
+  const store = openSnapshotStore(`s3://${BUCKET}/${prefix}`, { home, s3: s3Settings(), cacheBytes });
   expect(store).toBeInstanceOf(S3SnapshotStore);
   const s = store as S3SnapshotStore;
   if (holdMs === undefined) return s;
@@ -483,12 +483,12 @@ describe("openSnapshotStore", () => {
     expect(def.kind).toBe("dir");
     expect(def.location).toBe(join(home, "snapshots"));
     expect(openSnapshotStore("/mnt/nfs/snaps", { home }).location).toBe("/mnt/nfs/snaps");
-    const s = openSnapshotStore("s3://my-bucket/a/b", { home, env: { AWS_ACCESS_KEY_ID: "k", AWS_SECRET_ACCESS_KEY: "s" } });
+    const s = openSnapshotStore("s3://my-bucket/a/b", { home, s3: { accessKeyId: "k", secretAccessKey: "s" } });
     expect(s.kind).toBe("s3");
     expect(s.location).toBe("s3://my-bucket/a/b/");
-    const bad = (setting: string, e: Record<string, string> = { AWS_ACCESS_KEY_ID: "k", AWS_SECRET_ACCESS_KEY: "s" }) => {
+    const bad = (setting: string, e: S3Settings = { accessKeyId: "k", secretAccessKey: "s" }) => {
       try {
-        openSnapshotStore(setting, { home, env: e });
+        openSnapshotStore(setting, { home, s3: e });
       } catch (err) {
         return (err as SnapshotStoreError).code;
       }
@@ -500,6 +500,6 @@ describe("openSnapshotStore", () => {
     expect(bad("s3://bucket/../x")).toBe("BadConfig");
     expect(bad("s3://bucket/x", {})).toBe("BadConfig");
     expect(bad("gs://bucket/x")).toBe("BadConfig");
-    expect(bad("s3://bucket/x", { AWS_ACCESS_KEY_ID: "k", AWS_SECRET_ACCESS_KEY: "s", AENV_S3_ENDPOINT: "ftp://x" })).toBe("BadConfig");
+    expect(bad("s3://bucket/x", { accessKeyId: "k", secretAccessKey: "s", endpoint: "ftp://x" })).toBe("BadConfig");
   });
 });

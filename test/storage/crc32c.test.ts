@@ -4,7 +4,7 @@ import { randomBytes } from "../helpers/memfile.ts";
 
 const check = new TextEncoder().encode("123456789");
 
-describe("raw CRC-32C (format §7.3, §11.5)", () => {
+describe("raw CRC-32C (ZFile's checksum)", () => {
   test("check values", () => {
     expect(rawCrc32c(0, check)).toBe(0x58e3fa20);
     expect(rawCrc32c(100007, check)).toBe(0x3c9bd4e0);

@@ -1,4 +1,4 @@
-// Scenario A of overlaybd-format.md §11.2, byte for byte, plus the read-only open rules (§4.5).
+// The layer vector of docs/formats.md, byte for byte, plus the read-only open rules.
 import { describe, expect, test } from "bun:test";
 import { readFileSync, writeFileSync, copyFileSync, statSync, openSync, closeSync, existsSync, unlinkSync } from "node:fs";
 import { join } from "node:path";
@@ -15,7 +15,7 @@ import { lseek, SEEK_DATA, SEEK_HOLE } from "../../ffi/libc.ts";
 const dir = scratchDir("lsmt");
 const fill = (n: number, v: number) => new Uint8Array(n).fill(v);
 
-async function scenarioA(tag: string) {
+async function layerVector(tag: string) {
   const data = join(dir, `${tag}.data`);
   const index = join(dir, `${tag}.index`);
   const l = await WritableLayer.create(data, index, {
@@ -30,9 +30,9 @@ async function scenarioA(tag: string) {
   return { l, data, index };
 }
 
-describe("scenario A (§11.2)", () => {
+describe("the layer vector: write, write, discard, rewrite on 1 GiB", () => {
   test("RW data and index files", async () => {
-    const { l, data, index } = await scenarioA("rw");
+    const { l, data, index } = await layerVector("rw");
     await l.close();
     expect(readFileSync(data).length).toBe(9728);
     expect(sha256(readFileSync(data))).toBe("9c0cd02f51fa571474133183ec21e7df345a32a359b7b5108b305e1245b8d00f");
@@ -46,7 +46,7 @@ describe("scenario A (§11.2)", () => {
   });
 
   test("sealed in place", async () => {
-    const { l, data } = await scenarioA("seal");
+    const { l, data } = await layerVector("seal");
     await l.seal();
     await l.close();
     const b = readFileSync(data);
@@ -58,7 +58,7 @@ describe("scenario A (§11.2)", () => {
   });
 
   test("committed with message and uuid", async () => {
-    const { l } = await scenarioA("commit");
+    const { l } = await layerVector("commit");
     const out = join(dir, "commit.out");
     const image = Image.fromLayers([], l);
     const f = await LocalFile.open(out, { write: true, create: true });
@@ -80,7 +80,7 @@ describe("scenario A (§11.2)", () => {
     await img.close();
   });
 
-  test("scenario C (§11.4): commit -z of scenario A with LZ4, byte for byte", async () => {
+  test("the committed layer as an LZ4 ZFile (commit -z), byte for byte", async () => {
     const src = await LocalFile.open(join(dir, "commit.out"), {});
     const out = join(dir, "commit.lz4.zfile");
     const dst = await LocalFile.open(out, { write: true, create: true });
@@ -95,7 +95,7 @@ describe("scenario A (§11.2)", () => {
     await ro.close();
   });
 
-  test("empty committed layer is 8192 bytes (§11.5)", async () => {
+  test("empty committed layer is 8192 bytes", async () => {
     const l = await WritableLayer.create(join(dir, "e.data"), join(dir, "e.index"), { virtualSize: 1 << 20 });
     const out = join(dir, "empty.commit");
     const image = Image.fromLayers([], l);
@@ -112,7 +112,7 @@ describe("scenario A (§11.2)", () => {
   });
 });
 
-describe("read-only open rejects bad files (§4.5)", () => {
+describe("read-only open rejects bad files (C++'s rules)", () => {
   const committed = join(dir, "commit.out");
   const mutate = (name: string, fn: (b: Uint8Array) => Uint8Array) => {
     const p = join(dir, name);
@@ -167,7 +167,7 @@ describe("writable layer rules", () => {
   });
 
   test("a torn index tail and entries past the data end are dropped on open", async () => {
-    const { l, data, index } = await scenarioA("torn");
+    const { l, data, index } = await layerVector("torn");
     await l.close();
     const ib = readFileSync(index);
     // A partial 5th entry, then a 6th entry naming data that never reached the data file.
@@ -306,7 +306,7 @@ describe("writable layer rules", () => {
   });
 
   test("a sealed file cannot be reopened writable", async () => {
-    const { l, data, index } = await scenarioA("sealrw");
+    const { l, data, index } = await layerVector("sealrw");
     await l.seal();
     await l.close();
     await expect(WritableLayer.open(data, index)).rejects.toThrow(/sealed/);
@@ -320,7 +320,7 @@ describe("writable layer rules", () => {
   });
 });
 
-describe("sparse writable layer (§4.2)", () => {
+describe("sparse writable layer", () => {
   test("create makes writable_index as overlaybd-create -s does: an empty 0644 file beside the data", async () => {
     const data = join(dir, "spc.data");
     const index = join(dir, "spc.index");

@@ -6,13 +6,13 @@ import { compressible, randomBytes } from "../helpers/memfile.ts";
 const hex = (b: Uint8Array) => Buffer.from(b).toString("hex");
 
 describe("lz4 compressor", () => {
-  test("inputs under 13 bytes are one literal run (§11.3)", () => {
+  test("inputs under 13 bytes are one literal run", () => {
     expect(hex(lz4Compress(new TextEncoder().encode("0123456789")))).toBe("a030313233343536373839");
     expect(hex(lz4Compress(new Uint8Array(0)))).toBe("00");
     expect(hex(lz4Compress(new Uint8Array(12).fill(7)))).toBe("c0" + "07".repeat(12));
   });
 
-  test("4096 zero bytes and 4096 x 0xAA match LZ4 (§11.4)", () => {
+  test("4096 zero bytes and 4096 x 0xAA match LZ4 1.8.3", () => {
     const tail = "ff".repeat(15) + "f650";
     expect(hex(lz4Compress(new Uint8Array(4096)))).toBe("1f000100" + tail + "0000000000");
     expect(hex(lz4Compress(new Uint8Array(4096).fill(0xaa)))).toBe("1faa0100" + tail + "aaaaaaaaaa");

@@ -1,4 +1,4 @@
-// Vectors from overlaybd-format.md §11.1 (entry encoding), §5.2 (insert), §5.3 (merge), §5.1 (lookup).
+// The entry encodings of docs/formats.md and C++'s unit-test vectors for insert, merge, lookup and combo lookup.
 import { describe, expect, test } from "bun:test";
 import {
   type Segment,
@@ -16,7 +16,7 @@ const bytes = (s: string) => new Uint8Array(s.split(" ").map((x) => parseInt(x, 
 const triple = (l: Segment[]) => l.map((s) => [s.offset, s.length, s.moffset]);
 const quad = (l: Segment[]) => l.map((s) => [s.offset, s.length, s.moffset, s.tag]);
 
-describe("segment encoding (§11.1)", () => {
+describe("segment encoding", () => {
   const vectors: [Segment, string][] = [
     [seg(0, 8, 8), "00 00 00 00 00 00 20 00 08 00 00 00 00 00 00 00"],
     [seg(16, 2, 16), "10 00 00 00 00 00 08 00 10 00 00 00 00 00 00 00"],
@@ -48,7 +48,7 @@ describe("segment encoding (§11.1)", () => {
   });
 });
 
-describe("SegmentIndex insert (§5.2 upstream vector)", () => {
+describe("SegmentIndex insert (C++'s vector)", () => {
   test("overwrite insert", () => {
     const ix = new SegmentIndex();
     for (const [o, l, m] of [[0, 20, 0], [10, 15, 50], [30, 100, 20], [5, 10, 3], [40, 10, 123], [200, 10, 2133], [150, 100, 21]])
@@ -95,7 +95,7 @@ describe("SegmentIndex insert (§5.2 upstream vector)", () => {
   });
 });
 
-describe("mergeAdjacent (§5.3 upstream vectors)", () => {
+describe("mergeAdjacent (C++'s vectors)", () => {
   const q = (l: number[][]) => l.map(([o, len, m, t]) => seg(o!, len!, m!, false, t ?? 0));
   const cases: [number[][], number[][]][] = [
     [[[5, 5, 0], [10, 10, 5], [100, 10, 20]], [[5, 15, 0, 0], [100, 10, 20, 0]]],
@@ -110,7 +110,7 @@ describe("mergeAdjacent (§5.3 upstream vectors)", () => {
   });
 });
 
-describe("lookup (§5.5 lookup vector)", () => {
+describe("lookup (C++'s vector)", () => {
   const ix = [seg(0, 10, 0), seg(10, 10, 50), seg(100, 10, 20)];
   test.each([
     [5, 15, [[5, 5, 5], [10, 5, 50]]],
@@ -123,7 +123,7 @@ describe("lookup (§5.5 lookup vector)", () => {
   });
 });
 
-describe("combo lookup (§5.5 upstream vectors)", () => {
+describe("combo lookup (C++'s vectors)", () => {
   const { comboVisit } = require("../../src/storage/lsmt/segment_index.ts");
   const U = [[5, 5, 0], [10, 10, 50], [100, 10, 20]];
   const L1 = [[0, 1, 7], [2, 4, 5], [15, 10, 22], [30, 15, 89], [87, 50, 32], [150, 10, 84]];

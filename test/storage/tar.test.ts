@@ -37,7 +37,7 @@ function ustarHeader(name: string, size: number, magic = "ustar\u000000"): Uint8
   return h;
 }
 
-describe("overlaybd tar layout (§8)", () => {
+describe("overlaybd tar layout", () => {
   test("head bytes match what the C++ tool writes", () => {
     const head = overlaybdTarHead(1043, 0o100644);
     expect(head.length).toBe(1536);

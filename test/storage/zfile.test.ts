@@ -49,7 +49,7 @@ async function expectRejects(p: Promise<unknown>, cls: Function, match?: RegExp)
   throw new Error(`expected ${cls.name}`);
 }
 
-describe("scenario B (§11.3): tiny lz4 ZFile", () => {
+describe("the ten-byte LZ4 ZFile", () => {
   test("no header overwrite: byte for byte", async () => {
     const f = await zfileOf(ten, { algorithm: "lz4" });
     const b = f.bytes();

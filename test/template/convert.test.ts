@@ -15,7 +15,7 @@ import { LayerCache } from "../../src/template/layer_cache.ts";
 import { diffIdOf } from "../../src/template/layer_stream.ts";
 import { pullImage, type PullProgress } from "../../src/template/pull.ts";
 import { RegistryClient } from "../../src/template/registry.ts";
-import { pushTwoLayerImage, pushWhiteoutImage, registrySkipReason, startRegistry } from "./registry_harness.ts";
+import { BUSYBOX_CONFIG, busyboxRoot, overlaybdLayerOf, pushOverlaybdImage, pushTwoLayerImage, pushWhiteoutImage, registrySkipReason, startRegistry } from "./registry_harness.ts";
 
 const SBIN = "/usr/local/sbin:/usr/sbin:/sbin";
 const haveTools = ["mkfs.ext4", "tar", "zstd", "python3"].every((t) => Bun.which(t, { PATH: `${process.env.PATH}:${SBIN}` }));
@@ -326,6 +326,49 @@ describe.skipIf(!pullRuns)(pullRuns ? "pull from a registry" : `pull from a regi
   const reg = await startRegistry({ dir: join(dir, "registry") });
   const registry = new RegistryClient({ dockerConfigPath: null });
   const cache = new LayerCache(join(dir, "cache"));
+
+  test("an overlaybd image: its blobs are checked to be layers and cached as they are; the disk is their virtual size; a blob that is no layer is CorruptLayer, nothing cached", async () => {
+    const root = await busyboxRoot(join(dir, "obd-root"));
+    await writeFile(join(root, "etc/obd"), "native\n");
+    const file = await overlaybdLayerOf(root, join(dir, "obd.layer"), 256);
+    const img = await pushOverlaybdImage(registry, `${reg.host}/obd:1`, { layers: [file], config: BUSYBOX_CONFIG });
+    const devices = async () => {
+      const d = (await blockd.call("list")) as unknown[] | { devices: unknown[] };
+      return (Array.isArray(d) ? d : d.devices).length;
+    };
+    const devicesBefore = await devices();
+    const a = await pullImage(img.ref, { registry, cache, blockd });
+    expect(a).toMatchObject({ overlaybdNative: true, converted: 1, cached: 0, diskSizeMB: 256 });
+    expect(a.config).toMatchObject({ env: { FOO: "bar" }, workingDir: "/work" });
+    // The cached layer is the blob's bytes (no empty ext4 layer, no conversion), and no device was left behind.
+    expect(a.layers.length).toBe(1);
+    expect(sha256(readFileSync(a.layers[0]!))).toBe(sha256(readFileSync(file)));
+    expect(await devices()).toBe(devicesBefore);
+    const dev = await blockd.call("createReadOnly", { lowers: a.layers, loop: true });
+    const mnt = join(dir, "obd-mnt");
+    await mkdir(mnt);
+    await sh(["mount", "-t", "ext4", "-o", "ro,noload", dev.loop, mnt]);
+    try {
+      expect(await sh(["chroot", mnt, "/bin/sh", "-c", "cat /etc/obd"])).toBe("native\n");
+    } finally {
+      await sh(["umount", mnt]);
+      await blockd.call("delete", { id: dev.id });
+    }
+    expect(await pullImage(img.ref, { registry, cache, blockd })).toMatchObject({ converted: 0, cached: 1, diskSizeMB: 256 });
+
+    // Bytes that hash to their digest but are no overlaybd layer: refused, naming the blob; nothing cached.
+    const layersBefore = readdirSync(join(dir, "cache", "layers")).sort();
+    const junk = new TextEncoder().encode("not an overlaybd layer\n".repeat(200));
+    const bad = await pushOverlaybdImage(registry, `${reg.host}/obd:junk`, { layers: [junk], config: BUSYBOX_CONFIG });
+    const e = (await pullImage(bad.ref, { registry, cache, blockd }).catch((x) => x)) as ConvertError;
+    expect(e).toBeInstanceOf(ConvertError);
+    expect(e.code).toBe("CorruptLayer");
+    expect(e.status).toBe(400);
+    expect(e.message).toContain(bad.layers[0]!.digest);
+    expect(e.message).toContain("not an overlaybd layer");
+    expect(readdirSync(join(dir, "cache", "layers")).sort()).toEqual(layersBefore);
+    expect(readdirSync(join(dir, "cache", "work"))).toEqual([]);
+  }, 120_000);
 
   test("registry → pullImage → layers: whiteouts applied, config kept, a second image on the same base converts only its new layer", async () => {
     try {

@@ -2,7 +2,7 @@
 // a free port and its own storage folder, optionally behind htpasswd Basic auth or Bearer tokens
 // from a token server started here; and builders that make small images (busybox from Debian's
 // busybox-static, a second layer on top, whiteouts and an opaque directory, an index of two
-// platforms) and push them with our RegistryClient.
+// platforms, an overlaybd image of sealed layers) and push them with our RegistryClient.
 //
 //   const reg = await startRegistry({ dir: scratchDir("reg") });        // stopped by reg.stop()
 //   const client = new RegistryClient({ dockerConfigPath: null });
@@ -19,7 +19,9 @@ import { join } from "node:path";
 import { promisify } from "node:util";
 import { gzip as gzipCb } from "node:zlib";
 import type { Descriptor, Platform, RegistryClient } from "../../src/template/registry.ts";
-import { MEDIA } from "../../src/template/registry.ts";
+import { MEDIA, OVERLAYBD_ANNOTATION } from "../../src/template/registry.ts";
+import { sealedLayer } from "../../src/template/artifacts.ts";
+import { MKFS_ARGS } from "../../src/template/convert.ts";
 import { scratchDir } from "../helpers/tmp.ts";
 
 const gzip = promisify(gzipCb);
@@ -328,13 +330,18 @@ export async function pushImage(client: RegistryClient, ref: string, spec: Image
     layers.push(d);
     diffIds.push(diffId);
   }
+  return pushConfigAndManifest(client, ref, format, platform, layers, diffIds, spec.config);
+}
+
+/** The image's config (diff_ids, platform, run config) and its manifest over pushed layers. */
+async function pushConfigAndManifest(client: RegistryClient, ref: string, format: "oci" | "docker", platform: Platform, layers: Descriptor[], diffIds: string[], run: ImageSpec["config"]): Promise<PushedImage> {
   const config = {
     architecture: platform.architecture,
     os: platform.os,
     ...(platform.variant ? { variant: platform.variant } : {}),
-    config: { Env: ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"], ...spec.config },
+    config: { Env: ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"], ...run },
     rootfs: { type: "layers", diff_ids: diffIds },
-    history: spec.layers.map(() => ({ created: "1970-01-01T00:00:00Z", created_by: "aenv test harness" })),
+    history: layers.map(() => ({ created: "1970-01-01T00:00:00Z", created_by: "aenv test harness" })),
   };
   const configType = format === "oci" ? MEDIA.ociConfig : MEDIA.dockerConfig;
   const cfg = await client.pushBlob(ref, new TextEncoder().encode(JSON.stringify(config)), { mediaType: configType });
@@ -342,6 +349,32 @@ export async function pushImage(client: RegistryClient, ref: string, spec: Image
   const manifest = { schemaVersion: 2, mediaType, config: { mediaType: configType, digest: cfg.digest, size: cfg.size }, layers };
   const m = await client.pushManifest(ref, manifest, mediaType);
   return { ref, manifestDigest: m.digest, mediaType, configDigest: cfg.digest, layers, diffIds };
+}
+
+/**
+ * A sealed overlaybd layer (bare LSMT, our sealedLayer) holding an ext4 file system of `root`'s
+ * files, `sizeMB` virtual, made by `mke2fs -d` (no mount), with the converter's mkfs arguments.
+ */
+export async function overlaybdLayerOf(root: string, out: string, sizeMB: number): Promise<string> {
+  const img = `${out}.ext4`;
+  await run([Bun.which("mkfs.ext4", { PATH: `${process.env.PATH}:/usr/sbin:/sbin` }) ?? "mkfs.ext4", ...MKFS_ARGS, "-d", root, img, `${sizeMB}M`]);
+  await sealedLayer(img, out);
+  await rm(img, { force: true });
+  return out;
+}
+
+/**
+ * An overlaybd image as accelerated-container-image pushes one: each layer file (or bytes) a blob
+ * with the tar media type whose `blob-digest` annotation is its own digest, `blob-size` and
+ * `blob-fs-type` ext4; the config's diff_ids are the blobs' digests.
+ */
+export async function pushOverlaybdImage(client: RegistryClient, ref: string, spec: { layers: (string | Uint8Array)[]; config?: ImageSpec["config"] }): Promise<PushedImage> {
+  const layers: Descriptor[] = [];
+  for (const l of spec.layers) {
+    const d = await client.pushBlob(ref, l, { mediaType: MEDIA.ociLayerTar });
+    layers.push({ ...d, annotations: { [OVERLAYBD_ANNOTATION.blobDigest]: d.digest, [OVERLAYBD_ANNOTATION.blobSize]: String(d.size), [OVERLAYBD_ANNOTATION.fsType]: "ext4" } });
+  }
+  return pushConfigAndManifest(client, ref, "oci", { os: "linux", architecture: "amd64" }, layers, layers.map((d) => d.digest), spec.config);
 }
 
 /** Busybox's applets that the image links to /bin/busybox. */

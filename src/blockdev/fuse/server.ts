@@ -44,7 +44,7 @@ import { closeHeldFd, forgetHeldFd, heldFd } from "../fd_ledger.ts";
 const MAX_WRITE = 512 << 10;
 /** Requests taken from /dev/fuse per wakeup and served concurrently (their I/O batches). */
 const MAX_SLOTS = 32;
-/** Slots lent to the reader thread (fuse/reader.ts); 0 turns the reader off. */
+/** Slots lent to the reader thread (fuse/reader.ts), AENV_FUSE_READER_SLOTS (BlockdSettings); 0 turns the reader off. */
 const READER_SLOTS = readerSlots(process.env.AENV_FUSE_READER_SLOTS);
 
 function readerSlots(v: string | undefined): number {
@@ -55,7 +55,7 @@ function readerSlots(v: string | undefined): number {
 }
 
 /**
- * Ring mode (FUSE over io_uring) for devices mounted from now on: AENV_FUSE_URING=1. Off by
+ * Ring mode (FUSE over io_uring) for devices mounted from now on: AENV_FUSE_URING=1 (BlockdSettings). Off by
  * default: the kernel does not resend requests a dead server held in ring entries
  * (FUSE_NOTIFY_RESEND covers /dev/fuse only), so a ring connection cannot outlive a blockd crash
  * the way a /dev/fuse one does; a restart ends it and serves the device afresh (lost).

@@ -1,7 +1,7 @@
 // UblkControl: ublk control commands (ADD/SET_PARAMS/START/STOP/DEL/recovery) over /dev/ublk-control,
 // one SQE128 io_uring of its own. Commands are async: the driver punts them to io-wq, and START_DEV /
 // END_USER_RECOVERY / DEL_DEV complete only after other threads act, so CQEs are polled, never awaited
-// in a blocking io_uring_enter that would freeze the event loop (kernel-and-vmm.md §2.2, §2.15).
+// in a blocking io_uring_enter that would freeze the event loop.
 
 import { IORING_ENTER_GETEVENTS, IoUring } from "../../../ffi/io_uring.ts";
 import { E, O_CLOEXEC, O_RDWR, allocAligned, close as closeFd, open, type AlignedBuffer } from "../../../ffi/libc.ts";

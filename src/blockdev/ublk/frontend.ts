@@ -1,7 +1,7 @@
 // One ublk device, tied together: ADD_DEV + SET_PARAMS from a size, the char node, the start order,
 // stop/delete, and user recovery. The queue workers themselves are the caller's (they own DeviceIo).
 //
-// Start order (kernel-and-vmm.md §2.11):
+// Start order (the driver's, privileged copy mode):
 //   1. UblkDevice.create()            ADD_DEV, open /dev/ublkcN, SET_PARAMS
 //   2. one Worker per queue           UblkQueue.open(dev.queueSpec(q)); queue.prime()  (FETCH every tag)
 //                                     then tell the main thread "ready", then queue.run(io, wake)
@@ -10,7 +10,7 @@
 // Stop order: close every user of /dev/ublkbN → dev.stop() (FETCH/COMMITs end with ABORT, run()
 // returns "aborted") → workers queue.close() → dev.remove() (closes /dev/ublkcN, then DEL_DEV).
 //
-// Recovery (§2.12, device added with recovery ≠ "none"): in the new process
+// User recovery (device added with recovery ≠ "none"): in the new process
 //   1. UblkDevice.recover(ctrl, id)   state must be QUIESCED or FAIL_IO; START_USER_RECOVERY, retried
 //                                     on EBUSY until the dead server's /dev/ublkcN is released
 //   2. new queue workers              as in step 2 above (FETCH every tag again)

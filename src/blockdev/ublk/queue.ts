@@ -1,6 +1,6 @@
 // UblkQueue: serves one ublk hardware queue, copy mode, from INSIDE a Bun Worker. The driver binds a
 // queue to the OS thread that issued its FETCH_REQs, so the ring, the FETCHes, every COMMIT and the
-// loop all live on that one thread (kernel-and-vmm.md §2.6–2.9, §2.15).
+// loop all live on that one thread (until UBLK_F_PER_IO_DAEMON, which we do not use).
 
 import { toArrayBuffer, type Pointer } from "bun:ffi";
 import {

@@ -1,5 +1,5 @@
 // Commit: compact a layer or a merged stack into one dense, garbage-free read-only layer, laid
-// out exactly as C++ overlaybd-commit does (overlaybd-format.md §4.4), so outputs are byte-equal.
+// out exactly as C++ overlaybd-commit does (docs/formats.md, Committed layer), so outputs are byte-equal.
 
 import type { ReadableFile, WritableFile } from "../file.ts";
 import { preadFull } from "../file.ts";
@@ -67,7 +67,7 @@ export async function compact(src: CompactSource, out: WritableFile, opts: Compa
   let pos = HT_SPACE / SECTOR;
   const entries: Segment[] = [];
   let run: Segment | undefined;
-  // Emit one step entry, folding it into the running one by the §5.3 rule (limit < 16383).
+  // Emit one step entry, folding it into the running one by the neighbour rule (limit < 16383).
   const emit = (offset: number, length: number, moffset: number, zeroed: boolean, tag: number) => {
     if (
       run &&

@@ -1,5 +1,5 @@
 // LSMT HeaderTrailer: the 4096-byte block at the start (and, for read-only layers, the end)
-// of every layer file (overlaybd-format.md §2).
+// of every layer file (docs/formats.md, LSMT header and trailer).
 
 import { FieldError, FormatError, magicMismatch, magicPartsMatching } from "../errors.ts";
 
@@ -11,7 +11,7 @@ const MAGIC = [MAGIC0, MAGIC1] as const;
 /** A disk is whole sectors. */
 const DISK_SECTOR = 512;
 
-/** Byte offsets of the fields errors name (§2). */
+/** Byte offsets of the fields errors name. */
 export const HT_FIELD = { flags: 28, indexOffset: 32, indexSize: 40, virtualSize: 48 } as const;
 
 export const FLAG_HEADER = 0x01;

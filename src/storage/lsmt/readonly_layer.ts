@@ -1,5 +1,5 @@
 // A read-only LSMT layer (sealed or committed): opened through its trailer and validated with
-// the C++ rules of overlaybd-format.md §4.5, so a file we accept is one C++ accepts too.
+// C++'s rules (docs/formats.md, Opening a read-only layer), so a file we accept is one C++ accepts too.
 
 import { FieldError, FormatError, TruncatedError } from "../errors.ts";
 import type { ReadableFile } from "../file.ts";

@@ -1,5 +1,5 @@
-// SegmentMapping: the 16-byte index entry of an LSMT layer (reference: overlaybd-format.md §3),
-// and the pure algorithms over sorted arrays of them (§5.1 lookup, §5.3 merge of neighbours).
+// SegmentMapping: the 16-byte index entry of an LSMT layer (docs/formats.md, LSMT index entry),
+// and the pure algorithms over sorted arrays of them (lookup, merging neighbours).
 // Units are 512-byte sectors throughout.
 
 export const SECTOR = 512;
@@ -108,7 +108,7 @@ export function clip(s: Segment, start: number, end: number): Segment {
   };
 }
 
-/** §5.1: the pieces of a sorted, disjoint list that cover [start, end), trimmed to it. */
+/** Lookup: the pieces of a sorted, disjoint list that cover [start, end), trimmed to it. */
 export function lookup(list: readonly Segment[], start: number, end: number, out: Segment[] = []): Segment[] {
   for (let i = firstEndingAfter(list, start); i < list.length; i++) {
     const s = list[i]!;
@@ -119,7 +119,7 @@ export function lookup(list: readonly Segment[], start: number, end: number, out
 }
 
 /**
- * §5.3 compress_raw_index: fold neighbours that continue each other on disk. `limit` is the
+ * C++'s compress_raw_index: fold neighbours that continue each other on disk. `limit` is the
  * exclusive bound on a merged length: C++ uses 16383 (so runs come out as 16320 + rest).
  */
 export function mergeAdjacent(list: readonly Segment[], limit = MAX_SEGMENT_SECTORS): Segment[] {

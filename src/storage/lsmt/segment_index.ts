@@ -1,5 +1,5 @@
-// SegmentIndex: an ordered set of disjoint segments with the overwrite-insert of
-// overlaybd-format.md §5.2. Kept as a list of sorted chunks so that an insert costs
+// SegmentIndex: an ordered set of disjoint segments with the overwrite-insert of C++'s writable
+// index (docs/formats.md, Index algorithms). Kept as a list of sorted chunks so that an insert costs
 // O(log n + CHUNK) instead of shifting the whole array (1 GiB of 4 KiB writes = 262144 entries).
 
 import { type Segment, firstEndingAfter, clip, segEnd } from "./segment.ts";
@@ -120,7 +120,7 @@ export class SegmentIndex {
     this.chunks.splice(ci, 1, c.slice(0, CHUNK), c.slice(CHUNK));
   }
 
-  /** §5.1 lookup: pieces covering [start, end), trimmed, appended to out. */
+  /** Lookup: pieces covering [start, end), trimmed, appended to out. */
   lookup(start: number, end: number, out: Segment[] = []): Segment[] {
     this.visit(start, end, { piece: (s, from, to) => out.push(from === s.offset && to === segEnd(s) ? s : clip(s, from, to)) }, false);
     return out;
@@ -170,7 +170,7 @@ export interface PieceSink {
 }
 
 /**
- * §5.5 combo lookup: the visible pieces of [start, end) of a writable index over a merged
+ * Combo lookup: the visible pieces of [start, end) of a writable index over a merged
  * read-only one, in order, as (segment, from, to); gaps between pieces are holes. Allocates
  * nothing (the read path runs it per request).
  */

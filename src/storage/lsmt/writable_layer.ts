@@ -1,6 +1,6 @@
 // The writable (RW) LSMT layer, log-structured: a data file that only grows and an index file of
-// 16-byte entries replayed on open (overlaybd-format.md §4.1). Sealing appends the index and a
-// trailer in place (§4.3), which makes the data file a read-only layer with no data copied.
+// 16-byte entries replayed on open (docs/formats.md, Writable layer). Sealing appends the index and a
+// trailer in place, which makes the data file a read-only layer with no data copied.
 
 import { unlinkSync, existsSync } from "node:fs";
 import { FormatError, IoRangeError, StorageError, TruncatedError } from "../errors.ts";
@@ -58,7 +58,7 @@ export interface WritableLayerOptions {
   virtualSize: number;
   uuid?: string;
   parentUuid?: string;
-  /** Sparse mode (§4.2): the disk lives in place in the data file; no index file is kept. */
+  /** Sparse mode: the disk lives in place in the data file; no index file is kept. */
   sparse?: boolean;
   /** Append rewrites too, as C++ overlaybd's writer does (byte-identical files for the same writes). */
   appendOnly?: boolean;
@@ -423,7 +423,7 @@ export class WritableLayer {
   }
 
   /**
-   * close_seal (§4.3): append the index (padded with zeros to 512) and a sealed trailer to the
+   * C++'s close_seal: append the index (padded with zeros to 512) and a sealed trailer to the
    * data file. The data file is then a read-only layer; this object accepts no more writes.
    */
   async seal(): Promise<void> {

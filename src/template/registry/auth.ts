@@ -18,10 +18,12 @@ export interface Challenge {
   params: Record<string, string>;
 }
 
-/** Docker's config file: `$DOCKER_CONFIG/config.json`, else `~/.docker/config.json`. */
-export function defaultDockerConfigPath(): string {
-  const dir = process.env.DOCKER_CONFIG || join(process.env.HOME || homedir(), ".docker");
-  return join(dir, "config.json");
+/**
+ * Docker's config file: `<dir>/config.json`, else `~/.docker/config.json`. `dir` is DOCKER_CONFIG's
+ * meaning; the node passes its docker_config setting, other callers get this process's DOCKER_CONFIG.
+ */
+export function defaultDockerConfigPath(dir = process.env.DOCKER_CONFIG): string {
+  return join(dir || join(homedir(), ".docker"), "config.json");
 }
 
 /** The config file is read once per client; one larger than this is refused. */

@@ -1,0 +1,190 @@
+// The node's own routes: Prometheus `GET /metrics` (no key, as E2B and AgentENV leave it open) and
+// AgentENV's `GET /nodes` and `GET /nodes/{nodeID}`, which know this node only: a node is its
+// own cluster, so the list has one entry and any other ID or clusterID is unknown.
+import { Elysia, t } from "elysia";
+import { randomUUID } from "node:crypto";
+import { readFileSync } from "node:fs";
+import { statfs } from "node:fs/promises";
+import { cpus, freemem, hostname, totalmem } from "node:os";
+import { errorResponses, notFound } from "./errors.ts";
+import { publicState, type SandboxStore } from "../orchestrator/store.ts";
+import type { Orchestrator } from "../orchestrator/orchestrator.ts";
+import type { TemplateStore } from "../orchestrator/templates.ts";
+
+export type NodeStatus = "ready" | "connecting" | "unhealthy";
+
+export interface NodeRoutesOptions {
+  store: SandboxStore;
+  templates: TemplateStore;
+  /** The orchestrator once the node can create sandboxes. */
+  orch: () => Orchestrator | undefined;
+  /** ready; connecting while it starts; unhealthy when its start failed. */
+  status: () => NodeStatus;
+  /** Proxied requests in flight, once the proxy exists. */
+  openStreams: () => number | undefined;
+  version: string;
+  /** The state directory: its filesystem is the node's disk. */
+  home: string;
+}
+
+/** A node is its own cluster: E2B's cluster IDs are UUIDs, this one is the nil UUID. */
+export const CLUSTER_ID = "00000000-0000-0000-0000-000000000000";
+
+const ARCH: Record<string, string> = { x64: "x86_64", arm64: "aarch64" };
+
+function machineInfo() {
+  const info = { cpuFamily: "", cpuModel: "", cpuModelName: "", cpuArchitecture: ARCH[process.arch] ?? process.arch };
+  try {
+    const text = readFileSync("/proc/cpuinfo", "utf8");
+    const field = (name: string) => new RegExp(`^${name}\\s*:\\s*(.*)$`, "m").exec(text)?.[1]?.trim() ?? "";
+    Object.assign(info, { cpuFamily: field("cpu family"), cpuModel: field("model"), cpuModelName: field("model name") });
+  } catch {
+    // not Linux: the architecture only
+  }
+  return info;
+}
+
+/** The checkout's commit (12 hex digits), or "unknown" outside a git checkout. */
+function gitCommit(): string {
+  try {
+    const r = Bun.spawnSync(["git", "rev-parse", "--short=12", "HEAD"], { cwd: import.meta.dir, stdout: "pipe", stderr: "ignore" });
+    const out = r.stdout.toString().trim();
+    return r.exitCode === 0 && out ? out : "unknown";
+  } catch {
+    return "unknown";
+  }
+}
+
+/** The mount `path` lives on (longest mount point that prefixes it) from /proc/self/mounts. */
+function mountOf(path: string): { mountPoint: string; device: string; filesystemType: string } {
+  let best = { mountPoint: "/", device: "", filesystemType: "" };
+  try {
+    for (const line of readFileSync("/proc/self/mounts", "utf8").split("\n")) {
+      const [device, mountPoint, filesystemType] = line.split(" ");
+      if (!device || !mountPoint || !filesystemType) continue;
+      const inside = path === mountPoint || path.startsWith(mountPoint.endsWith("/") ? mountPoint : `${mountPoint}/`);
+      if (inside && mountPoint.length >= best.mountPoint.length) best = { mountPoint, device, filesystemType };
+    }
+  } catch {
+    // no /proc: the root, unnamed
+  }
+  return best;
+}
+
+const Num = (description?: string) => t.Number(description ? { description } : {});
+const NodeMetrics = t.Object({
+  allocatedCPU: Num("vCPUs of the sandboxes that run (paused ones excluded)"), cpuPercent: Num("host CPU use since the previous call, %"),
+  cpuCount: Num(), allocatedMemoryBytes: Num(), memoryUsedBytes: Num(), memoryTotalBytes: Num(),
+  disks: t.Array(t.Object({ mountPoint: t.String(), device: t.String(), filesystemType: t.String(), usedBytes: Num(), totalBytes: Num() }), { description: "the filesystem of AENV_HOME" }),
+  pausedAllocatedCPU: Num(), pausedAllocatedMemoryBytes: Num(),
+});
+const nodeFields = {
+  version: t.String(), commit: t.String(), id: t.String({ description: "the host's name" }),
+  serviceInstanceID: t.String({ description: "this run of the node (new at every start)" }), clusterID: t.String({ format: "uuid" }),
+  machineInfo: t.Object({ cpuFamily: t.String(), cpuModel: t.String(), cpuModelName: t.String(), cpuArchitecture: t.String() }),
+  status: t.Union([t.Literal("ready"), t.Literal("connecting"), t.Literal("unhealthy")], { description: "connecting while the node starts, unhealthy when its start failed" }),
+  sandboxCount: Num("running"), sandboxPausedCount: Num(), metrics: NodeMetrics,
+  createSuccesses: Num("creates (fork children too) since the node started"), createFails: Num(),
+};
+const Node = t.Object({ ...nodeFields, sandboxStartingCount: Num("being created") });
+const NodeDetail = t.Object({ ...nodeFields, cachedBuilds: t.Array(t.String(), { description: "templates and snapshots this node restores from its own checkpoints" }) }, { description: "this node" });
+const ClusterQuery = t.Object({ clusterID: t.Optional(t.String({ description: `this node's is ${CLUSTER_ID}` })) });
+
+export function nodeRoutes(o: NodeRoutesOptions) {
+  const id = hostname();
+  const serviceInstanceID = randomUUID();
+  const commit = gitCommit();
+  const machine = machineInfo();
+  // Host CPU times at the previous /nodes call: cpuPercent is measured since then (the first: since boot).
+  let lastCpu = { busy: 0, total: 0 };
+
+  const cpuPercent = () => {
+    let busy = 0;
+    let total = 0;
+    for (const c of cpus()) {
+      const all = c.times.user + c.times.nice + c.times.sys + c.times.irq + c.times.idle;
+      total += all;
+      busy += all - c.times.idle;
+    }
+    const pct = total > lastCpu.total ? Math.round(((busy - lastCpu.busy) / (total - lastCpu.total)) * 100) : 0;
+    lastCpu = { busy, total };
+    return pct;
+  };
+
+  const snapshot = async () => {
+    const counts = { running: 0, starting: 0, paused: 0, cpu: 0, mem: 0, pausedCpu: 0, pausedMem: 0 };
+    for (const r of o.store.all()) {
+      const mem = r.memoryMB * 2 ** 20;
+      if (publicState(r.state) === "paused") {
+        counts.paused++;
+        counts.pausedCpu += r.cpuCount;
+        counts.pausedMem += mem;
+        continue;
+      }
+      if (r.state === "creating") counts.starting++;
+      else counts.running++;
+      counts.cpu += r.cpuCount;
+      counts.mem += mem;
+    }
+    const mount = mountOf(o.home);
+    let disk = { usedBytes: 0, totalBytes: 0 };
+    try {
+      const fs = await statfs(o.home);
+      disk = { usedBytes: (fs.blocks - fs.bfree) * fs.bsize, totalBytes: fs.blocks * fs.bsize };
+    } catch {
+      // no statfs: zeros
+    }
+    const creates = o.orch()?.creates ?? { successes: 0, fails: 0 };
+    return {
+      version: o.version, commit, id, serviceInstanceID, clusterID: CLUSTER_ID, machineInfo: machine, status: o.status(),
+      sandboxCount: counts.running, sandboxPausedCount: counts.paused, sandboxStartingCount: counts.starting,
+      metrics: {
+        allocatedCPU: counts.cpu, cpuPercent: cpuPercent(), cpuCount: cpus().length, allocatedMemoryBytes: counts.mem,
+        memoryUsedBytes: totalmem() - freemem(), memoryTotalBytes: totalmem(), disks: [{ ...mount, ...disk }],
+        pausedAllocatedCPU: counts.pausedCpu, pausedAllocatedMemoryBytes: counts.pausedMem,
+      },
+      createSuccesses: creates.successes, createFails: creates.fails,
+    };
+  };
+
+  const prometheus = (): string => {
+    const by = new Map<string, number>();
+    for (const r of o.store.all()) by.set(r.state, (by.get(r.state) ?? 0) + 1);
+    const lines = ["# HELP aenv_sandboxes Sandboxes on this node by state.", "# TYPE aenv_sandboxes gauge"];
+    for (const [state, n] of by) lines.push(`aenv_sandboxes{state="${state}"} ${n}`);
+    lines.push("# HELP aenv_ready 1 once the node can create sandboxes.", "# TYPE aenv_ready gauge", `aenv_ready ${o.orch() ? 1 : 0}`);
+    const creates = o.orch()?.creates;
+    if (creates) {
+      lines.push("# HELP aenv_sandbox_creates_total Sandbox creates (fork children too) since the node started, by result.", "# TYPE aenv_sandbox_creates_total counter");
+      lines.push(`aenv_sandbox_creates_total{result="success"} ${creates.successes}`, `aenv_sandbox_creates_total{result="fail"} ${creates.fails}`);
+    }
+    const streams = o.openStreams();
+    if (streams !== undefined) lines.push("# HELP aenv_proxy_open_streams Proxied requests in flight.", "# TYPE aenv_proxy_open_streams gauge", `aenv_proxy_open_streams ${streams}`);
+    return lines.join("\n") + "\n";
+  };
+
+  const tag = { tags: ["node"] };
+  return new Elysia({ name: "nodes" })
+    .get("/metrics", () => new Response(prometheus(), { headers: { "content-type": "text/plain; version=0.0.4" } }), {
+      response: { 200: t.String({ description: "Prometheus text format 0.0.4: aenv_sandboxes{state}, aenv_ready, aenv_sandbox_creates_total{result}, aenv_proxy_open_streams" }) },
+      detail: {
+        ...tag, summary: "Prometheus metrics (no API key)", security: [],
+        responses: { 200: { description: "Prometheus text format 0.0.4: aenv_sandboxes{state}, aenv_ready, aenv_sandbox_creates_total{result}, aenv_proxy_open_streams", content: { "text/plain": { schema: { type: "string" } } } } },
+      },
+    })
+    .get("/nodes", async ({ query }) => (query.clusterID !== undefined && query.clusterID !== CLUSTER_ID ? [] : [await snapshot()]), {
+      query: ClusterQuery,
+      response: { 200: t.Array(Node, { description: "this node (none for another clusterID)" }), ...errorResponses(401, 500) },
+      detail: { ...tag, summary: "The nodes: this one" },
+    })
+    .get("/nodes/:nodeID", async ({ params, query }) => {
+      if (params.nodeID !== id || (query.clusterID !== undefined && query.clusterID !== CLUSTER_ID)) throw notFound(`node ${params.nodeID} not found: this node is ${id}`);
+      const { sandboxStartingCount: _, ...node } = await snapshot();
+      return { ...node, cachedBuilds: [...o.templates.list("template"), ...o.templates.list("snapshot")].filter((x) => x.checkpoint).map((x) => x.id) };
+    }, {
+      params: t.Object({ nodeID: t.String({ minLength: 1, maxLength: 255 }) }),
+      query: ClusterQuery,
+      response: { 200: NodeDetail, ...errorResponses(400, 401, 404, 500) },
+      detail: { ...tag, summary: "This node, with the builds it has cached" },
+    });
+}
