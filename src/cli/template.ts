@@ -27,16 +27,16 @@ const BUILD_OPTIONS: Option[] = [
 ];
 
 /**
- * The node's image-pull progress ("pull PHASE: D/T layers (C cached), X/Y MiB") as a bar, or
- * undefined for any other line.
+ * The node's image-pull progress ("pull PHASE: D/T layers (C cached), X/Y MiB, R MiB/s") as a
+ * bar with the download rate, or undefined for any other line.
  */
 export function progressBar(message: string, width = 30): string | undefined {
-  const m = /^pull (\w+): (\d+)\/(\d+) layers \((\d+) cached\), ([\d.]+)\/([\d.]+) MiB/.exec(message);
+  const m = /^pull (\w+): (\d+)\/(\d+) layers \((\d+) cached\), ([\d.]+)\/([\d.]+) MiB(?:, ([\d.]+) MiB\/s)?/.exec(message);
   if (!m) return undefined;
-  const [, phase, done, total, cached, got, all] = m as unknown as string[];
+  const [, phase, done, total, cached, got, all, rate] = m as unknown as (string | undefined)[];
   const frac = Number(all) > 0 ? Number(got) / Number(all) : Number(total) > 0 ? Number(done) / Number(total) : 0;
   const fill = Math.round(Math.min(1, frac) * width);
-  return `[${"#".repeat(fill)}${".".repeat(width - fill)}] ${phase}: ${done}/${total} layers (${cached} cached), ${got}/${all} MiB`;
+  return `[${"#".repeat(fill)}${".".repeat(width - fill)}] ${phase}: ${done}/${total} layers (${cached} cached), ${got}/${all} MiB${rate === undefined ? "" : `, ${rate} MiB/s`}`;
 }
 
 /**

@@ -371,7 +371,7 @@ export class EgressProxy {
 
   /** The headers one request gets, or its refusal. Values are never logged. */
   private async headers(c: Conn, h: RequestHead): Promise<HeadDecision> {
-    if (h.host !== c.name) return { refuse: 421, reason: `a request for ${h.host ?? "no host"} on a connection to ${c.name}` };
+    if (h.host !== c.name?.replace(/\.$/, "")) return { refuse: 421, reason: `a request for ${h.host ?? "no host"} on a connection to ${c.name}` };
     const a = this.egress?.bySource(c.nsIp);
     if (!a) return { refuse: 403, reason: "the sandbox has no policy" };
     const rules = rulesFor(a.policy.rules, c.name);

@@ -653,11 +653,12 @@ export class Orchestrator {
       try {
         if (!live || !rt.rootfsDevice) throw new OrchestratorError(500, `sandbox ${id} has no VM to pause`);
         const clock = new PhaseClock();
-        const cp = await this.checkpoint(id, live.vm, rt, { resumable: false }, clock);
-        // Give back what a paused sandbox does not need: the VMM, its devices and its slot.
-        for (const cb of this.goneListeners) cb(id);
-        await live.vm.stop();
-        clock.lap("vmm");
+        // The VMM stops while its rootfs is restacked (its state is saved and its disks flushed by
+        // then); devices and slot go back after the answer.
+        const cp = await this.checkpoint(id, live.vm, rt, { resumable: false, stop: () => {
+          for (const cb of this.goneListeners) cb(id);
+          return live.vm.stop();
+        } }, clock);
         this.live.delete(id);
         const paused: SandboxRuntime = { ...rt, slot: null, toolsDevice: null, rootfsDevice: null, upperDir: null, vmPid: null, paused: cp, layers: cp.layers, checkpoints: [cp.dir, ...cp.layers.map((l) => join(l, ".."))] };
         this.store.transition(id, ["pausing"], "paused", { runtime: paused });
@@ -961,9 +962,10 @@ export class Orchestrator {
   /**
    * Pauses the VM, writes its device state and memory into a new checkpoint directory and seals the
    * rootfs upper into a layer there (the device carries on over a fresh upper). `resumable`: the
-   * VM may run again (memory copied), else the checkpoint takes its memory over.
+   * VM may run again (memory copied), else the checkpoint takes its memory over. `stop` (a pause):
+   * the VMM is stopped while the rootfs is restacked, so the restack costs only what outlasts it.
    */
-  private async checkpoint(id: string, vm: Vmm, rt: SandboxRuntime, o: { resumable: boolean }, clock = new PhaseClock()): Promise<VmCheckpoint> {
+  private async checkpoint(id: string, vm: Vmm, rt: SandboxRuntime, o: { resumable: boolean; stop?: () => Promise<void> }, clock = new PhaseClock()): Promise<VmCheckpoint> {
     const envdToken = this.store.get(id)?.envdAccessToken ?? null;
     const dir = join(this.opts.home, "checkpoints", `${id}-${randomId(8)}`);
     try {
@@ -971,7 +973,12 @@ export class Orchestrator {
       await vm.snapshot(dir, { resumable: o.resumable });
       clock.lap("vmm");
       const layer = join(dir, "rootfs.layer");
-      await this.blockd.call("restack", { id: rt.rootfsDevice, layerPath: layer });
+      const restack = this.blockd.call("restack", { id: rt.rootfsDevice, layerPath: layer });
+      if (o.stop) {
+        const [stopped] = await Promise.allSettled([o.stop().then(() => clock.lap("vmm")), restack]);
+        if (stopped.status === "rejected") throw stopped.reason;
+      }
+      await restack;
       clock.lap("restack");
       rt.layers = [...rt.layers, layer];
       rt.checkpoints = [...rt.checkpoints, dir];

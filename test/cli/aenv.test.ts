@@ -49,7 +49,8 @@ function closedPort(): number {
 }
 
 describe("aenv without a node", () => {
-  test("pull progress from the node's log lines as a bar; other lines are not bars", () => {
+  test("pull progress from the node's log lines as a bar with the download rate; other lines are not bars", () => {
+    expect(progressBar("pull layers: 1/4 layers (1 cached), 10.0/40.0 MiB, 12.5 MiB/s", 8)).toBe("[##......] layers: 1/4 layers (1 cached), 10.0/40.0 MiB, 12.5 MiB/s");
     expect(progressBar("pull layers: 1/4 layers (1 cached), 10.0/40.0 MiB", 8)).toBe("[##......] layers: 1/4 layers (1 cached), 10.0/40.0 MiB");
     expect(progressBar("pull done: 4/4 layers (1 cached), 40.0/40.0 MiB", 8)).toStartWith("[########] done");
     expect(progressBar("pull resolving: 0/0 layers (0 cached), 0.0/0.0 MiB", 4)).toStartWith("[....] resolving");
@@ -344,7 +345,7 @@ describe.skipIf(!!skip)("aenv against bun run node", () => {
     await pushImage(new RegistryClient({ dockerConfigPath: null }), image, { layers: [root], config: BUSYBOX_CONFIG });
     const name = `cli-pull-${setup.tag}`;
     const r = await ok(["pull", image, "--name", name]);
-    expect(r.out).toMatch(/^pull /m);
+    expect(r.out).toMatch(/^pull done: 1\/1 layers \(0 cached\), [\d.]+\/[\d.]+ MiB, [\d.]+ MiB\/s$/m);
     expect(r.err).toContain(`aenv: template ${name} (`);
     const sbx = (await ok(["start", "-d", name])).out.trim();
     expect((await ok(["exec", sbx, "--", 'pwd; echo "$FOO"'])).out).toBe("/work\nbar\n");
@@ -352,10 +353,10 @@ describe.skipIf(!!skip)("aenv against bun run node", () => {
     const listed = JSON.parse((await ok(["template", "ls", "--json"])).out) as { names?: string[]; aliases?: string[] }[];
     expect(listed.some((t) => [...(t.names ?? []), ...(t.aliases ?? [])].some((n) => n.startsWith(name)))).toBe(true);
     await ok(["template", "rm", name]);
-    // On a terminal the pull's progress is one bar redrawn in place.
+    // On a terminal the pull's progress is one bar redrawn in place, the node's download rate on it.
     const t = inTerminal(["pull", image, "--name", `${name}-tty`]);
     expect(await t.exited).toBe(0);
-    expect(t.output()).toMatch(/\r\x1b\[K\[[#.]{30}\] done: 1\/1 layers/);
+    expect(t.output()).toMatch(/\r\x1b\[K\[[#.]{30}\] done: 1\/1 layers \(\d+ cached\), [\d.]+\/[\d.]+ MiB, [\d.]+ MiB\/s/);
     await ok(["template", "rm", `${name}-tty`]);
   }, 20 * 60_000);
 
