@@ -76,7 +76,12 @@ export function createApi(opts: ApiOptions) {
       if (code === "VALIDATION" || code === "PARSE") {
         const summary = (error as { message?: string }).message ?? String(error);
         let message = summary;
-        try { message = JSON.parse(summary).summary ?? summary; } catch { /* plain text */ }
+        try {
+          // Elysia's validation error as JSON: name the field (its JSON pointer) with the summary.
+          const v = JSON.parse(summary) as { summary?: string; property?: string };
+          const field = v.property?.replace(/^\//, "").replaceAll("/", ".");
+          message = `${field ? `${field}: ` : ""}${v.summary ?? summary}`;
+        } catch { /* plain text */ }
         return badRequest(`invalid request: ${message}`).response();
       }
       console.error(`api: ${request.method} ${path}:`, error);

@@ -6,11 +6,14 @@ import { ApiError, badRequest, bodyFailures as bodyFails, conflict, failures as 
 import { LIMITS, Orchestrator, OrchestratorError } from "../orchestrator/orchestrator.ts";
 import { LIST_LIMIT_MAX, StoreError, decodeCursor, encodeCursor, listScope, publicState, type ListQuery, type SandboxRecord } from "../orchestrator/store.ts";
 import type { TemplateRecord } from "../orchestrator/templates.ts";
+import { TemplateBuildError } from "../orchestrator/builder.ts";
 
 export interface SandboxRoutesOptions {
   /** Sandbox domain returned to clients (null: they use their own). */
   domain: string | null;
   defaultTimeoutS: number;
+  /** POST /sandboxes-cold: the template of an OCI image at a size, built on first use (the node's builder). */
+  coldTemplate?: (image: string, size: { cpuCount?: number; memoryMB?: number }) => Promise<string>;
 }
 
 const rfc3339 = (ms: number) => new Date(ms).toISOString();
@@ -102,7 +105,7 @@ async function call<T>(fn: () => T | Promise<T>): Promise<T> {
   try {
     return await fn();
   } catch (e) {
-    if (e instanceof OrchestratorError) throw new ApiError(e.status, e.message);
+    if (e instanceof OrchestratorError || e instanceof TemplateBuildError) throw new ApiError(e.status, e.message);
     if (e instanceof StoreError) throw badRequest(e.message);
     throw e;
   }
@@ -189,6 +192,25 @@ const NewSandbox = t.Object({
   allow_internet_access: t.Optional(t.Boolean()),
   network: t.Optional(t.Object({}, { additionalProperties: true })),
   customExtensionParams: t.Optional(t.Record(t.String(), t.Unknown(), { description: `opaque JSON kept with the sandbox (at most ${LIMITS.extensionParamsBytes} bytes)` })),
+}, { additionalProperties: true });
+
+/** AgentENV's NewColdSandbox: a sandbox straight from an OCI image (its template is built on first use). */
+const NewColdSandbox = t.Object({
+  image: t.String({ minLength: 1, maxLength: 512, description: "OCI image reference, e.g. docker.io/library/python:3.12-slim" }),
+  cpuCount: t.Optional(t.Integer({ minimum: 1, maximum: 64 })),
+  memoryMB: t.Optional(t.Integer({ minimum: 128, maximum: 1 << 20 })),
+  diskSizeMB: t.Optional(t.Integer({ minimum: 1024, description: "refused: the image's converted disk is used (20 GiB unless the image says)" })),
+  attachedDrives: t.Optional(t.Array(t.Unknown(), { description: "refused unless empty: no attached drives here" })),
+  extraBootArgs: t.Optional(t.String({ description: "refused unless empty: a restored VM keeps its template's kernel command line" })),
+  timeout: t.Optional(Timeout),
+  metadata: t.Optional(StringMap),
+  envVars: t.Optional(StringMap),
+  autoPause: t.Optional(t.Boolean()),
+  autoResume: t.Optional(t.Object({ enabled: t.Boolean() })),
+  secure: t.Optional(t.Boolean()),
+  allowInternetAccess: t.Optional(t.Boolean()),
+  network: t.Optional(t.Object({}, { additionalProperties: true })),
+  customExtensionParams: t.Optional(t.Record(t.String(), t.Unknown())),
 }, { additionalProperties: true });
 
 // Response bodies (a factory where a route describes the same body its own way).
@@ -281,7 +303,8 @@ export function sandboxRoutes(getOrch: () => Orchestrator, o: SandboxRoutesOptio
   const { domain } = o;
   const orch = (): Orchestrator => getOrch();
 
-  const create = ({ body, set }: { body: typeof NewSandbox.static; set: { status?: number | string; headers: Record<string, string | number> } }) =>
+  type Created = { status?: number | string; headers: Record<string, string | number> };
+  const create = ({ body, set }: { body: typeof NewSandbox.static; set: Created }) =>
     call(async () => {
       checkMap("metadata", body.metadata, LIMITS.metadataPairs);
       checkMap("envVars", body.envVars, LIMITS.envVars);
@@ -300,6 +323,19 @@ export function sandboxRoutes(getOrch: () => Orchestrator, o: SandboxRoutesOptio
       set.status = 201;
       set.headers["x-agentenv-sandbox-id"] = rec.id;
       return sandboxBody(rec, domain);
+    });
+
+  // Refusals first, so a bad request never starts a build.
+  const createCold = ({ body, set }: { body: typeof NewColdSandbox.static; set: Created }) =>
+    call(async () => {
+      if (!o.coldTemplate) throw new ApiError(400, "this node has no image puller: create from a template");
+      if (body.diskSizeMB !== undefined) throw badRequest("diskSizeMB: not supported here; the image's converted disk is used");
+      if (body.attachedDrives?.length) throw badRequest("attachedDrives: not supported here");
+      if (body.extraBootArgs?.trim()) throw badRequest("extraBootArgs: not supported here (a restored VM keeps its template's kernel command line)");
+      orch(); // 503 while the node starts, before a build is asked for
+      const templateID = await o.coldTemplate(body.image, { cpuCount: body.cpuCount, memoryMB: body.memoryMB });
+      const { image: _i, cpuCount: _c, memoryMB: _m, diskSizeMB: _d, attachedDrives: _a, extraBootArgs: _e, allowInternetAccess, ...rest } = body;
+      return create({ body: { ...rest, templateID, allow_internet_access: allowInternetAccess }, set });
     });
 
   const connect = ({ params, body, set }: { params: { sandboxID: string }; body: { timeout?: number }; set: { status?: number | string } }) =>
@@ -355,6 +391,11 @@ export function sandboxRoutes(getOrch: () => Orchestrator, o: SandboxRoutesOptio
   return new Elysia({ name: "sandboxes" })
     .post("/sandboxes", create, { ...created, ...tags("sandboxes", "Create a sandbox (SDK 2.45; deprecated)") })
     .post("/v2/sandboxes", create, { ...created, ...tags("sandboxes", "Create a sandbox from a template or snapshot (alias, ID or name:tag)") })
+    .post("/sandboxes-cold", createCold, {
+      body: NewColdSandbox, transform: rawObjects("network", "customExtensionParams"),
+      response: { 201: sandboxOut("created; its template (cold-…) was built from the image on first use"), ...bodyFails(404, 429) },
+      ...tags("sandboxes", "Create a sandbox from an OCI image (AgentENV): pulled, converted and booted once per image and size, a restore after"),
+    })
     .get("/sandboxes", async ({ query }) => (await list(query, true)).items.map(listedBody), {
       query: t.Object({ metadata: metadataQuery }),
       response: { 200: ListedSandboxes("every running sandbox"), ...fails(400) },

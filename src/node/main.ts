@@ -47,7 +47,13 @@ const app = createApi({
   .use(sandboxRoutes(() => {
     if (!orch) throw new ApiError(503, notReady() ?? "starting");
     return orch;
-  }, { domain: cfg.domain || null, defaultTimeoutS: cfg.defaultTimeoutS }))
+  }, {
+    domain: cfg.domain || null, defaultTimeoutS: cfg.defaultTimeoutS,
+    coldTemplate: (image, size) => {
+      if (!builder) throw new ApiError(503, notReady() ?? "starting");
+      return builder.coldTemplate(image, size);
+    },
+  }))
   .use(templateRoutes(() => {
     if (!builder) throw new ApiError(503, notReady() ?? "starting");
     return builder;

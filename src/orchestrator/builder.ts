@@ -33,6 +33,8 @@ class StepFailed extends Error {
 
 export type BuildStatus = "waiting" | "building" | "ready" | "error";
 export type LogLevel = "debug" | "info" | "warn" | "error";
+/** Lowest first: a status call's `level` returns that level and the ones after it. */
+export const LOG_LEVELS: readonly LogLevel[] = ["debug", "info", "warn", "error"];
 
 export interface BuildLogEntry {
   timestamp: string;
@@ -114,7 +116,8 @@ export interface BuilderOptions {
   images?: ImageSource;
 }
 
-const DEFAULTS = {
+/** What a BuilderOptions field left out is (the node leaves the ready poll's out: 2 s, at most 10 min). */
+export const BUILDER_DEFAULTS = {
   maxConcurrent: 2, maxQueued: 8, buildTimeoutMs: 60 * 60_000, maxLogEntries: 10_000, maxUploadBytes: 1024 ** 3,
   readyIntervalMs: 2000, readyTimeoutMs: 10 * 60_000, stepCacheBytes: 20 * 1024 ** 3, defaultReadyCmd: "sleep 20", maxBuildsKept: 64,
 };
@@ -122,6 +125,8 @@ const DEFAULTS = {
 export const LOG_PAGE = 100;
 /** Steps of one build, and a step's args (count and bytes). */
 const MAX_STEPS = 256;
+/** How often a cold create looks at the build it waits on. */
+const COLD_POLL_MS = 250;
 const MAX_ARGS = 256;
 const MAX_ARG_BYTES = 64 * 1024;
 /** USER's account creation (E2B: 60 s); each bookkeeping command in the VM (sync, mkdir). */
@@ -168,8 +173,8 @@ class Build {
   started = false;
   readonly createdAt = Date.now();
   updatedAt = Date.now();
-  /** Absolute index of logs[0]: entries before it were dropped by the bound. */
-  private logBase = 0;
+  /** Entries dropped by the bound that count at each level (debug: all of them, the index of logs[0]). */
+  private readonly dropped: Record<LogLevel, number> = { debug: 0, info: 0, warn: 0, error: 0 };
   private readonly logs: BuildLogEntry[] = [];
 
   constructor(readonly templateId: string, readonly buildId: string, private readonly maxLogs: number) {}
@@ -177,16 +182,20 @@ class Build {
   log(level: LogLevel, message: string, step?: string): void {
     this.logs.push({ timestamp: new Date().toISOString(), level, message, ...(step !== undefined ? { step } : {}) });
     if (this.logs.length > this.maxLogs) {
-      this.logs.shift();
-      this.logBase++;
+      const gone = this.logs.shift()!;
+      for (const l of LOG_LEVELS) if (LOG_LEVELS.indexOf(gone.level) >= LOG_LEVELS.indexOf(l)) this.dropped[l]++;
     }
   }
 
-  /** Entries from absolute index `offset` (dropped ones are skipped), at most `limit`. */
-  entries(offset: number, limit: number, level?: LogLevel): BuildLogEntry[] {
-    const from = Math.max(0, offset - this.logBase);
-    const all = this.logs.slice(from, from + limit);
-    return level ? all.filter((e) => e.level === level) : all;
+  /**
+   * Entries at `level` and above (every entry without one), as E2B filters: `offset` counts only
+   * those (dropped ones are skipped), at most `limit` come back.
+   */
+  entries(offset: number, limit: number, level: LogLevel = "debug"): BuildLogEntry[] {
+    const from = Math.max(0, offset - this.dropped[level]);
+    if (level === "debug") return this.logs.slice(from, from + limit);
+    const min = LOG_LEVELS.indexOf(level);
+    return this.logs.filter((e) => LOG_LEVELS.indexOf(e.level) >= min).slice(from, from + limit);
   }
 
   finished(): boolean {
@@ -234,9 +243,11 @@ export class TemplateBuilder {
   private readonly aborts = new Set<AbortController>();
   private readonly runs = new Set<Promise<void>>();
   private readonly steps: StepCache;
+  /** Cold templates being built, by name (POST /sandboxes-cold): callers for one image share its build. */
+  private readonly coldBuilds = new Map<string, Promise<string>>();
 
   constructor(private readonly orch: Orchestrator, private readonly db: Database, opts: BuilderOptions) {
-    this.o = { ...DEFAULTS, ...opts };
+    this.o = { ...BUILDER_DEFAULTS, ...opts };
     mkdirSync(this.o.filesDir, { recursive: true });
     this.steps = new StepCache(db, this.o.stepsDir, this.o.stepCacheBytes, () => orch.templates.layersInUse());
     this.collectSteps();
@@ -428,6 +439,34 @@ export class TemplateBuilder {
     }
     for (const [k, v] of [["startCmd", spec.startCmd], ["readyCmd", spec.readyCmd]] as const)
       if (v !== undefined && v !== null && (typeof v !== "string" || Buffer.byteLength(v) > MAX_ARG_BYTES)) throw new TemplateBuildError(400, `${k}: a string of at most ${MAX_ARG_BYTES} bytes`);
+  }
+
+  /**
+   * POST /sandboxes-cold: the ID of a template of `image` at this size, built from the image on
+   * first use (no steps) and reused after, named `cold-<hash of image and size>`; concurrent
+   * callers for one image wait on one build. A build that fails is a TemplateBuildError with its
+   * reason (e.g. the registry's answer naming the image).
+   */
+  coldTemplate(image: string, size: { cpuCount?: number; memoryMB?: number }, auth?: RegistryAuth): Promise<string> {
+    const name = `cold-${sha256(JSON.stringify([image, size.cpuCount ?? null, size.memoryMB ?? null])).slice(0, 16)}`;
+    const ready = this.orch.templates.resolve(name);
+    if (ready?.kind === "template") return Promise.resolve(ready.id);
+    const cur = this.coldBuilds.get(name);
+    if (cur) return cur;
+    const built = (async () => {
+      const { templateID, buildID } = this.request({ name, ...size });
+      await this.start(templateID, buildID, { fromImage: image, ...(auth ? { fromImageRegistry: auth } : {}) });
+      const b = this.build(templateID, buildID);
+      const until = Date.now() + this.o.buildTimeoutMs + 60_000; // the build's own limit ends it first
+      while (!b.finished()) {
+        if (Date.now() > until) throw new TemplateBuildError(500, `the build of ${image} did not finish`);
+        await Bun.sleep(COLD_POLL_MS);
+      }
+      if (b.status === "error") throw new TemplateBuildError(400, `image ${image}: ${b.reason?.message ?? "the build failed"}`);
+      return templateID;
+    })().finally(() => this.coldBuilds.delete(name));
+    this.coldBuilds.set(name, built);
+    return built;
   }
 
   /** GET .../status: the build's state and its log entries from `offset` (at most LOG_PAGE). */

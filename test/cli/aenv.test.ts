@@ -435,6 +435,8 @@ describe.skipIf(!!skip)("aenv against bun run node", () => {
     // ARG is build-time only: the sandbox has ENV's variable, not ARG's.
     expect((await ok(["exec", sbx, "--", 'pwd; echo "$GREETING ${LEVEL:-unset}"; cat a.txt built'])).out).toBe("/app\nhello unset\nfrom the context\nbuilt at level 3: hello\n");
     await ok(["rm", sbx]);
+    // LABEL and EXPOSE do nothing in the VM; they are kept with the template's config.
+    expect((await templateRow(name)).config).toMatchObject({ exposed: ["8080"], labels: { "org.example.suite": "cli" }, env: { GREETING: "hello" }, workdir: "/app" });
     await ok(["template", "rm", name]);
 
     writeFileSync(join(ctx, "Dockerfile"), `FROM ${image}\nUSER root\nWORKDIR /\nRUN echo about to fail; exit 3\n`);

@@ -8,10 +8,15 @@ import { join } from "node:path";
 import { BuildError, Sandbox, Template, type LogEntry } from "e2b";
 import { scratchDir } from "../helpers/tmp.ts";
 import { FIRST_START_MS, nodeSetup, nodeSkipReason, startNode, stopNode, until, type NodeProc } from "./harness.ts";
+import { BUILDER_DEFAULTS, type BuildLogEntry } from "../../src/orchestrator/builder.ts";
 import { RegistryClient } from "../../src/template/registry.ts";
-import { BUSYBOX_CONFIG, busyboxRoot, pushImage, registrySkipReason, registrySuite } from "../template/registry_harness.ts";
+import {
+  BUSYBOX_CONFIG, busyboxRoot, DEBIAN_CONFIG, debianImageSkipReason, debianMinbaseLayer, pushImage, pushLayerFiles, registrySkipReason, registrySuite,
+} from "../template/registry_harness.ts";
 
 const skip = nodeSkipReason();
+/** The Debian image needs the registry, and the Debian archive unless its layer is cached. */
+const noDebian = skip ?? registrySkipReason() ?? (await debianImageSkipReason());
 const KEY = "e2b_" + "7b".repeat(20);
 const BUILD_MS = 10 * 60_000;
 
@@ -40,6 +45,8 @@ describe.skipIf(!!skip)("template builds through the API with the e2b SDK", () =
   writeFileSync(join(ctx, "files", "sub", "run.sh"), "#!/bin/sh\necho script\n");
   chmodSync(join(ctx, "files", "sub", "run.sh"), 0o755);
 
+  /** The ready command fails its first two polls whatever the server does, and says which poll it is. */
+  const READY_CMD = 'n=$(( $(cat /tmp/ready-polls 2>/dev/null || echo 0) + 1 )); echo "$n" > /tmp/ready-polls; echo "ready poll $n"; [ "$n" -ge 3 ] && curl -sf http://127.0.0.1:8080/ >/dev/null';
   function template() {
     const t = Template({ fileContextPath: ctx })
       .fromTemplate("base")
@@ -55,7 +62,7 @@ describe.skipIf(!!skip)("template builds through the API with the e2b SDK", () =
       .copy("files", "/home/user/app/files")
       .runCmd("touch made-by-root", { user: "root" })
       .setUser("worker")
-      .setStartCmd("echo started > /tmp/start-ran; exec python3 -m http.server 8080 --bind 127.0.0.1", "curl -sf http://127.0.0.1:8080/ >/dev/null");
+      .setStartCmd("echo started > /tmp/start-ran; exec python3 -m http.server 8080 --bind 127.0.0.1", READY_CMD);
   }
   const STEPS = 8;
 
@@ -83,6 +90,16 @@ describe.skipIf(!!skip)("template builds through the API with the e2b SDK", () =
     const text = logs.map((l) => l.message).join("\n");
     expect(text).toContain("building as user in /home/user: hello from the build");
     expect(text).toContain("Ready");
+    // readyCmd ran until it passed, every 2 s (the builder's default, as its 10-minute cap), its output in the log.
+    expect(BUILDER_DEFAULTS).toMatchObject({ readyIntervalMs: 2000, readyTimeoutMs: 10 * 60_000 });
+    const polls = logs.filter((l) => /^ready poll \d+$/.test(l.message));
+    expect(polls.length).toBeGreaterThanOrEqual(3);
+    expect(polls.map((l) => l.message)).toEqual(polls.map((_, i) => `ready poll ${i + 1}`));
+    for (let i = 1; i < polls.length; i++) {
+      const gap = polls[i]!.timestamp.getTime() - polls[i - 1]!.timestamp.getTime();
+      expect(gap).toBeGreaterThanOrEqual(1900);
+      expect(gap).toBeLessThan(10_000);
+    }
     expect(await Template.exists(name, opts())).toBe(true);
 
     await inSandbox(name, async (sbx) => {
@@ -228,5 +245,56 @@ describe.skipIf(!!skip)("template builds through the API with the e2b SDK", () =
     expect(denied).toBeInstanceOf(BuildError);
     expect(denied.message).toContain(reg.host);
     await until(() => !existsSync(uploads), 10_000, "the deleted template's uploads are collected");
+  }, BUILD_MS);
+
+  test.skipIf(!!noRegistry)(`fromImage naming an image the registry does not have: the build fails naming it, nothing is published; the status route's level gives that level and above${noRegistry ? ` (skipped: ${noRegistry})` : ""}`, async () => {
+    const { reg } = registry!();
+    const ref = `${reg.host}/tb/no-such-image:1`;
+    const info = await Template.buildInBackground(Template().fromImage(ref, USER), `${name}-noimage`, opts());
+    type Status = { status: string; reason?: { message: string; step?: string }; logEntries: BuildLogEntry[] };
+    const status = async (query = "") => (await (await api(`/templates/${info.templateId}/builds/${info.buildId}/status${query}`)).json()) as Status;
+    await until(async () => (await status()).status === "error", 120_000, "the build fails");
+    const st = await status();
+    // The registry's 404 is the build's error, naming the image; no VM was booted, nothing published.
+    expect(st.reason!.message).toContain(ref);
+    expect(st.reason!.message).toContain("not found");
+    expect(st.logEntries.some((e) => e.message.startsWith("Booting"))).toBe(false);
+    expect(await Template.exists(`${name}-noimage`, opts())).toBe(false);
+
+    // The log has info and error entries: a level keeps it and the levels above; logsOffset counts those.
+    const all = st.logEntries;
+    const errors = all.filter((e) => e.level === "error");
+    expect(errors.length).toBeGreaterThan(0);
+    expect(all.length).toBeGreaterThan(errors.length);
+    expect((await status("?level=error")).logEntries).toEqual(errors);
+    expect((await status("?level=warn")).logEntries).toEqual(errors);
+    expect((await status("?level=info")).logEntries).toEqual(all);
+    expect((await status("?level=debug")).logEntries).toEqual(all);
+    expect((await status("?level=info&logsOffset=1")).logEntries).toEqual(all.slice(1));
+    expect((await status(`?level=error&logsOffset=${errors.length}`)).logEntries).toEqual([]);
+    expect((await status("?level=error&limit=1")).logEntries).toEqual(errors.slice(0, 1));
+    const bad = await api(`/templates/${info.templateId}/builds/${info.buildId}/status?level=loud`);
+    expect(bad.status).toBe(400);
+    expect(((await bad.json()) as { message: string }).message).toContain("level");
+  }, BUILD_MS);
+
+  test.skipIf(!!noDebian)(`a Debian bookworm minbase image from mmdebstrap, pushed and pulled into a template: a sandbox runs its bash and dpkg with the image's Env and WorkingDir${noDebian ? ` (skipped: ${noDebian})` : ""}`, async () => {
+    const { reg } = registry!();
+    const layer = await debianMinbaseLayer();
+    const ref = `${reg.host}/tb/debian:bookworm`;
+    await pushLayerFiles(new RegistryClient({ dockerConfigPath: null, credentials: { [reg.host]: USER } }), ref, { layers: [layer], config: DEBIAN_CONFIG });
+    const logs: LogEntry[] = [];
+    const built = await Template.build(Template().fromImage(ref, USER), `${name}-debian`, { ...opts(), onBuildLogs: (l) => logs.push(l) });
+    expect(logs.some((l) => /^pull done: 1\/1 layers \(0 cached\)/.test(l.message))).toBe(true);
+    await inSandbox(`${name}-debian`, async (sbx) => {
+      const r = await sbx.commands.run('cat /etc/debian_version; pwd; echo "$IMAGE_KIND"; id -un; echo "$BASH_VERSION"; dpkg -l | grep -c "^ii"; dpkg -s base-files | grep "^Status:"');
+      const [version, cwd, kind, user, bash, packages, baseFiles] = r.stdout.trimEnd().split("\n");
+      expect(version).toMatch(/^12\.\d+$/);
+      expect([cwd, kind, user]).toEqual(["/srv", "debian-minbase", "root"]);
+      expect(bash).toMatch(/^5\.2\./);
+      expect(Number(packages)).toBeGreaterThanOrEqual(50);
+      expect(baseFiles).toBe("Status: install ok installed");
+    });
+    expect((await api(`/templates/${built.templateId}`, { method: "DELETE" })).status).toBe(204);
   }, BUILD_MS);
 });

@@ -15,7 +15,7 @@ import { LayerCache } from "../../src/template/layer_cache.ts";
 import { diffIdOf } from "../../src/template/layer_stream.ts";
 import { pullImage, type PullProgress } from "../../src/template/pull.ts";
 import { RegistryClient } from "../../src/template/registry.ts";
-import { BUSYBOX_CONFIG, busyboxRoot, overlaybdLayerOf, pushOverlaybdImage, pushTwoLayerImage, pushWhiteoutImage, registrySkipReason, startRegistry } from "./registry_harness.ts";
+import { BUSYBOX_CONFIG, busyboxRoot, overlaybdLayerOf, pushImage, pushOverlaybdImage, pushTwoLayerImage, pushWhiteoutImage, registrySkipReason, startRegistry } from "./registry_harness.ts";
 
 const SBIN = "/usr/local/sbin:/usr/sbin:/sbin";
 const haveTools = ["mkfs.ext4", "tar", "zstd", "python3"].every((t) => Bun.which(t, { PATH: `${process.env.PATH}:${SBIN}` }));
@@ -368,6 +368,53 @@ describe.skipIf(!pullRuns)(pullRuns ? "pull from a registry" : `pull from a regi
     expect(e.message).toContain("not an overlaybd layer");
     expect(readdirSync(join(dir, "cache", "layers")).sort()).toEqual(layersBefore);
     expect(readdirSync(join(dir, "cache", "work"))).toEqual([]);
+  }, 120_000);
+
+  test("downloads overlap conversion: the next layer is asked for while one converts, and a layer is done before the image's last byte arrives", async () => {
+    const work = join(dir, "overlap");
+    const lower = await busyboxRoot(join(work, "root"));
+    const upper = join(work, "top");
+    await mkdir(upper, { recursive: true });
+    await writeFile(join(upper, "top.txt"), "top\n");
+    const img = await pushImage(registry, `${reg.host}/overlap:1`, { layers: [lower, upper], config: BUSYBOX_CONFIG });
+    const last = img.layers.at(-1)!.digest;
+    // A relay in front of the registry that holds the last blob until a layer is converted (at most 20 s).
+    let release = () => {};
+    const released = new Promise<void>((r) => (release = r));
+    let lastAskedAt = 0;
+    const relay = Bun.serve({
+      hostname: "127.0.0.1",
+      port: 0,
+      async fetch(req) {
+        const u = new URL(req.url);
+        if (u.pathname.endsWith(`/blobs/${last}`)) {
+          lastAskedAt ||= performance.now();
+          await Promise.race([released, Bun.sleep(20_000)]);
+        }
+        const up = await fetch(`http://${reg.host}${u.pathname}${u.search}`, { method: req.method, headers: req.headers, redirect: "manual" });
+        return new Response(up.body, { status: up.status, headers: up.headers });
+      },
+    });
+    try {
+      const events: { at: number; p: PullProgress }[] = [];
+      const r = await pullImage(`127.0.0.1:${relay.port}/overlap:1`, {
+        registry, cache: new LayerCache(join(work, "cache")), blockd,
+        onProgress: (p) => {
+          events.push({ at: performance.now(), p });
+          if (p.layersDone >= 1) release();
+        },
+      });
+      expect([r.converted, r.cached]).toEqual([2, 0]);
+      const firstDone = events.find((e) => e.p.layersDone >= 1)!;
+      expect(lastAskedAt).toBeGreaterThan(0);
+      expect(lastAskedAt).toBeLessThan(firstDone.at);
+      expect(firstDone.p.bytesDownloaded).toBeLessThan(firstDone.p.bytesTotal);
+      // The first layer's tar was being applied while the last blob was still on its way.
+      expect(events.some((e) => e.at < firstDone.at && e.p.bytesApplied > 0 && e.p.bytesDownloaded < e.p.bytesTotal)).toBe(true);
+      expect(events.at(-1)!.p).toMatchObject({ phase: "done", layersDone: 2, bytesDownloaded: firstDone.p.bytesTotal });
+    } finally {
+      relay.stop(true);
+    }
   }, 120_000);
 
   test("registry → pullImage → layers: whiteouts applied, config kept, a second image on the same base converts only its new layer", async () => {

@@ -214,6 +214,29 @@ describe.skipIf(!!skip)(suite("anonymous registry"), () => {
     expect(single.code).toBe("NotFound");
   });
 
+  test("a Docker manifest list: linux/amd64 by default, arm64/v8 when asked, its Docker schema 2 manifests and config", async () => {
+    const arm = await pushBusyboxImage(client, `${reg.host}/tests/dlist:arm64`, { workDir: join(dir, "dl-arm"), format: "docker", platform: { os: "linux", architecture: "arm64", variant: "v8" } });
+    const x86 = await pushBusyboxImage(client, `${reg.host}/tests/dlist:amd64`, { workDir: join(dir, "dl-amd"), format: "docker" });
+    const list = await pushIndex(client, `${reg.host}/tests/dlist:1`, [
+      { image: arm, platform: { os: "linux", architecture: "arm64", variant: "v8" } },
+      { image: x86, platform: { os: "linux", architecture: "amd64" } },
+    ], { mediaType: MEDIA.dockerList });
+    // The registry serves it as the manifest list it is.
+    expect((await client.getManifest(list.ref)).mediaType).toBe(MEDIA.dockerList);
+    const amd = await client.resolve(list.ref);
+    expect(amd.manifestDigest).toBe(x86.manifestDigest);
+    expect(amd.indexDigest).toBe(list.digest);
+    expect(amd.mediaType).toBe(MEDIA.dockerManifest);
+    expect(amd.layers[0]!.mediaType).toBe(MEDIA.dockerLayerGzip);
+    expect(amd.config).toMatchObject({ architecture: "amd64", WorkingDir: "/work" });
+    const a = await client.resolve(list.ref, { platform: "linux/arm64/v8" });
+    expect(a.manifestDigest).toBe(arm.manifestDigest);
+    expect(a.config.architecture).toBe("arm64");
+    const e = await rejection(client.resolve(list.ref, { platform: "linux/ppc64le" }));
+    expect(e.code).toBe("NotFound");
+    expect(e.message).toContain("linux/arm64/v8, linux/amd64");
+  });
+
   test("an unknown repository or tag is NotFound (404) naming the image and registry", async () => {
     const repo = await rejection(client.resolve(`${reg.host}/tests/nothing-here:1`));
     expect(repo.code).toBe("NotFound");

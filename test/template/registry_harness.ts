@@ -1,8 +1,9 @@
 // A real OCI registry for tests: Debian's `docker-registry` (distribution 2.8) on 127.0.0.1 with
 // a free port and its own storage folder, optionally behind htpasswd Basic auth or Bearer tokens
 // from a token server started here; and builders that make small images (busybox from Debian's
-// busybox-static, a second layer on top, whiteouts and an opaque directory, an index of two
-// platforms, an overlaybd image of sealed layers) and push them with our RegistryClient.
+// busybox-static, a second layer on top, whiteouts and an opaque directory, an OCI index or a
+// Docker manifest list of two platforms, an overlaybd image of sealed layers, a Debian bookworm
+// minbase root from mmdebstrap) and push them with our RegistryClient.
 //
 //   const reg = await startRegistry({ dir: scratchDir("reg") });        // stopped by reg.stop()
 //   const client = new RegistryClient({ dockerConfigPath: null });
@@ -14,14 +15,17 @@
 import { afterAll, beforeAll } from "bun:test";
 import { createSign, randomBytes } from "node:crypto";
 import { existsSync } from "node:fs";
-import { chmod, copyFile, mkdir, readFile, rm, symlink, writeFile } from "node:fs/promises";
+import { chmod, copyFile, mkdir, readFile, rename, rm, symlink, writeFile } from "node:fs/promises";
 import { join } from "node:path";
 import { promisify } from "node:util";
 import { gzip as gzipCb } from "node:zlib";
 import type { Descriptor, Platform, RegistryClient } from "../../src/template/registry.ts";
 import { MEDIA, OVERLAYBD_ANNOTATION } from "../../src/template/registry.ts";
-import { sealedLayer } from "../../src/template/artifacts.ts";
+import { guestCache, sealedLayer } from "../../src/template/artifacts.ts";
 import { MKFS_ARGS } from "../../src/template/convert.ts";
+import { STEP_TIMEOUT_MS } from "../../src/template/debian.ts";
+import { diffIdOf } from "../../src/template/layer_stream.ts";
+import { runStep } from "../../src/template/step.ts";
 import { scratchDir } from "../helpers/tmp.ts";
 
 const gzip = promisify(gzipCb);
@@ -433,14 +437,89 @@ export async function pushWhiteoutImage(client: RegistryClient, ref: string, o: 
   return pushImage(client, ref, { layers: [root, l1, l2], compression: o.compression, config: BUSYBOX_CONFIG });
 }
 
-/** An OCI index under ref naming pushed manifests with their platforms (all in ref's repository). */
-export async function pushIndex(client: RegistryClient, ref: string, entries: { image: PushedImage; platform: Platform }[]): Promise<{ ref: string; digest: string }> {
+/**
+ * An index under ref naming pushed manifests with their platforms (all in ref's repository): OCI's,
+ * or with `mediaType: MEDIA.dockerList` Docker's manifest list.
+ */
+export async function pushIndex(client: RegistryClient, ref: string, entries: { image: PushedImage; platform: Platform }[], o: { mediaType?: string } = {}): Promise<{ ref: string; digest: string }> {
+  const mediaType = o.mediaType ?? MEDIA.ociIndex;
   const manifests = await Promise.all(
     entries.map(async (e) => {
       const m = await client.getManifest(e.image.ref);
       return { mediaType: e.image.mediaType, digest: m.digest, size: m.bytes.length, platform: e.platform };
     }),
   );
-  const d = await client.pushManifest(ref, { schemaVersion: 2, mediaType: MEDIA.ociIndex, manifests }, MEDIA.ociIndex);
+  const d = await client.pushManifest(ref, { schemaVersion: 2, mediaType, manifests }, mediaType);
   return { ref, digest: d.digest };
+}
+
+/** A layer blob already on disk: its file, the uncompressed tar's digest and its compression. */
+export interface LayerFile {
+  path: string;
+  diffId: string;
+  compression: Compression;
+}
+
+/** An image of layer blobs already made (lowest first) under ref. */
+export async function pushLayerFiles(client: RegistryClient, ref: string, spec: { layers: LayerFile[]; config?: ImageSpec["config"]; format?: "oci" | "docker" }): Promise<PushedImage> {
+  const format = spec.format ?? "oci";
+  const layers: Descriptor[] = [];
+  for (const l of spec.layers) layers.push(await client.pushBlob(ref, l.path, { mediaType: layerMediaType(format, l.compression) }));
+  return pushConfigAndManifest(client, ref, format, { os: "linux", architecture: "amd64" }, layers, spec.layers.map((l) => l.diffId), spec.config);
+}
+
+// ---------------------------------------------------------------------------------------------
+// A Debian bookworm minbase image: mmdebstrap's tar of the root (owners, modes, device nodes as
+// dpkg left them), gzip'd, one layer. Built once from the Debian archive and kept in the guest
+// cache under a name keyed by the mmdebstrap command, as base's cache is keyed by its definition:
+// the archive moving on does not rebuild it (delete the file to pick up new package versions).
+
+const DEBIAN_MIRROR = "http://deb.debian.org/debian";
+const DEBIAN_ARGV = ["mmdebstrap", "--variant=minbase", "--mode=root", "--format=tar", "bookworm"];
+const SBIN_PATH = `${process.env.PATH ?? ""}:/usr/local/sbin:/usr/sbin:/sbin`;
+
+/** The image's run config: Env and a WorkingDir that base-files makes (/srv). */
+export const DEBIAN_CONFIG = {
+  Env: ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "IMAGE_KIND=debian-minbase"],
+  WorkingDir: "/srv",
+  Cmd: ["bash"],
+};
+
+function debianLayerPath(): string {
+  const key = new Bun.CryptoHasher("sha256").update(JSON.stringify([...DEBIAN_ARGV, DEBIAN_MIRROR])).digest("hex").slice(0, 16);
+  return join(guestCache(), "images", `debian-bookworm-minbase-${key}.tar.gz`);
+}
+
+/** Why the Debian image cannot be made here, or undefined when it is cached or can be built. */
+export async function debianImageSkipReason(): Promise<string | undefined> {
+  if (process.getuid?.() !== 0) return "needs root (mmdebstrap's root mode keeps the files' owners)";
+  if (!Bun.which("mmdebstrap", { PATH: SBIN_PATH })) return "mmdebstrap is not installed (.ci/deps installs it)";
+  if (existsSync(debianLayerPath()) && existsSync(`${debianLayerPath()}.diffid`)) return undefined;
+  try {
+    const r = await fetch(`${DEBIAN_MIRROR}/dists/bookworm/Release`, { method: "HEAD", signal: AbortSignal.timeout(10_000) });
+    if (!r.ok) return `the Debian archive answered ${r.status} for bookworm's Release file (${DEBIAN_MIRROR})`;
+  } catch (e) {
+    return `the Debian archive is unreachable (${DEBIAN_MIRROR}: ${(e as Error).message})`;
+  }
+  return undefined;
+}
+
+/** The minbase layer (gzip'd tar), from the cache or built now (mmdebstrap: a minute or two). */
+export async function debianMinbaseLayer(): Promise<LayerFile> {
+  const path = debianLayerPath();
+  if (existsSync(path) && existsSync(`${path}.diffid`)) return { path, diffId: (await readFile(`${path}.diffid`, "utf8")).trim(), compression: "gzip" };
+  await mkdir(join(guestCache(), "images"), { recursive: true });
+  const tmp = `${path}.${process.pid}-${randomBytes(4).toString("hex")}`;
+  try {
+    await runStep({ step: "bootstrap", argv: [...DEBIAN_ARGV, `${tmp}.tar`, DEBIAN_MIRROR], timeoutMs: STEP_TIMEOUT_MS.bootstrap });
+    await run(["gzip", "-n", "-6", `${tmp}.tar`]);
+    const diffId = await diffIdOf(`${tmp}.tar.gz`);
+    // The digest file last: a blob without one is rebuilt.
+    await writeFile(`${tmp}.diffid`, `${diffId}\n`);
+    await rename(`${tmp}.tar.gz`, path);
+    await rename(`${tmp}.diffid`, `${path}.diffid`);
+    return { path, diffId, compression: "gzip" };
+  } finally {
+    for (const f of [`${tmp}.tar`, `${tmp}.tar.gz`, `${tmp}.diffid`]) await rm(f, { force: true });
+  }
 }
