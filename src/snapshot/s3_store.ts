@@ -26,6 +26,25 @@ function s3Code(e: unknown): string | undefined {
   return typeof c === "string" ? c : undefined;
 }
 
+/**
+ * Idempotent reads (HEAD, GET) are tried up to READ_TRIES times, READ_BACKOFF_MS × try apart, on
+ * an error that is not a missing key or the deadline: S3 answers 500/503 now and then, and
+ * s3rver fails a HEAD of an object another client is writing.
+ */
+const READ_TRIES = 3;
+const READ_BACKOFF_MS = 50;
+async function retryRead<T>(dl: Deadline, read: () => Promise<T>): Promise<T> {
+  for (let tried = 1; ; tried++) {
+    try {
+      return await dl.race(read());
+    } catch (e) {
+      const code = s3Code(e);
+      if (tried >= READ_TRIES || e instanceof SnapshotStoreError || code === "NoSuchKey" || code === "NotFound") throw e;
+      await Bun.sleep(READ_BACKOFF_MS * tried);
+    }
+  }
+}
+
 export class S3SnapshotStore implements SnapshotStore {
   readonly kind = "s3" as const;
   private readonly digests = new DigestCache();
@@ -74,7 +93,7 @@ export class S3SnapshotStore implements SnapshotStore {
           const ref = `${this.refPrefix(sha256)}${id}.${putId}`;
           own.push(ref);
           await dl.race(this.client.write(ref, ""));
-          if (!(await dl.race(this.client.exists(this.blobKey(sha256))))) {
+          if (!(await retryRead(dl, () => this.client.exists(this.blobKey(sha256))))) {
             uploadedBlobs.push(sha256);
             await this.upload(this.blobKey(sha256), src, dl, sha256);
           }
@@ -98,7 +117,7 @@ export class S3SnapshotStore implements SnapshotStore {
       // A delete that collected a shared blob between our check and our record: upload it again.
       for (const src of sources) {
         const f = stored[src.name]!;
-        if (f.shared && !(await dl.race(this.client.exists(this.blobKey(f.sha256!))))) await this.upload(this.blobKey(f.sha256!), src, dl, f.sha256);
+        if (f.shared && !(await retryRead(dl, () => this.client.exists(this.blobKey(f.sha256!))))) await this.upload(this.blobKey(f.sha256!), src, dl, f.sha256);
       }
       return record;
     } catch (e) {
@@ -159,9 +178,9 @@ export class S3SnapshotStore implements SnapshotStore {
     let text: string;
     try {
       const f = this.client.file(this.recordKey(id));
-      const size = (await dl.race(f.stat())).size;
+      const size = (await retryRead(dl, () => f.stat())).size;
       if (size > LIMITS.recordBytes) throw new SnapshotStoreError("Io", `snapshot '${id}': record is ${size} bytes, more than ${LIMITS.recordBytes}`);
-      text = await dl.race(f.text());
+      text = await retryRead(dl, () => f.text());
     } catch (e) {
       if (s3Code(e) === "NoSuchKey" || s3Code(e) === "NotFound" || (e as { name?: string })?.name === "S3Error" && /not (exist|found)/i.test(String((e as Error).message))) {
         throw new SnapshotStoreError("NotFound", `snapshot '${id}' not found`);
@@ -200,7 +219,7 @@ export class S3SnapshotStore implements SnapshotStore {
   async exists(id: string, dl = new Deadline(`exists of snapshot '${id}'`, this.limits)): Promise<boolean> {
     checkId(id);
     try {
-      return await dl.race(this.client.exists(this.recordKey(id)));
+      return await retryRead(dl, () => this.client.exists(this.recordKey(id)));
     } catch (e) {
       throw asStoreError(e, `snapshot '${id}': exists`);
     }
