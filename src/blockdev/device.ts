@@ -193,8 +193,9 @@ export class DeviceHandle {
   restack(layerPath: string): Promise<{ layerPath: string; config: ImageConfig }> {
     return this.call({ op: "restack", layerPath });
   }
-  async swap(config: ImageConfig | null, readOnly: boolean): Promise<void> {
-    const r = await this.call<{ size: number }>({ op: "swap", config, readOnly });
+  /** `hold`: a fresh upper the worker opens now and keeps for the next attach (a prepared device). */
+  async swap(config: ImageConfig | null, readOnly: boolean, hold?: UpperRef): Promise<void> {
+    const r = await this.call<{ size: number }>({ op: "swap", config, readOnly, hold });
     this.size = r.size;
   }
   /** The image's lowers stay open; `above`'s lowers, then `upper`, go on top (a prepared pool device being acquired). */

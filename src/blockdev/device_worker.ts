@@ -39,7 +39,7 @@ export interface WorkerInit {
 
 export type ControlOp =
   | { op: "restack"; layerPath: string }
-  | { op: "swap"; config: ImageConfig | null; readOnly: boolean }
+  | { op: "swap"; config: ImageConfig | null; readOnly: boolean; hold?: UpperRef }
   | { op: "attach"; upper: UpperRef; above?: ImageConfig }
   | { op: "resize"; size: number }
   | { op: "flush" }
@@ -77,6 +77,8 @@ let io: ImageIo;
 let disk: FuseDisk | undefined; // FUSE frontend only
 let stopping = false;
 let remoteIo: IoLimiter;
+/** A prepared device's fresh upper, opened at prepare time so an acquire only renames and attaches it. */
+let heldUpper: WritableLayer | undefined;
 let received = 0;
 const queue: { seq: number; body: ControlOp }[] = [];
 
@@ -89,9 +91,12 @@ async function runControl(body: ControlOp): Promise<unknown> {
     }
     case "swap": {
       const old = io.image;
+      await heldUpper?.close();
+      heldUpper = undefined;
       io.image = body.config ? await Image.open(body.config, { remoteIo }) : null;
       io.readOnly = body.readOnly;
       if (old) await old.close();
+      if (body.hold) heldUpper = await WritableLayer.open(body.hold.data, body.hold.index);
       disk?.invalidate();
       return { size: io.size() };
     }
@@ -101,12 +106,18 @@ async function runControl(body: ControlOp): Promise<unknown> {
       const lowersOnly = io.image;
       if (!lowersOnly || lowersOnly.upper) throw new IoRangeError("attach needs an image of lowers only", init.id);
       const above = body.above ? await Image.openLowers(body.above, 0, { remoteIo }) : [];
+      const held = heldUpper;
+      const heldAt = held ? [held.dataPath, held.indexPath] as const : undefined;
       let upper: WritableLayer | undefined;
       try {
-        upper = await WritableLayer.open(body.upper.data, body.upper.index);
+        // The held upper's folder was just renamed to the acquire's upperDir: same files, new paths.
+        held?.moved(body.upper.data, body.upper.index);
+        upper = held ?? (await WritableLayer.open(body.upper.data, body.upper.index));
         lowersOnly.attachUpper(upper, above);
+        heldUpper = undefined;
       } catch (e) {
-        await upper?.close();
+        if (held) held.moved(...heldAt!);
+        else await upper?.close();
         for (const l of above) await l.close();
         throw e;
       }
@@ -126,6 +137,8 @@ async function runControl(body: ControlOp): Promise<unknown> {
       return { ...(disk?.stats ?? {}), size: io.size() };
     case "stop":
       stopping = true;
+      await heldUpper?.close();
+      heldUpper = undefined;
       if (io.image) await io.image.close();
       io.image = null;
       return {};

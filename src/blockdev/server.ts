@@ -851,7 +851,8 @@ export class Blockd {
       await rm(dir, { recursive: true, force: true });
       await mkdir(dir, { recursive: true });
       await makeUpper(join(dir, PREPARED_UPPER), t.size, false);
-      await dev.handle.swap({ lowers: t.lowers }, true);
+      const fresh = join(dir, PREPARED_UPPER);
+      await dev.handle.swap({ lowers: t.lowers }, true, { data: join(fresh, WRITABLE_DATA), index: join(fresh, WRITABLE_INDEX) });
       swapped = true;
       dev.rec.config = { lowers: t.lowers };
       await this.saveTable();

@@ -86,8 +86,8 @@ export class WritableLayer {
   appendOnly = false;
 
   private constructor(
-    readonly dataPath: string,
-    readonly indexPath: string,
+    private dataAt: string,
+    private indexAt: string,
     private data: WritableFile,
     private indexFile: WritableFile | undefined, // none in sparse mode
     public header: HeaderTrailer,
@@ -95,6 +95,19 @@ export class WritableLayer {
     private indexEnd: number,
     readonly sparse = false,
   ) {}
+
+  get dataPath(): string {
+    return this.dataAt;
+  }
+  get indexPath(): string {
+    return this.indexAt;
+  }
+
+  /** The open files were renamed (their directory moved): later operations use the new paths. */
+  moved(dataPath: string, indexPath: string): void {
+    this.dataAt = dataPath;
+    this.indexAt = indexPath;
+  }
 
   get virtualSize(): number {
     return this.header.virtualSize;
