@@ -73,10 +73,35 @@ const Requested = t.Object({
 }, { description: "requested: start it with POST /v2/templates/{templateID}/builds/{buildID}" });
 const noContent = (description: string) => t.Void({ description });
 
+const PushBody = t.Object({
+  ref: t.String({ minLength: 1, maxLength: 1024, description: "registry/repository:tag the image goes to" }),
+  username: t.Optional(t.String({ maxLength: 1024 })),
+  password: t.Optional(t.String({ maxLength: 16_384 })),
+});
+const Pushed = t.Object({
+  ref: t.String(), manifestDigest: t.String(), configDigest: t.String(),
+  layers: t.Array(t.Object({ digest: t.String(), size: t.Integer(), uploaded: t.Boolean({ description: "false: the registry had it (HEAD), nothing sent" }) })),
+}, { description: "the image pushed: its manifest and each layer's blob, base first" });
+
+export interface TemplateRouteOptions {
+  /** Lifts the server's idle timeout from a request whose answer takes long (a push). */
+  keepOpen?: (req: Request) => void;
+}
+
 /** The routes over `getBuilder`, which returns the builder or throws (503 while the node starts). */
-export function templateRoutes(getBuilder: () => TemplateBuilder) {
+export function templateRoutes(getBuilder: () => TemplateBuilder, opts: TemplateRouteOptions = {}) {
   const tag = { tags: ["templates"] };
   return new Elysia({ name: "templates" })
+    .post("/templates/:templateID/push", ({ params, body, request }) => call(async () => {
+      if ((body.username === undefined) !== (body.password === undefined)) throw new ApiError(400, "username and password: give both or neither");
+      opts.keepOpen?.(request);
+      return getBuilder().push(params.templateID, body.ref, body.username !== undefined ? { username: body.username, password: body.password! } : undefined);
+    }), {
+      params: t.Object({ templateID: t.String({ minLength: 1, maxLength: 256, description: "ID or name" }) }),
+      body: PushBody,
+      response: { 200: Pushed, ...bodyFails(404, 502, 504) },
+      detail: { ...tag, summary: "aenv's: push a template's rootfs layers (base first) and its env, user and workdir to a registry as an overlaybd image; blobs the registry has are not sent" },
+    })
     .post("/v3/templates", ({ body, set }) => call(() => {
       const out = getBuilder().request(body);
       set.status = 202;

@@ -188,14 +188,14 @@ export async function onNode<T>(t: NodeTarget, subject: Subject | undefined, fn:
  * `unknown(subject)` when a subject is given; any other non-2xx is a NodeError with the node's
  * message and status.
  */
-export async function api<T = unknown>(t: NodeTarget, method: string, path: string, o: { body?: unknown; subject?: Subject } = {}): Promise<{ status: number; data: T; headers: Headers }> {
+export async function api<T = unknown>(t: NodeTarget, method: string, path: string, o: { body?: unknown; subject?: Subject; timeoutMs?: number } = {}): Promise<{ status: number; data: T; headers: Headers }> {
   let res: Response;
   try {
     res = await fetch(`${t.url}${path}`, {
       method,
       headers: { "x-api-key": t.apiKey, ...(o.body === undefined ? {} : { "content-type": "application/json" }) },
       body: o.body === undefined ? undefined : JSON.stringify(o.body),
-      signal: AbortSignal.timeout(REQUEST_TIMEOUT_MS),
+      signal: AbortSignal.timeout(o.timeoutMs ?? REQUEST_TIMEOUT_MS),
     });
   } catch (e) {
     throw explain(e, t);

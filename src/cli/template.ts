@@ -179,7 +179,59 @@ async function templateRm(a: ParsedArgs): Promise<void> {
   if (missing.length > 0) throw unknown(t, { kind: "template", id: missing.join(", ") });
 }
 
+/** A push's longest wait: every layer hashed and uploaded (the node lifts its idle timeout for it). */
+const PUSH_TIMEOUT_MS = 60 * 60_000;
+/** Bound on a password read from stdin. */
+const PASSWORD_MAX_BYTES = 16 << 10;
+
+interface PushAnswer {
+  ref: string;
+  manifestDigest: string;
+  layers: { digest: string; size: number; uploaded: boolean }[];
+}
+
+async function push(a: ParsedArgs): Promise<void> {
+  const [template, ref] = a.need(2, "TEMPLATE REF");
+  const username = a.value("username");
+  const fromStdin = a.flag("password-stdin");
+  if (fromStdin !== (username !== undefined)) throw new UsageError("--username and --password-stdin: give both or neither");
+  let password: string | undefined;
+  if (fromStdin) {
+    const raw = await Bun.stdin.text();
+    if (raw.length > PASSWORD_MAX_BYTES) throw new UsageError(`the password on stdin is longer than ${PASSWORD_MAX_BYTES} bytes`);
+    password = raw.replace(/\r?\n$/, "");
+  }
+  const t = await resolveTarget(a);
+  const { data } = await api<PushAnswer>(t, "POST", `/templates/${encodeURIComponent(template!)}/push`, {
+    body: { ref, ...(username !== undefined ? { username, password } : {}) }, subject: { kind: "template", id: template! }, timeoutMs: PUSH_TIMEOUT_MS,
+  });
+  if (a.flag("json")) {
+    process.stdout.write(`${JSON.stringify(data, null, 2)}\n`);
+    return;
+  }
+  for (const l of data.layers) process.stderr.write(`aenv: layer ${l.digest} (${(l.size / 2 ** 20).toFixed(1)} MiB): ${l.uploaded ? "pushed" : "already there"}\n`);
+  process.stdout.write(`${data.ref}@${data.manifestDigest}\n`);
+}
+
 export const BUILD_VERBS: Record<string, Verb> = {
+  push: {
+    operands: "TEMPLATE REF",
+    summary: "push a template's rootfs layers to a registry as an overlaybd image under REF (registry/repo:tag); prints REF@DIGEST",
+    options: [
+      { flag: "--username", value: "U", help: "registry user (default: the node's Docker config, else anonymous)" },
+      { flag: "--password-stdin", help: "read the registry password from stdin (with --username)" },
+      { flag: "--json", help: "the node's answer: the manifest digest and each layer's blob (uploaded or already there)" },
+      ...NODE_OPTIONS,
+    ],
+    notes: [
+      "Layers go base first, one blob each, as accelerated-container-image lays out an overlaybd image; blobs",
+      "the registry has are not sent again. The image's config carries the template's env, user and working",
+      "directory, so `aenv pull REF` (or a sandbox from REF on another node) starts the same. A node pulls such",
+      "an image lazily: its sandboxes read the layers by HTTP Range through the node's block cache.",
+      "example: aenv push my-app 127.0.0.1:5000/team/my-app:1",
+    ].join("\n"),
+    run: push,
+  },
   pull: {
     operands: "IMAGE",
     summary: "make a template of an OCI image (registry/repo:tag); the build's log streams (on a terminal the pull's progress is a bar)",

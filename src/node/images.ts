@@ -1,15 +1,47 @@
 // The node's fromImage parents: images pulled and converted by src/template into one layer cache
 // under $AENV_HOME/image-layers, of the configured capacity (AENV_LAYER_CACHE_MB), collected
 // between its watermarks before each pull. A layer a template or snapshot references (its stack or
-// its checkpoint's), or a sandbox runs or resumes from, is never collected.
+// its checkpoint's), or a sandbox runs or resumes from, is never collected. An overlaybd image is
+// not downloaded: its layers stay in the registry as remote layers that blockd's workers read by
+// Range through the node's block cache ($AENV_HOME/block-cache, AENV_BLOCK_CACHE_MB), with the
+// registry's Authorization from a headers file the node keeps fresh (registry_auth.ts). Templates
+// are pushed back as overlaybd images (src/template/push.ts).
+import { mkdir, mkdtemp, rm } from "node:fs/promises";
+import { join } from "node:path";
 import type { BlockdClient } from "../blockdev/client.ts";
 import type { ImageSource } from "../orchestrator/builder.ts";
 import type { SandboxRuntime } from "../orchestrator/orchestrator.ts";
 import type { SandboxStore } from "../orchestrator/store.ts";
-import type { TemplateStore } from "../orchestrator/templates.ts";
+import { layerKey, type RemoteLayer, type TemplateStore } from "../orchestrator/templates.ts";
+import type { BlockCacheOptions } from "../storage/remote/block_cache.ts";
 import { LayerCache } from "../template/layer_cache.ts";
-import { pullImage, type PullProgress } from "../template/pull.ts";
+import { pullImage, type PulledLayer, type PullProgress } from "../template/pull.ts";
+import { pushImage } from "../template/push.ts";
 import { parseImageRef, RegistryClient, type RegistryClientOptions } from "../template/registry.ts";
+import type { RegistryAuthFiles } from "./registry_auth.ts";
+
+/** Lazy pulls of overlaybd images: the node's block cache and the registry auth blockd reads. */
+export interface NodeRemoteLayers {
+  /** blockd's workers and this process share it (AENV_BLOCK_CACHE_DIR, AENV_BLOCK_CACHE_MB). */
+  cache: BlockCacheOptions;
+  /** Fetch whole layers in the background and promote them to local files (AENV_BLOCK_CACHE_DOWNLOAD). */
+  download: boolean;
+  auth: RegistryAuthFiles;
+}
+
+/**
+ * A remote layer as this node hands it to blockd, at each use: its block cache and download
+ * setting as configured now, and each registry source with the headers file the node keeps fresh
+ * (so a record carries no node's paths that matter: a snapshot's layers imported from another node too).
+ */
+export async function remoteLayerView(l: RemoteLayer, r: NodeRemoteLayers): Promise<RemoteLayer> {
+  const sources = await Promise.all(l.remote.sources.map(async (s) => {
+    if (s.kind !== "http") return s;
+    const headersFile = await r.auth.fileFor(s.url);
+    return headersFile ? { ...s, headersFile } : s;
+  }));
+  return { ...l, remote: { ...l.remote, sources, cache: { ...r.cache }, download: r.download } };
+}
 
 export interface NodeImagesOptions {
   /** The cache's folder ($AENV_HOME/image-layers). */
@@ -22,6 +54,8 @@ export interface NodeImagesOptions {
   blockd: BlockdClient;
   /** Registry client settings every pull starts from (a build's credentials are added). */
   registry?: RegistryClientOptions;
+  /** Set: overlaybd images are pulled lazily (their layers stay remote). */
+  remote?: NodeRemoteLayers;
 }
 
 /** A progress line at most this often while a layer downloads or converts. */
@@ -32,7 +66,7 @@ export function layersInUse(templates: TemplateStore, sandboxes?: SandboxStore):
   const used = templates.layersInUse();
   for (const r of sandboxes?.all() ?? []) {
     const rt = r.runtime as SandboxRuntime | null;
-    for (const l of [...(rt?.layers ?? []), ...(rt?.paused?.layers ?? [])]) used.add(l);
+    for (const l of [...(rt?.layers ?? []), ...(rt?.paused?.layers ?? [])]) used.add(layerKey(l));
   }
   return used;
 }
@@ -61,12 +95,25 @@ export function nodeImages(o: NodeImagesOptions): { cache: LayerCache; source: I
           said = Date.now();
           log(pullLine(p));
         },
+        ...(o.remote ? { remote: { cache: o.remote.cache, download: o.remote.download } } : {}),
       });
+      // blockd's reads of remote layers carry the credentials this pull was given.
+      if (auth && img.layers.some((l) => typeof l !== "string")) o.remote?.auth.remember(ref, auth);
       const c = img.config;
       return {
         digest: img.manifestDigest, layers: img.layers, diskSizeMB: img.diskSizeMB, env: c.env, user: c.user, workdir: c.workingDir,
         entrypoint: c.entrypoint, cmd: c.cmd, exposedPorts: c.exposedPorts, labels: c.labels,
       };
+    },
+    async push(ref, image, auth) {
+      const registry = new RegistryClient({ ...o.registry, ...(auth ? { credentials: { ...o.registry?.credentials, [parseImageRef(ref).registry]: auth } } : {}) });
+      await mkdir(o.dir, { recursive: true });
+      const work = await mkdtemp(join(o.dir, "push-"));
+      try {
+        return await pushImage(ref, image.layers as PulledLayer[], image.config, { registry, workDir: work });
+      } finally {
+        await rm(work, { recursive: true, force: true });
+      }
     },
   };
   return { cache, source };

@@ -13,12 +13,13 @@ import { sandboxRoutes } from "../api/sandboxes.ts";
 import { templateRoutes } from "../api/templates.ts";
 import { TemplateBuilder } from "../orchestrator/builder.ts";
 import { defaultDockerConfigPath } from "../template/registry.ts";
-import { nodeImages } from "./images.ts";
+import { nodeImages, remoteLayerView, type NodeRemoteLayers } from "./images.ts";
+import { RegistryAuthFiles } from "./registry_auth.ts";
 import { BlockdClient } from "../blockdev/client.ts";
 import { Egress, EgressProxy, SecretStore, SlotPool, defaultUplinks, hostNetworks, hostResolvers, loadOrCreateCa } from "../network/index.ts";
-import { Orchestrator } from "../orchestrator/orchestrator.ts";
+import { Orchestrator, type SandboxRuntime } from "../orchestrator/orchestrator.ts";
 import { SandboxStore } from "../orchestrator/store.ts";
-import { TemplateStore } from "../orchestrator/templates.ts";
+import { TemplateStore, isRemoteLayer } from "../orchestrator/templates.ts";
 import { buildBaseTemplate } from "../template/debian.ts";
 import { openSnapshotStore } from "../snapshot/index.ts";
 import { selectDriver } from "../vmm/select.ts";
@@ -57,7 +58,7 @@ const app = createApi({
   .use(templateRoutes(() => {
     if (!builder) throw new ApiError(503, notReady() ?? "starting");
     return builder;
-  }))
+  }, { keepOpen: (req) => server.timeout(req, 0) }))
   .use(nodeRoutes({
     store, templates, orch: () => orch, status: () => (orch ? "ready" : failed ? "unhealthy" : "connecting"),
     openStreams: () => proxy?.streams.count(), version: pkg.version, home: cfg.home,
@@ -108,6 +109,14 @@ async function start(): Promise<void> {
   });
   egressProxy.use(egress);
   await egress.start();
+  // Remote layers (lazily pulled overlaybd images): the block cache blockd's workers share, and
+  // the registry auth files their reads carry, kept fresh for every remote layer in use.
+  const remote: NodeRemoteLayers = {
+    cache: { dir: cfg.blockCacheDir, capacity: cfg.blockCacheMB * 2 ** 20 }, download: cfg.blockCacheDownload,
+    auth: new RegistryAuthFiles({ dir: join(cfg.home, "registry-auth"), secretsDir: join(cfg.home, "secrets", "registry"), registry: { dockerConfigPath: defaultDockerConfigPath(cfg.dockerConfig) } }),
+  };
+  const inUse = [...templates.remoteLayers(), ...store.all().flatMap((r) => ((r.runtime as SandboxRuntime | null)?.layers ?? []).filter(isRemoteLayer))];
+  for (const l of inUse) void remoteLayerView(l, remote);
   progress("VMM");
   const { driver, reason } = selectDriver({
     vmm: cfg.vmm, qemu: { binary: cfg.qemuBin, accel: cfg.qemuAccel === "auto" ? undefined : cfg.qemuAccel, nice: cfg.vmmNice },
@@ -138,7 +147,7 @@ async function start(): Promise<void> {
     snapshots: openSnapshotStore(cfg.snapshotStore, {
       home: cfg.home,
       s3: { endpoint: cfg.s3Endpoint, region: cfg.s3Region, accessKeyId: cfg.s3AccessKeyId, secretAccessKey: cfg.s3SecretAccessKey, sessionToken: cfg.s3SessionToken },
-    }), egress, caBundle: egressCa.certPem });
+    }), egress, caBundle: egressCa.certPem, remoteLayer: (l) => remoteLayerView(l, remote) });
   const base = templates.resolve("base")!;
   if (!base.checkpoint) {
     progress("template base: boot and checkpoint");
@@ -155,7 +164,7 @@ async function start(): Promise<void> {
   // fromImage parents: pulled and converted into the node's layer cache (src/node/images.ts).
   const { source: images } = nodeImages({
     dir: join(cfg.home, "image-layers"), capacityMB: cfg.layerCacheMB, templates, sandboxes: store, blockd,
-    registry: { dockerConfigPath: defaultDockerConfigPath(cfg.dockerConfig) },
+    registry: { dockerConfigPath: defaultDockerConfigPath(cfg.dockerConfig) }, remote,
   });
   builder = new TemplateBuilder(o, store.db, {
     filesDir: join(cfg.home, "template-files"), stepsDir: join(cfg.home, "template-steps"),

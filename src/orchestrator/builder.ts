@@ -13,7 +13,7 @@ import { join, posix } from "node:path";
 import { runProcess, uploadFile, type ProcessSpec } from "./envd_process.ts";
 import { StepCache } from "./step_cache.ts";
 import { Orchestrator, OrchestratorError, type BuildVm } from "./orchestrator.ts";
-import type { TemplateConfig, TemplateRecord } from "./templates.ts";
+import { layerKey, type TemplateConfig, type TemplateLayer, type TemplateRecord } from "./templates.ts";
 
 /** A build API failure with the HTTP status the API answers it with. */
 export class TemplateBuildError extends Error {
@@ -73,7 +73,8 @@ export interface BuildSpec {
 export interface PulledImage {
   /** A stable name of the image's content (its manifest digest): the step cache's root. */
   digest: string;
-  layers: string[];
+  /** Base first: layer files, or layers left in the registry (an overlaybd image, read lazily). */
+  layers: TemplateLayer[];
   diskSizeMB: number;
   env: Record<string, string>;
   user?: string;
@@ -85,8 +86,29 @@ export interface PulledImage {
   labels?: Record<string, string>;
 }
 
+/** What a template's image carries besides its layers (the OCI config's run fields). */
+export interface PushedConfig {
+  env: Record<string, string>;
+  user: string;
+  workdir: string;
+  entrypoint?: string[];
+  cmd?: string[];
+  exposed?: string[];
+  labels?: Record<string, string>;
+}
+
+/** A pushed image: its manifest's digest and each layer's blob (uploaded: false when the registry had it). */
+export interface PushResult {
+  ref: string;
+  manifestDigest: string;
+  configDigest: string;
+  layers: { digest: string; size: number; uploaded: boolean }[];
+}
+
 export interface ImageSource {
   pull(ref: string, auth: { username: string; password: string } | undefined, log: (message: string) => void, signal: AbortSignal): Promise<PulledImage>;
+  /** A template's layers (base first) and run config to `ref` as an overlaybd image. */
+  push?(ref: string, image: { layers: TemplateLayer[]; config: PushedConfig }, auth: { username: string; password: string } | undefined): Promise<PushResult>;
 }
 
 export interface BuilderOptions {
@@ -535,11 +557,13 @@ export class TemplateBuilder {
       const n = steps.length;
       const label = (p: PlannedStep) => `[${p.index + 1}/${n}] ${p.step.type} ${(p.step.args ?? []).join(" ")}`.trimEnd();
       // The longest cached prefix: force (the build's or a step's) bypasses the cache from there on.
-      const stack = [...parent.layers];
+      const stack: TemplateLayer[] = [...parent.layers];
+      // The step cache names the layer a step ran over by its key (a path, or remote:<digest>).
+      const top = (): string | undefined => (stack.length ? layerKey(stack[stack.length - 1]!) : undefined);
       let hits = 0;
       for (const p of plan) {
         if (spec.force || p.step.force) break;
-        const layer = await this.steps.get(p.key, stack.at(-1));
+        const layer = await this.steps.get(p.key, top());
         if (layer === undefined) break;
         if (layer !== null) {
           this.steps.hold([layer]);
@@ -556,7 +580,7 @@ export class TemplateBuilder {
         if (abort.signal.aborted) throw abort.signal.reason;
         b.log("info", label(p), String(p.index + 1));
         await this.runStep(vm, shell, b, p, deadline, abort.signal);
-        const under = stack.at(-1);
+        const under = top();
         if (DISK_STEPS.has(p.step.type)) {
           await this.exec(vm, b, SYNC, SHORT_CMD_MS, String(p.index + 1), abort.signal);
           const layer = this.steps.newLayer(p.key);
@@ -593,7 +617,7 @@ export class TemplateBuilder {
   }
 
   /** The parent's clean layer stack, VM size and run-time state. */
-  private async parent(b: Build, spec: BuildSpec, signal: AbortSignal): Promise<{ root: string; layers: string[]; size: { cpuCount: number; memoryMB: number; diskSizeMB: number }; state: StepState; envdVersion: string; command: ImageCommand }> {
+  private async parent(b: Build, spec: BuildSpec, signal: AbortSignal): Promise<{ root: string; layers: TemplateLayer[]; size: { cpuCount: number; memoryMB: number; diskSizeMB: number }; state: StepState; envdVersion: string; command: ImageCommand }> {
     const req = this.requests.get(b.templateId)!;
     const stateOf = (c: { env?: Record<string, string>; user?: string; workdir?: string } | null | undefined, labels: Record<string, string> = {}, exposed: string[] = []): StepState => {
       const user = c?.user || "user";
@@ -740,7 +764,7 @@ export class TemplateBuilder {
     }
   }
 
-  private publish(req: Request, b: Build, parent: { envdVersion: string; size: { cpuCount: number; memoryMB: number; diskSizeMB: number }; command: ImageCommand }, stack: string[], cp: TemplateRecord["checkpoint"], s: StepState, spec: BuildSpec): void {
+  private publish(req: Request, b: Build, parent: { envdVersion: string; size: { cpuCount: number; memoryMB: number; diskSizeMB: number }; command: ImageCommand }, stack: TemplateLayer[], cp: TemplateRecord["checkpoint"], s: StepState, spec: BuildSpec): void {
     const old = this.orch.templates.resolve(req.templateId);
     // One build per template is kept: its earlier tags move to it with the requested ones.
     const now = Date.now();
@@ -758,6 +782,32 @@ export class TemplateBuilder {
     };
     this.orch.publishTemplate(rec);
     this.pendingNames.delete(req.name);
+  }
+
+  // ─── push ──────────────────────────────────────────────────────────────────
+
+  /**
+   * POST /templates/{id}/push: the template's rootfs layers (its build stack, base first; a
+   * snapshot's sealed stack) and its env, user and working directory to `ref` as an overlaybd
+   * image. A registry's refusal of the credentials is a 400 (not the node's own 401).
+   */
+  async push(ref: string, to: string, auth?: { username: string; password: string }): Promise<PushResult> {
+    const t = this.orch.templates.resolve(ref);
+    if (!t) throw new TemplateBuildError(404, `template '${ref}' not found`);
+    if (!this.o.images?.push) throw new TemplateBuildError(400, "this node cannot push images (no image source configured)");
+    const c = t.config;
+    const config: PushedConfig = {
+      env: { ...c?.env }, user: c?.user ?? "", workdir: c?.workdir ?? "",
+      ...(c?.entrypoint ? { entrypoint: c.entrypoint } : {}), ...(c?.cmd ? { cmd: c.cmd } : {}),
+      ...(c?.exposed ? { exposed: c.exposed } : {}), ...(c?.labels ? { labels: c.labels } : {}),
+    };
+    try {
+      return await this.o.images.push(to, { layers: t.layers, config }, auth);
+    } catch (e) {
+      const status = (e as { status?: unknown }).status;
+      if (typeof status !== "number") throw e;
+      throw new TemplateBuildError(status === 401 || status === 403 ? 400 : status, (e as Error).message);
+    }
   }
 
   // ─── tags ──────────────────────────────────────────────────────────────────

@@ -13,7 +13,7 @@ import { link, open as openAsync, readdir, rm } from "node:fs/promises";
 import { posixFadvise, POSIX_FADV_DONTNEED } from "../../ffi/libc.ts";
 import { ENVD_PORT, ENVD_VERSION, initEnvd, waitEnvdReady } from "./envd.ts";
 import { SandboxStore, publicState, type SandboxRecord, type SandboxState } from "./store.ts";
-import { TemplateStore, type TemplateRecord, type VmCheckpoint } from "./templates.ts";
+import { TemplateStore, isRemoteLayer, localLayers, type RemoteLayer, type TemplateLayer, type TemplateRecord, type VmCheckpoint } from "./templates.ts";
 import { PhaseClock, TimingLog } from "./timings.ts";
 
 /** An orchestrator failure with the HTTP status the API answers it with. */
@@ -58,6 +58,8 @@ export interface OrchestratorOptions {
   egress?: Egress;
   /** PEM of the node's egress CA: every guest trusts it from its /init on (TLS-terminating header rules). */
   caBundle?: string;
+  /** A remote layer as blockd gets it at each use (the node's block cache, its registry auth file); none: as recorded. */
+  remoteLayer?: (l: RemoteLayer) => Promise<RemoteLayer>;
 }
 
 /** The fields of `network` that PUT /sandboxes/{id}/network replaces; the others (inbound) stay. */
@@ -87,6 +89,8 @@ interface StoredSnapshotMeta {
   envdVersion: string;
   sourceSandboxId: string | null;
   createdAt: number;
+  /** Layers left in a registry, by position (no `layer-<i>` file for them). */
+  remote?: Record<string, RemoteLayer>;
 }
 
 /** What the store keeps of a sandbox's parts, to find them again (and to give them back). */
@@ -97,7 +101,7 @@ export interface SandboxRuntime {
   rootfsDevice: string | null;
   upperDir: string | null;
   /** Rootfs lowers, lowest first. */
-  layers: string[];
+  layers: TemplateLayer[];
   vmPid: number | null;
   runDir: string | null;
   /** Set while paused: the checkpoint a resume restores. */
@@ -164,7 +168,7 @@ export interface BuildVm {
   /** Pauses the VM, seals its rootfs upper into `layerPath` (the disk carries on over a fresh upper), resumes. */
   seal(layerPath: string): Promise<void>;
   /** Memory and device state plus the sealed upper into a new checkpoint for `templateId`, over `stack`; the VM is left stopped-in-place. */
-  checkpoint(templateId: string, stack: string[]): Promise<VmCheckpoint>;
+  checkpoint(templateId: string, stack: TemplateLayer[]): Promise<VmCheckpoint>;
   /** Stops the VM and gives back its slot and device; idempotent. */
   stop(): Promise<void>;
 }
@@ -424,7 +428,7 @@ export class Orchestrator {
    * A VM cold-booted from `layers` (tools disk, rootfs with a fresh upper, a slot) until envd
    * answers; what it took is recorded in `held` as it is taken, for giveBackBoot.
    */
-  private async coldBoot(id: string, layers: string[], size: VmSize, held: BootHeld): Promise<Vmm> {
+  private async coldBoot(id: string, layers: TemplateLayer[], size: VmSize, held: BootHeld): Promise<Vmm> {
     held.slot = await this.slots.acquire();
     const slot = held.slot;
     const upperDir = join(this.opts.home, "sandboxes", id, "upper");
@@ -457,7 +461,7 @@ export class Orchestrator {
    * page cache that does not match layers added by cached steps). The builder runs steps through
    * its envd, seals the rootfs upper after each step and checkpoints it when ready.
    */
-  async startBuildVm(layers: string[], size: VmSize): Promise<BuildVm> {
+  async startBuildVm(layers: TemplateLayer[], size: VmSize): Promise<BuildVm> {
     if (this.closed) throw new OrchestratorError(503, "the node is shutting down");
     const id = `bld${randomId(12)}`;
     const held: BootHeld = { devices: [] };
@@ -526,13 +530,20 @@ export class Orchestrator {
   }
 
   /** The tools disk and a rootfs with a fresh upper; the rootfs id is pushed to `devices` once made. */
-  private async devices(devices: string[], layers: string[], upperDir: string, diskSizeMB: number): Promise<{ drives: DriveSpec[] }> {
+  private async devices(devices: string[], layers: TemplateLayer[], upperDir: string, diskSizeMB: number): Promise<{ drives: DriveSpec[] }> {
     const tools = await this.toolsDisk();
     mkdirSync(join(upperDir, ".."), { recursive: true });
     // From blockd's pool: for a prepared stack, a device with the lowers already open.
-    const rootfs = await this.blockd.call("acquire", { lowers: layers, upperDir, size: diskSizeMB * 1024 * 1024 });
+    const rootfs = await this.blockd.call("acquire", { lowers: await this.lowers(layers), upperDir, size: diskSizeMB * 1024 * 1024 });
     devices.push(rootfs.id);
     return { drives: [{ path: tools.path, readOnly: true }, { path: rootfs.path }] };
+  }
+
+  /** A stack as blockd's lowers: files as they are, remote layers as the node hands them over now. */
+  private lowers(layers: TemplateLayer[]): Promise<TemplateLayer[]> {
+    const view = this.opts.remoteLayer;
+    if (!view || !layers.some(isRemoteLayer)) return Promise.resolve(layers);
+    return Promise.all(layers.map((l) => (isRemoteLayer(l) ? view(l) : l)));
   }
 
   /**
@@ -540,7 +551,7 @@ export class Orchestrator {
    * Best effort: without them, creates take the plain acquire path.
    */
   private prepareDevices(cp: VmCheckpoint, diskSizeMB: number, count = this.opts.preparedDevices ?? 2): void {
-    this.blockd.call("prepare", { lowers: cp.layers, size: diskSizeMB * 1024 * 1024, count })
+    this.lowers(cp.layers).then((lowers) => this.blockd.call("prepare", { lowers, size: diskSizeMB * 1024 * 1024, count }))
       .catch((e) => console.error(`orchestrator: prepare devices for ${cp.dir}: ${(e as Error).message}`));
   }
 
@@ -555,7 +566,7 @@ export class Orchestrator {
     const upperDir = join(this.opts.home, "sandboxes", rec.id, `upper-${randomId(6)}`);
     const rt: SandboxRuntime = {
       slot: null, toolsDevice: null, rootfsDevice: null, upperDir, layers: cp.layers, vmPid: null,
-      runDir: join(this.opts.runRoot, rec.id), paused: null, checkpoints: [cp.dir, ...cp.layers.map((l) => join(l, ".."))],
+      runDir: join(this.opts.runRoot, rec.id), paused: null, checkpoints: [cp.dir, ...localLayers(cp.layers).map((l) => join(l, ".."))],
     };
     // Recorded before each step, so a crash or a kill mid-way can find what to give back.
     const save = () => this.store.setRuntime(rec.id, rt);
@@ -660,7 +671,7 @@ export class Orchestrator {
           return live.vm.stop();
         } }, clock);
         this.live.delete(id);
-        const paused: SandboxRuntime = { ...rt, slot: null, toolsDevice: null, rootfsDevice: null, upperDir: null, vmPid: null, paused: cp, layers: cp.layers, checkpoints: [cp.dir, ...cp.layers.map((l) => join(l, ".."))] };
+        const paused: SandboxRuntime = { ...rt, slot: null, toolsDevice: null, rootfsDevice: null, upperDir: null, vmPid: null, paused: cp, layers: cp.layers, checkpoints: [cp.dir, ...localLayers(cp.layers).map((l) => join(l, ".."))] };
         this.store.transition(id, ["pausing"], "paused", { runtime: paused });
         clock.lap("record");
         this.timings.add("pause", id, clock);
@@ -884,10 +895,13 @@ export class Orchestrator {
   private async storeSnapshot(t: TemplateRecord, cp: VmCheckpoint): Promise<void> {
     const vm = await readSnapshot(cp.dir);
     const files = [{ name: "vmstate", path: vm.statePath }, ...(vm.memPath ? [{ name: "mem", path: vm.memPath }] : []),
-      ...cp.layers.map((path, i) => ({ name: `layer-${i}`, path, shared: true }))];
+      ...cp.layers.flatMap((path, i) => (typeof path === "string" ? [{ name: `layer-${i}`, path, shared: true }] : []))];
+    // A remote layer stays where it is (its registry): the record names it instead of a file.
+    const remote = Object.fromEntries(cp.layers.flatMap((l, i) => (isRemoteLayer(l) ? [[String(i), l]] : [])));
     const meta: StoredSnapshotMeta = {
       vm, layers: cp.layers.length, envdToken: cp.envdToken, alias: t.alias, names: t.names, cpuCount: t.cpuCount,
       memoryMB: t.memoryMB, diskSizeMB: t.diskSizeMB, envdVersion: t.envdVersion, sourceSandboxId: t.sourceSandboxId, createdAt: t.createdAt,
+      ...(Object.keys(remote).length ? { remote } : {}),
     };
     await this.opts.snapshots!.put(t.id, files, meta as unknown as Json);
   }
@@ -911,7 +925,7 @@ export class Orchestrator {
         for (const [name, path] of Object.entries(got.paths)) await linkOrCopy(path, join(dir, name));
         const vm: SnapshotInfo = { ...meta.vm, dir, statePath: join(dir, "vmstate"), memPath: got.paths.mem ? join(dir, "mem") : undefined };
         await Bun.write(join(dir, "snapshot.json"), JSON.stringify(vm, null, 1));
-        const cp: VmCheckpoint = { dir, layers: Array.from({ length: meta.layers }, (_, i) => join(dir, `layer-${i}`)), envdToken: meta.envdToken };
+        const cp: VmCheckpoint = { dir, layers: Array.from({ length: meta.layers }, (_, i) => meta.remote?.[String(i)] ?? join(dir, `layer-${i}`)), envdToken: meta.envdToken };
         this.templates.setCheckpoint(t.id, cp);
         return cp;
       } catch (e) {
@@ -1058,7 +1072,7 @@ export class Orchestrator {
     // What is in use is read after the listing: a checkpoint recorded meanwhile is kept.
     const used = new Set<string>();
     for (const r of this.store.all()) for (const c of (r.runtime as SandboxRuntime | null)?.checkpoints ?? []) used.add(c);
-    for (const l of this.templates.layersInUse()) used.add(join(l, ".."));
+    for (const l of this.templates.layersInUse()) if (!l.startsWith("remote:")) used.add(join(l, ".."));
     for (const t of [...this.templates.list("template"), ...this.templates.list("snapshot")]) if (t.checkpoint) used.add(t.checkpoint.dir);
     for (const p of this.preparing.keys()) used.add(join(root, `template-${p}`));
     for (const d of this.buildCheckpoints) used.add(d);

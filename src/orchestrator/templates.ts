@@ -2,14 +2,29 @@
 // read-only rootfs layers (lowest first) plus, once booted, a VM snapshot whose memory and device
 // state every create restores; a snapshot taken from a sandbox is a template of kind "snapshot".
 import type { Database } from "bun:sqlite";
+import type { LayerRef } from "../storage/image_config.ts";
 
 export type TemplateKind = "template" | "snapshot";
+
+/**
+ * A layer left in a registry (a lazy pull): blockd's workers read it by Range through the node's
+ * block cache; as a blockd lower it is passed as it is (docs/storage.md, Remote layers).
+ */
+export type RemoteLayer = Required<Pick<LayerRef, "digest" | "size" | "remote">>;
+/** One rootfs layer: a sealed layer file's path, or a remote layer. */
+export type TemplateLayer = string | RemoteLayer;
+
+export const isRemoteLayer = (l: TemplateLayer): l is RemoteLayer => typeof l !== "string";
+/** A layer's name in keys and pin sets: its path, or `remote:<digest>`. */
+export const layerKey = (l: TemplateLayer): string => (typeof l === "string" ? l : `remote:${l.digest}`);
+/** The layer files of a stack (a remote layer has none here). */
+export const localLayers = (ls: readonly TemplateLayer[]): string[] => ls.filter((l): l is string => typeof l === "string");
 
 export interface VmCheckpoint {
   /** Directory of the VMM's snapshot (snapshot.json, device state, memory). */
   dir: string;
   /** Rootfs layers at the checkpoint, lowest first: the template's plus the sealed upper. */
-  layers: string[];
+  layers: TemplateLayer[];
   /** The access token envd held when checkpointed: a restore re-initialises envd with it. */
   envdToken: string | null;
 }
@@ -25,7 +40,7 @@ export interface TemplateRecord {
   memoryMB: number;
   diskSizeMB: number;
   /** The rootfs stack a cold boot starts from, lowest first. */
-  layers: string[];
+  layers: TemplateLayer[];
   /** Set once the template has been booted and checkpointed; creates restore it. */
   checkpoint: VmCheckpoint | null;
   /** The sandbox a snapshot was taken from. */
@@ -165,14 +180,24 @@ export class TemplateStore {
       });
   }
 
-  /** Layer files any template still uses: a layer outlives the sandbox that sealed it while listed here. */
+  /** Layer files any template still uses (remote layers as `remote:<digest>`): a layer outlives the sandbox that sealed it while listed here. */
   layersInUse(): Set<string> {
     const used = new Set<string>();
     for (const r of this.db.query<{ layers: string; checkpoint: string }, []>("SELECT layers, checkpoint FROM templates").all()) {
-      for (const l of JSON.parse(r.layers) as string[]) used.add(l);
+      for (const l of JSON.parse(r.layers) as TemplateLayer[]) used.add(layerKey(l));
       const cp = JSON.parse(r.checkpoint) as VmCheckpoint | null;
-      for (const l of cp?.layers ?? []) used.add(l);
+      for (const l of cp?.layers ?? []) used.add(layerKey(l));
     }
     return used;
+  }
+
+  /** Every remote layer templates name (their stacks and checkpoints), once per digest. */
+  remoteLayers(): RemoteLayer[] {
+    const out = new Map<string, RemoteLayer>();
+    for (const r of this.db.query<{ layers: string; checkpoint: string }, []>("SELECT layers, checkpoint FROM templates").all()) {
+      const cp = JSON.parse(r.checkpoint) as VmCheckpoint | null;
+      for (const l of [...(JSON.parse(r.layers) as TemplateLayer[]), ...(cp?.layers ?? [])]) if (isRemoteLayer(l)) out.set(l.digest, l);
+    }
+    return [...out.values()];
   }
 }

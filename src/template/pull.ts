@@ -2,7 +2,8 @@
 // the parts of its config a sandbox inherits. Tar layers are converted onto the cached empty ext4
 // layer, each result cached by chain ID, the download of layer i+1 overlapping the conversion of
 // layer i; overlaybd-native layers are used as they are (digest verified, opened as a layer, no
-// conversion), the disk their virtual size.
+// conversion), the disk their virtual size. With `remote`, overlaybd-native layers are not
+// downloaded at all: they become remote refs that blockd's workers read by Range (a lazy pull).
 
 import { rm } from "node:fs/promises";
 import { join } from "node:path";
@@ -10,8 +11,36 @@ import type { BlockdClient } from "../blockdev/client.ts";
 import { convertLayer, DEFAULT_DISK_BYTES, emptyExt4Layer, initCache, type ConvertContext, type ConvertedLayer } from "./convert.ts";
 import { ConvertError } from "./convert_error.ts";
 import { chainId, type LayerCache } from "./layer_cache.ts";
-import type { Descriptor, ImageRef, OciImageConfig, RegistryClient, ResolvedImage } from "./registry.ts";
-import { openLayerFile } from "../storage/open_layer.ts";
+import { type Descriptor, type ImageRef, type OciImageConfig, type RegistryClient, RegistryError, type ResolvedImage } from "./registry.ts";
+import { openLayerFile, unwrap } from "../storage/open_layer.ts";
+import { RemoteReadError } from "../storage/remote/errors.ts";
+import { ReadOnlyLayer } from "../storage/lsmt/readonly_layer.ts";
+import { BlockCache, type BlockCacheOptions } from "../storage/remote/block_cache.ts";
+import { RegistryRangeSource } from "../storage/remote/http_source.ts";
+import { RemoteFile } from "../storage/remote/remote_file.ts";
+import type { LayerDigest } from "../storage/remote/source.ts";
+import type { RemoteLayerSpec } from "../storage/remote/spec.ts";
+
+/** A layer left in the registry: blockd's workers read it by HTTP Range through the block cache. */
+export interface RemoteLayerRef {
+  digest: LayerDigest;
+  size: number;
+  remote: RemoteLayerSpec;
+}
+
+/** A pulled layer: a sealed layer file's path, or a layer left in the registry. */
+export type PulledLayer = string | RemoteLayerRef;
+
+/**
+ * Lazy pulls of overlaybd-native images (docs/templates.md, Pulling). The refs carry no registry
+ * auth: the node adds its headers file at each use (src/node/images.ts remoteLayerView).
+ */
+export interface RemotePullOptions {
+  /** The node's block cache (the folder blockd's workers share). */
+  cache: BlockCacheOptions;
+  /** Fetch whole layers in the background and promote them to local files [true]. */
+  download?: boolean;
+}
 
 export interface PullProgress {
   /** resolving: reading manifests and config; layers: downloading and converting; done. */
@@ -47,8 +76,8 @@ export interface PulledImage {
   /** The image pinned to its manifest digest. */
   ref: ImageRef;
   manifestDigest: string;
-  /** Sealed overlaybd layer files, lowest first (the empty ext4 layer first for converted images). */
-  layers: string[];
+  /** Sealed overlaybd layer files, lowest first (the empty ext4 layer first for converted images); remote refs for a lazy pull. */
+  layers: PulledLayer[];
   config: ImageRunConfig;
   /** The sandbox's disk: a converted image's size, or a native image's largest layer virtual size (whole MiB, rounded up). */
   diskSizeMB: number;
@@ -67,8 +96,13 @@ export interface PullOptions {
   /** [linux/amd64] */
   platform?: string;
   onProgress?: (p: PullProgress) => void;
+  /** Set: an overlaybd-native image is not downloaded, its layers stay in the registry (remote refs). */
+  remote?: RemotePullOptions;
 }
 
+/** Without `remote` every layer is a local file. */
+export function pullImage(ref: string | ImageRef, opts: PullOptions & { remote?: undefined }): Promise<PulledImage & { layers: string[] }>;
+export function pullImage(ref: string | ImageRef, opts: PullOptions): Promise<PulledImage>;
 export async function pullImage(ref: string | ImageRef, opts: PullOptions): Promise<PulledImage> {
   const started = performance.now();
   const diskBytes = opts.diskSizeMB !== undefined ? opts.diskSizeMB * 2 ** 20 : DEFAULT_DISK_BYTES;
@@ -86,6 +120,7 @@ export async function pullImage(ref: string | ImageRef, opts: PullOptions): Prom
   if (!image.overlaybdNative && image.config.diffIds.length !== descs.length) {
     throw new ConvertError("CorruptLayer", `image config lists ${image.config.diffIds.length} diff_ids for ${descs.length} layers`);
   }
+  if (image.overlaybdNative && opts.remote) return remoteLayers(image, opts, opts.remote, p, say);
   const ctx: ConvertContext = { cache: opts.cache, blockd: opts.blockd };
   await initCache(ctx);
   await opts.cache.gc(); // room first: what this pull makes is the most recently used
@@ -184,6 +219,64 @@ async function pullLayers(image: ResolvedImage, chains: string[], bottom: Conver
     converted,
     cached: descs.length - converted,
   };
+}
+
+/**
+ * A lazy pull: each layer becomes a remote ref (its registry blob by Range, the node's block cache)
+ * and nothing is downloaded whole. Each blob's header and index are read here through the same
+ * cache folder: it must open as an overlaybd layer (else CorruptLayer), and the chunks read are in
+ * the cache for blockd's workers after. The disk is the layers' largest virtual size.
+ */
+async function remoteLayers(image: ResolvedImage, opts: PullOptions, r: RemotePullOptions, p: PullProgress, say: () => void): Promise<PulledImage> {
+  const descs = image.layers;
+  p.phase = "layers";
+  p.layersTotal = descs.length;
+  say();
+  const cache = await BlockCache.shared(r.cache);
+  const layers: RemoteLayerRef[] = [];
+  let virtualBytes = 0;
+  for (const [i, d] of descs.entries()) {
+    const digest = d.digest as LayerDigest;
+    const url = opts.registry.blobUrl(image.ref, digest);
+    // This process's own reads carry the client's Authorization (a token lasts well past them).
+    const auth = await opts.registry.pullAuthorization(image.ref, digest);
+    const headers: Record<string, string> = auth.value ? { authorization: auth.value } : {};
+    const source = new RegistryRangeSource({ url, headers: () => headers });
+    let file: RemoteFile;
+    try {
+      file = RemoteFile.open({ digest, size: d.size, sources: [source], cache });
+    } catch (e) {
+      throw new ConvertError("CorruptLayer", `layer ${i}: ${(e as Error).message}`, undefined, d.digest);
+    }
+    virtualBytes = Math.max(virtualBytes, await remoteVirtualSize(file, d.digest));
+    layers.push({ digest, size: d.size, remote: { sources: [{ kind: "http", url }], cache: { ...r.cache }, ...(r.download === false ? { download: false } : {}) } });
+    p.layersDone = i + 1;
+    say();
+  }
+  p.phase = "done";
+  say();
+  return {
+    ref: image.ref, manifestDigest: image.manifestDigest, layers, config: runConfig(image.config),
+    diskSizeMB: Math.ceil(virtualBytes / 2 ** 20), overlaybdNative: true, converted: 0, cached: 0,
+  };
+}
+
+/** A remote blob's virtual size once it opens as an overlaybd layer; CorruptLayer when it does not, Unreachable when it cannot be read. */
+async function remoteVirtualSize(file: RemoteFile, digest: string): Promise<number> {
+  let layer: ReadOnlyLayer;
+  try {
+    layer = await ReadOnlyLayer.open((await unwrap(file)).file);
+  } catch (e) {
+    await file.close();
+    if (e instanceof RemoteReadError) throw new RegistryError("Unreachable", `layer ${digest}: ${e.message}`);
+    throw new ConvertError("CorruptLayer", `the blob is not an overlaybd layer: ${(e as Error).message}`, undefined, digest);
+  }
+  try {
+    if (!(layer.virtualSize > 0)) throw new ConvertError("CorruptLayer", "the overlaybd layer has a virtual size of 0", undefined, digest);
+    return layer.virtualSize;
+  } finally {
+    await layer.close();
+  }
 }
 
 /** An overlaybd blob's virtual size, once it opens as a layer (tar or ZFile wrapped, or bare LSMT); else CorruptLayer. */

@@ -57,7 +57,7 @@ describe("aenv without a node", () => {
     expect(progressBar("FROM image x")).toBeUndefined();
   });
 
-  const verbs = ["auth", "pull", "build", "start", "cn", "exec", "cp", "ls", "pause", "resume", "timeout", "rm", "fork", "logs",
+  const verbs = ["auth", "push", "pull", "build", "start", "cn", "exec", "cp", "ls", "pause", "resume", "timeout", "rm", "fork", "logs",
     "template ls", "template rm", "snapshot create", "snapshot ls", "snapshot rm"];
 
   test("--help on every verb: its usage on stdout, exit 0", async () => {

@@ -9,7 +9,7 @@ import { IoLimiter } from "../../src/storage/io_limiter.ts";
 import { LocalFile } from "../../src/storage/local_file.ts";
 import { WritableLayer } from "../../src/storage/lsmt/writable_layer.ts";
 import { writeZFile } from "../../src/storage/zfile.ts";
-import { BlockCache } from "../../src/storage/remote/block_cache.ts";
+import { BlockCache, MAX_OPEN_CHUNKS } from "../../src/storage/remote/block_cache.ts";
 import { LayerDigestError, RemoteReadError } from "../../src/storage/remote/errors.ts";
 import { RegistryRangeSource } from "../../src/storage/remote/http_source.ts";
 import { RemoteFile } from "../../src/storage/remote/remote_file.ts";
@@ -228,6 +228,35 @@ describe("block cache", () => {
     } finally {
       origin.stop();
     }
+  });
+
+  test("more chunks than MAX_OPEN_CHUNKS: each pin holds an open file, reads through a RemoteFile stay right", async () => {
+    const n = MAX_OPEN_CHUNKS + 44;
+    const bytes = randomBytes(n * 4 * KiB, 8);
+    const d = digestOf(bytes);
+    const cache = await freshCache();
+    for (let i = 0; i < n; i++) await cache.put(d, 4 * KiB, i, bytes.subarray(i * 4 * KiB, (i + 1) * 4 * KiB));
+    const b = new Uint8Array(4 * KiB);
+    for (const i of [...Array(n).keys(), ...Array(n).keys()]) {
+      const pin = cache.pin(d, 4 * KiB, i)!;
+      expect(pin.file).toBeDefined(); // the file opened past the limit is not the one closed to get under it
+      expect(await pin.file.pread(b, 0)).toBe(b.length);
+      pin.release();
+      expect(Buffer.from(b).equals(bytes.subarray(i * 4 * KiB, (i + 1) * 4 * KiB))).toBe(true);
+    }
+    const f = RemoteFile.open({ digest: d, size: bytes.length, cache, chunkSize: 4 * KiB, sources: [] });
+    const rnd = prng(8);
+    await Promise.all(Array.from({ length: 32 }, async () => {
+      for (let k = 0; k < 64; k++) {
+        const off = Math.floor(rnd() * (bytes.length - 8 * KiB));
+        const buf = new Uint8Array(8 * KiB);
+        expect(await f.pread(buf, off)).toBe(buf.length);
+        expect(Buffer.from(buf).equals(bytes.subarray(off, off + buf.length))).toBe(true);
+      }
+    }));
+    expect(f.stats.chunksFetched).toBe(0);
+    await f.close();
+    await cache.close();
   });
 
   test("a chunk pinned by a read is not evicted", async () => {

@@ -60,7 +60,22 @@ export interface StartRegistryOptions {
   basicAuth?: BasicAuthUser[];
   /** Bearer tokens from a token server (startTokenServer gives this). */
   tokenAuth?: TokenAuthConfig;
+  /** Keep the registry's access log (`RegistryServer.accessLog`): tests count the bytes it served. */
+  accessLog?: boolean;
 }
+
+/** One line of the registry's access log (Apache combined format). */
+export interface AccessEntry {
+  method: string;
+  path: string;
+  status: number;
+  /** Body bytes sent. */
+  bytes: number;
+}
+
+/** Access log lines kept per registry (the oldest go first). */
+const MAX_ACCESS_LINES = 200_000;
+const ACCESS_LINE = /"([A-Z]+) (\S+) HTTP\/[\d.]+" (\d{3}) (\d+|-)/;
 
 export interface RegistryServer {
   /** `127.0.0.1:<port>`: the registry part of image references. */
@@ -71,7 +86,22 @@ export interface RegistryServer {
   blobDataPath(digest: string): string;
   /** The registry's output so far (for a failing test's message). */
   log(): string;
+  /** Requests answered so far, oldest first (empty unless started with `accessLog`). */
+  accessLog(): AccessEntry[];
   stop(): Promise<void>;
+}
+
+/**
+ * Bytes the registry sent for GETs of these blobs (whole or by Range), from its access log, once
+ * the log has caught up (the registry writes a line after its answer; no new line for settleMs).
+ */
+export async function blobBytesServed(reg: RegistryServer, digests: string[], settleMs = 300): Promise<number> {
+  for (let n = -1; reg.accessLog().length !== n; ) {
+    n = reg.accessLog().length;
+    await Bun.sleep(settleMs);
+  }
+  const want = new Set(digests);
+  return reg.accessLog().filter((e) => e.method === "GET" && (e.status === 200 || e.status === 206) && want.has(e.path.split("/blobs/")[1] ?? "")).reduce((s, e) => s + e.bytes, 0);
 }
 
 /** A port the kernel just handed out and released (the registry takes a fixed port in its config). */
@@ -94,7 +124,7 @@ export async function startRegistry(opts: StartRegistryOptions): Promise<Registr
       "log:",
       "  level: warn",
       "  accesslog:",
-      "    disabled: true",
+      `    disabled: ${opts.accessLog ? "false" : "true"}`,
       "storage:",
       "  filesystem:",
       `    rootdirectory: ${storageDir}`,
@@ -122,9 +152,25 @@ export async function startRegistry(opts: StartRegistryOptions): Promise<Registr
     const config = join(opts.dir, `config-${port}.yml`);
     await writeFile(config, lines.join("\n") + "\n");
     let output = "";
+    const access: AccessEntry[] = [];
     const proc = Bun.spawn([REGISTRY_BIN, "serve", config], { stdout: "pipe", stderr: "pipe" });
     const collect = async (s: ReadableStream<Uint8Array>) => {
-      for await (const chunk of s) output = (output + new TextDecoder().decode(chunk)).slice(-16_000);
+      const dec = new TextDecoder();
+      let partial = "";
+      for await (const chunk of s) {
+        const text = dec.decode(chunk, { stream: true });
+        if (opts.accessLog) {
+          const lines = (partial + text).split("\n");
+          partial = lines.pop()!;
+          for (const line of lines) {
+            const m = ACCESS_LINE.exec(line);
+            if (!m) continue;
+            access.push({ method: m[1]!, path: m[2]!, status: Number(m[3]), bytes: m[4] === "-" ? 0 : Number(m[4]) });
+            if (access.length > MAX_ACCESS_LINES) access.shift();
+          }
+        }
+        output = (output + text).slice(-16_000);
+      }
     };
     void collect(proc.stdout);
     void collect(proc.stderr);
@@ -153,6 +199,7 @@ export async function startRegistry(opts: StartRegistryOptions): Promise<Registr
           return join(storageDir, "docker/registry/v2/blobs/sha256", hex.slice(0, 2), hex, "data");
         },
         log: () => output,
+        accessLog: () => [...access],
         stop: async () => {
           proc.kill("SIGTERM");
           const t = setTimeout(() => proc.kill("SIGKILL"), 5000);
@@ -180,12 +227,12 @@ export interface RegistrySuite {
  * auth, or with `token: true` behind a token server with the same users); in afterAll both are
  * stopped and the folder removed. Call it in the describe body; the accessor works inside tests.
  */
-export function registrySuite(label: string, opts: { basicAuth?: BasicAuthUser[]; token?: boolean } = {}): () => RegistrySuite {
+export function registrySuite(label: string, opts: { basicAuth?: BasicAuthUser[]; token?: boolean; accessLog?: boolean } = {}): () => RegistrySuite {
   let suite: RegistrySuite | undefined;
   beforeAll(async () => {
     const dir = scratchDir(label, { keep: true });
     const tokens = opts.token ? await startTokenServer(join(dir, "tokens"), opts.basicAuth) : undefined;
-    const reg = await startRegistry({ dir: join(dir, "registry"), basicAuth: opts.token ? undefined : opts.basicAuth, tokenAuth: tokens?.auth });
+    const reg = await startRegistry({ dir: join(dir, "registry"), basicAuth: opts.token ? undefined : opts.basicAuth, tokenAuth: tokens?.auth, accessLog: opts.accessLog });
     suite = { dir, reg, tokens };
   });
   afterAll(async () => {

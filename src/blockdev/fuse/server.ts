@@ -35,6 +35,7 @@ import * as F from "../../../ffi/fuse.ts";
 import { IoUring } from "../../../ffi/io_uring.ts";
 import type { DeviceIo, WakeSource } from "../device_io.ts";
 import { deferLocalIoCompletions, reapLocalIo } from "../../storage/local_file.ts";
+import { PENDING_WAIT_MS, remoteWorkPending } from "../../storage/remote/pending.ts";
 import { ReaderLink } from "./reader_link.ts";
 import { FuseRequest } from "./request.ts";
 import { FuseRing, possibleCpus, ringLayout, uringUnavailable, type RingEntry, type RingLayout } from "./uring.ts";
@@ -720,8 +721,9 @@ class ServeLoop {
         ring?.submit(); // the last replies
         if (this.busy === 0) return;
       }
-      // Control work may wait on timers and messages: keep the event loop turning meanwhile.
-      const timeout = this.control || gone ? 1 : reader && !reader.exited ? READER_WATCH_MS : -1;
+      // Control work may wait on timers and messages, remote layers' fetches on the network: keep
+      // the event loop turning meanwhile.
+      const timeout = this.control || gone ? 1 : remoteWorkPending() > 0 ? PENDING_WAIT_MS : reader && !reader.exited ? READER_WATCH_MS : -1;
       if (ring) {
         // Replies of this tick (and the entries they lend again) go in the same io_uring_enter that waits.
         const takeNow = this.fuseReadable && this.slotsBusy < MAX_SLOTS && !stopping;

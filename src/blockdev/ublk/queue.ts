@@ -76,6 +76,7 @@ import {
   ublkQueueDescOffset,
 } from "../../../ffi/ublk.ts";
 import type { DeviceIo, WakeSource } from "../device_io.ts";
+import { remoteWorkPending } from "../../storage/remote/pending.ts";
 
 // ---------------------------------------------------------------------------------------------
 // the ring seam: what the loop needs from the kernel side
@@ -399,7 +400,8 @@ export class UblkQueue {
       if (!wake.stopping()) this.armWake();
       for (;;) {
         if (wake.stopping()) break;
-        const idle = this.inflight === 0;
+        // A remote layer's download runs on the event loop with no request in flight: not idle then.
+        const idle = this.inflight === 0 && remoteWorkPending() === 0;
         this.ring.flush(idle, this.idleWaitMs);
         this.ring.reap(this.onCqe);
         if (this.failure) {
@@ -421,7 +423,7 @@ export class UblkQueue {
           if (!wake.stopping()) this.armWake();
           continue;
         }
-        if (this.inflight > 0) await this.park();
+        if (this.inflight > 0 || !idle) await this.park();
         else if (this.idleWaitMs > 0) await this.park(); // let timers and messages of the worker run
       }
       // Let started requests finish so their buffers stay valid and their results reach the driver.

@@ -9,7 +9,8 @@
 //   MAX_OPEN_CHUNKS open files.
 // - Another process may share the folder: eviction is an unlink, so a reader that has the file
 //   open still reads whole bytes, and one that finds it gone fetches it again. Each process
-//   enforces the capacity on the chunks it knows (those found at open and those it wrote).
+//   (each thread: blockd's device workers) enforces the capacity on the chunks it knows: those
+//   found at open, those it wrote, and those another one wrote that a miss found on disk.
 // Promoted layers (whole, verified) live in DIR/layers/<hex>, outside the chunk budget.
 
 import { mkdir, readdir, rename, rm, stat, unlink } from "node:fs/promises";
@@ -52,10 +53,12 @@ export class BlockCache {
   private entries = new Map<string, Entry>();
   private used = 0;
   private openFiles = 0;
+  /** Chunks this instance evicted and is unlinking: not adopted back from disk meanwhile. */
+  private readonly unlinking = new Set<string>();
   readonly highBytes: number;
   readonly lowBytes: number;
   /** Counters for tests and benchmarks. */
-  readonly stats = { evicted: 0, written: 0, hits: 0, misses: 0 };
+  readonly stats = { evicted: 0, written: 0, hits: 0, misses: 0, adopted: 0 };
 
   private constructor(readonly opts: Required<BlockCacheOptions>) {
     this.highBytes = Math.floor(opts.capacity * opts.high);
@@ -149,7 +152,7 @@ export class BlockCache {
   /** Hold a cached chunk for reading, or undefined when it is not here (or another process evicted it). */
   pin(digest: string, chunkSize: number, index: number): PinnedChunk | undefined {
     const key = this.key(hexOf(digest), chunkSize, index);
-    const e = this.entries.get(key);
+    const e = this.entries.get(key) ?? this.adopt(key);
     if (!e) {
       this.stats.misses++;
       return undefined;
@@ -165,11 +168,12 @@ export class BlockCache {
         return undefined;
       }
       this.openFiles++;
-      if (this.openFiles > MAX_OPEN_CHUNKS) this.closeSome();
     }
     this.entries.delete(key);
     this.entries.set(key, e);
     e.pins++;
+    // Only after the pin: closing down to 3/4 of MAX_OPEN_CHUNKS skips pinned chunks, this one too.
+    if (this.openFiles > MAX_OPEN_CHUNKS) this.closeSome();
     this.stats.hits++;
     let done = false;
     return {
@@ -180,6 +184,29 @@ export class BlockCache {
         e.pins--;
       },
     };
+  }
+
+  /**
+   * A chunk this instance does not know but another thread or process wrote (its final name exists
+   * only whole): taken into this instance's entries, accounted, and evicted from here on like its
+   * own. One failed open per miss; a miss goes to the network anyway.
+   */
+  private adopt(key: string): Entry | undefined {
+    if (this.unlinking.has(key)) return undefined;
+    let file: LocalFile;
+    try {
+      file = LocalFile.open(this.path(key));
+    } catch {
+      return undefined;
+    }
+    const e: Entry = { bytes: file.size(), pins: 0, file };
+    this.openFiles++;
+    this.entries.set(key, e);
+    this.used += e.bytes;
+    this.stats.adopted++;
+    // After the caller's pin (same tick): eviction skips the chunk being read.
+    if (this.used > this.highBytes) queueMicrotask(() => void this.evict());
+    return e;
   }
 
   private closeSome(): void {
@@ -238,9 +265,13 @@ export class BlockCache {
       this.used -= e.bytes;
       this.closeFile(e);
       gone.push(k);
+      this.unlinking.add(k);
       this.stats.evicted++;
     }
-    for (const k of gone) await unlink(this.path(k)).catch(() => {});
+    for (const k of gone) {
+      await unlink(this.path(k)).catch(() => {});
+      this.unlinking.delete(k);
+    }
   }
 
   /** Forget every chunk of a layer (a failed verification). */

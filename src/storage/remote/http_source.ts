@@ -13,6 +13,33 @@ export interface RegistryRangeSourceOptions {
   headers?: HeadersProvider;
   /** Name in errors (default: the URL's host and path). */
   name?: string;
+  /** 401 and 403 may pass: the headers are renewed by someone else (a token file the node rewrites). */
+  retryUnauthorized?: boolean;
+}
+
+/** A token file's bound: a few headers, not a data file. */
+const MAX_HEADERS_FILE = 64 << 10;
+
+/**
+ * Headers from a JSON file `{"headers": {name: value}}`, read before each request (written by
+ * rename, so a read sees one whole version). A missing file gives none; a malformed one fails the
+ * try (retryable).
+ */
+export function fileHeaders(path: string): HeadersProvider {
+  return async () => {
+    const f = Bun.file(path);
+    if (!(await f.exists())) return {};
+    let doc: unknown;
+    try {
+      if (f.size > MAX_HEADERS_FILE) throw new Error(`larger than ${MAX_HEADERS_FILE} bytes`);
+      doc = JSON.parse(await f.text());
+    } catch (e) {
+      throw new SourceError(`headers file ${path}: ${(e as Error).message}`, true);
+    }
+    const h = (doc as { headers?: unknown } | null)?.headers;
+    if (!h || typeof h !== "object" || !Object.values(h).every((v) => typeof v === "string")) throw new SourceError(`headers file ${path}: "headers" must map names to strings`, true);
+    return h as Record<string, string>;
+  };
 }
 
 /** 408, 425, 429 and 5xx may pass; other statuses are the same next time. */
@@ -34,7 +61,8 @@ export class RegistryRangeSource implements ChunkSource {
     if (res.status !== 206) {
       await res.body?.cancel().catch(() => {});
       // A 200 is the whole blob: it ignored the Range, which we do not stream around.
-      throw new SourceError(`HTTP ${res.status} for bytes ${offset}-${offset + length - 1}`, retryableStatus(res.status), res.status);
+      const renewable = this.opts.retryUnauthorized === true && (res.status === 401 || res.status === 403);
+      throw new SourceError(`HTTP ${res.status} for bytes ${offset}-${offset + length - 1}`, renewable || retryableStatus(res.status), res.status);
     }
     const cr = res.headers.get("content-range");
     if (!cr || !cr.startsWith(`bytes ${offset}-${offset + length - 1}/`)) {

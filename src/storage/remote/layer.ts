@@ -5,7 +5,7 @@ import type { ReadableFile } from "../file.ts";
 import type { IoLimiter } from "../io_limiter.ts";
 import { BlockCache, type BlockCacheOptions } from "./block_cache.ts";
 import { RemoteSpecError } from "./errors.ts";
-import { RegistryRangeSource } from "./http_source.ts";
+import { RegistryRangeSource, fileHeaders } from "./http_source.ts";
 import { RemoteFile } from "./remote_file.ts";
 import { S3RangeSource } from "./s3_source.ts";
 import { type OriginSpec, REMOTE_PREFIX, type RemoteLayerSpec, checkRemoteShape } from "./spec.ts";
@@ -47,7 +47,9 @@ export function setFirstSources(p: SourceProvider | undefined): void {
 export function originSource(s: OriginSpec): ChunkSource {
   if (s.kind === "http") {
     const headers = s.headers;
-    return new RegistryRangeSource({ url: s.url, headers: headers ? () => headers : undefined });
+    if (!s.headersFile) return new RegistryRangeSource({ url: s.url, headers: headers ? () => headers : undefined });
+    const fromFile = fileHeaders(s.headersFile);
+    return new RegistryRangeSource({ url: s.url, headers: async (signal) => ({ ...headers, ...(await fromFile(signal)) }), retryUnauthorized: true });
   }
   const { kind: _, ...o } = s;
   return new S3RangeSource(o);

@@ -12,6 +12,8 @@
 // - download() fills the whole layer at low priority (foreground fetches go first), then joins
 //   the chunks and checks the layer's sha256: on a match the layer becomes a local file and reads
 //   go there; on a mismatch its chunks are dropped and this file fails every later read.
+// - Several threads or processes may open one layer over one cache folder (blockd's device
+//   workers): a chunk or a promoted layer another one wrote is found on disk at a miss, not fetched.
 
 import type { ReadableFile } from "../file.ts";
 import { IoLimiter } from "../io_limiter.ts";
@@ -21,6 +23,7 @@ import type { BlockCache } from "./block_cache.ts";
 import { type SourceAttempt, RemoteReadError, RemoteSpecError } from "./errors.ts";
 import { type ChunkSource, type LayerDigest, SourceError } from "./source.ts";
 import { DEFAULT_CHUNK_SIZE, checkRemoteShape } from "./spec.ts";
+import { trackRemote } from "./pending.ts";
 
 /** Tries per source for one chunk. */
 export const DEFAULT_TRIES = 3;
@@ -139,6 +142,13 @@ export class RemoteFile implements ReadableFile {
         pinned.release();
       }
     }
+    // Promoted by another thread or process (a device worker beside this one): its file from now on.
+    const promoted = cache && !this.local ? cache.promotedPath(this.digest) : undefined;
+    if (promoted && existsSync(promoted)) this.local ??= LocalFile.open(promoted);
+    if (this.local) {
+      if ((await this.local.pread(dst, index * this.chunkSize + inChunk)) === dst.length) return;
+      throw new RemoteReadError(this.digest, index * this.chunkSize + inChunk, dst.length, [{ source: this.local.name, error: "short read of the promoted layer" }]);
+    }
     const bytes = await this.chunk(index, true).bytes;
     dst.set(bytes.subarray(inChunk, inChunk + dst.length));
   }
@@ -155,7 +165,7 @@ export class RemoteFile implements ReadableFile {
     let f = this.inflight.get(index);
     if (f) return f;
     const bytes = this.fetchChunk(index, foreground);
-    const landed = bytes.then(
+    const landed = trackRemote(bytes.then(
       async (b) => {
         const cache = this.opts.cache;
         if (!cache) return;
@@ -170,7 +180,7 @@ export class RemoteFile implements ReadableFile {
         }
       },
       () => {},
-    );
+    ));
     // Kept in flight until it lands in the cache, so a read in between does not fetch again.
     f = { bytes, landed };
     this.inflight.set(index, f);
@@ -248,7 +258,7 @@ export class RemoteFile implements ReadableFile {
   download(): Promise<string> {
     if (this.local) return Promise.resolve(this.local.name);
     if (this.failed) return Promise.reject(this.failed);
-    this.downloading ??= this.downloadNow().finally(() => (this.downloading = undefined));
+    this.downloading ??= trackRemote(this.downloadNow().finally(() => (this.downloading = undefined)));
     return this.downloading;
   }
 
@@ -267,6 +277,12 @@ export class RemoteFile implements ReadableFile {
       const worker = async () => {
         while (next < missing.length && !this.closed) {
           const i = missing[next++]!;
+          // Written meanwhile by another thread or process sharing the cache: not fetched again.
+          const have = cache.pin(this.digest, this.chunkSize, i);
+          if (have) {
+            have.release();
+            continue;
+          }
           const f = this.chunk(i, false);
           await f.bytes;
           await f.landed;

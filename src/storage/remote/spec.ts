@@ -2,12 +2,13 @@
 //
 // A lower is remote when it carries `remote` beside its `digest` and `size`:
 //   { "digest": "sha256:…", "size": N, "remote": { "sources": [
-//       { "kind": "http", "url": "http://reg/v2/x/blobs/sha256:…", "headers": { … } },
+//       { "kind": "http", "url": "http://reg/v2/x/blobs/sha256:…", "headers": { … }, "headersFile": "/…/auth.json" },
 //       { "kind": "s3", "bucket": "b", "key": "k", "endpoint": "http://…", … } ],
 //     "cache": { "dir": "/var/lib/aenv/remote", "capacity": 10737418240 },
 //     "chunkSize": 1048576, "chunkDigests": [ … ], "download": true } }
 // Its path (for stack keys) is the promoted local file once there, else `remote:sha256:<hex>`.
-// In-process callers (the node, with registry auth or peers) register a layer with live
+// Registry auth reaches another process (blockd) through `headersFile`, which the node keeps
+// fresh. In-process callers (registry auth, peers) may register a layer with live
 // ChunkSource objects instead, and name it `remote:sha256:<hex>`.
 
 import { isAbsolute, join } from "node:path";
@@ -20,7 +21,17 @@ export const REMOTE_PREFIX = "remote:";
 export const DEFAULT_CHUNK_SIZE = 1 << 20;
 
 export type OriginSpec =
-  | { kind: "http"; url: string; headers?: Record<string, string> }
+  | {
+      kind: "http";
+      url: string;
+      headers?: Record<string, string>;
+      /**
+       * A JSON file `{"headers": {name: value}}` read before each request and added to `headers`
+       * (a registry token the node renews; docs/storage.md, Registry auth). Missing: no headers;
+       * while one is named, 401 and 403 count as retryable (the next try may carry a new token).
+       */
+      headersFile?: string;
+    }
   | ({ kind: "s3" } & S3RangeSourceOptions);
 
 /** What a config's lower carries under `remote`. */
@@ -59,7 +70,9 @@ export function parseRemoteSpec(raw: unknown, digest: unknown, size: unknown, wh
       if (typeof o.url !== "string" || !URL.canParse(o.url)) throw new RemoteSpecError(`${where}.remote.sources[${i}].url must be a URL`);
       if (o.headers !== undefined && (typeof o.headers !== "object" || !Object.values(o.headers as object).every((v) => typeof v === "string")))
         throw new RemoteSpecError(`${where}.remote.sources[${i}].headers must map names to strings`);
-      return { kind: "http", url: o.url, headers: o.headers as Record<string, string> | undefined };
+      if (o.headersFile !== undefined && (typeof o.headersFile !== "string" || !isAbsolute(o.headersFile)))
+        throw new RemoteSpecError(`${where}.remote.sources[${i}].headersFile must be an absolute path`);
+      return { kind: "http", url: o.url, headers: o.headers as Record<string, string> | undefined, ...(o.headersFile ? { headersFile: o.headersFile as string } : {}) };
     }
     if (o?.kind === "s3") {
       if (typeof o.bucket !== "string" || !o.bucket || typeof o.key !== "string" || !o.key)

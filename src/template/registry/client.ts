@@ -160,6 +160,20 @@ export class RegistryClient {
     return fetchBlobToFile(this.t, asRef(refIn), desc, destPath, opts);
   }
 
+  /** The URL a blob is read from (by HTTP Range, outside this client). */
+  blobUrl(refIn: ImageRef | string, digest: string): string {
+    return `${this.t.baseUrl(asRef(refIn))}blobs/${digest}`;
+  }
+
+  /**
+   * The Authorization header a read of the repository's blobs needs now (undefined: anonymous)
+   * and, for a Bearer token, when it expires; `fresh` fetches a new token. `digest` names a blob
+   * to probe the registry's challenge with when this client has none yet.
+   */
+  pullAuthorization(refIn: ImageRef | string, digest: string, o: { fresh?: boolean } = {}): Promise<{ value?: string; expiresAt?: number }> {
+    return this.t.pullAuthorization(asRef(refIn), `blobs/${digest}`, o);
+  }
+
   /** Whether the repository holds a blob (HEAD). */
   async hasBlob(refIn: ImageRef | string, digest: string, actions: "pull" | "pull,push" = "pull"): Promise<boolean> {
     const ref = asRef(refIn);
@@ -172,18 +186,24 @@ export class RegistryClient {
    * Upload a blob (a file path or bytes) unless the repository has it already. Up to chunkSize it
    * goes in one PUT, larger in PATCH chunks; a failed upload starts a fresh session on the next try.
    */
-  async pushBlob(refIn: ImageRef | string, source: string | Uint8Array, opts: { mediaType?: string } = {}): Promise<Descriptor> {
+  async pushBlob(refIn: ImageRef | string, source: string | Uint8Array, opts: { mediaType?: string; known?: { digest: string; size: number } } = {}): Promise<Descriptor> {
     const ref = asRef(refIn);
     let size: number;
-    let hasher = new Bun.CryptoHasher("sha256");
-    if (typeof source === "string") {
-      size = (await stat(source)).size;
-      for await (const chunk of Bun.file(source).stream()) hasher.update(chunk);
+    let digest: string;
+    if (opts.known) {
+      // The caller hashed it already (the registry checks the digest on the upload's last PUT).
+      ({ size, digest } = opts.known);
     } else {
-      size = source.length;
-      hasher.update(source);
+      const hasher = new Bun.CryptoHasher("sha256");
+      if (typeof source === "string") {
+        size = (await stat(source)).size;
+        for await (const chunk of Bun.file(source).stream()) hasher.update(chunk);
+      } else {
+        size = source.length;
+        hasher.update(source);
+      }
+      digest = `sha256:${hasher.digest("hex")}`;
     }
-    const digest = `sha256:${hasher.digest("hex")}`;
     const desc: Descriptor = { mediaType: opts.mediaType ?? "application/octet-stream", digest, size };
     if (await this.hasBlob(ref, digest, "pull,push")) return desc;
     const slice = (start: number, end: number): Bun.BodyInit => (typeof source === "string" ? Bun.file(source).slice(start, end) : source.subarray(start, end));

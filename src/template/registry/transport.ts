@@ -309,6 +309,26 @@ export class Transport {
     return `Bearer ${token.token}`;
   }
 
+  /**
+   * The Authorization a pull from ref's repository carries now (none: anonymous), for a reader
+   * outside this client (blockd's range reads); a Bearer token comes with its expiry and, with
+   * `fresh`, is a new one. A registry whose challenge is unknown yet is asked once (HEAD `probe`).
+   */
+  async pullAuthorization(ref: ImageRef, probe: string, o: { fresh?: boolean } = {}): Promise<{ value?: string; expiresAt?: number }> {
+    if (!this.challenges.has(ref.endpoint)) {
+      const a = await this.send({ ref, method: "HEAD", path: probe, actions: "pull", what: `${probe} of ${ref.repository} on ${ref.endpoint}`, expect: [200, 404] });
+      await a.res.body?.cancel().catch(() => {});
+    }
+    const challenge = this.challenges.get(ref.endpoint);
+    if (!challenge) return {};
+    const creds = await this.creds.get(ref.registry);
+    if (challenge.scheme === "basic") return creds ? { value: basicAuthorization(creds) } : {};
+    const scope = `repository:${ref.repository}:pull`;
+    if (o.fresh) this.tokens.delete(this.tokenKey(challenge, scope, creds));
+    const t = await this.token(ref, challenge, scope, creds);
+    return { value: `Bearer ${t.token}`, expiresAt: t.expiresAt };
+  }
+
   private tokenKey(challenge: Challenge, scope: string, creds: Credentials | undefined): string {
     return JSON.stringify([challenge.params.realm, challenge.params.service ?? "", scope, creds?.username ?? ""]);
   }

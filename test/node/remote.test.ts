@@ -1,0 +1,148 @@
+// Templates live remotely: node A (one `bun run node`) makes a template of a busybox image from
+// the loopback registry and `aenv push`es it back as an overlaybd image; node B (a second node,
+// its own $AENV_HOME, port, slots and empty caches) creates sandboxes from that reference through
+// POST /sandboxes-cold. B pulls it lazily: its layers stay in the registry, blockd's workers read
+// them by HTTP Range through B's block cache, so the bytes the registry served (its access log)
+// are fewer than the layers; a second sandbox on B is served from the cache (no more bytes).
+import { afterAll, beforeAll, describe, expect, test } from "bun:test";
+import { randomBytes } from "node:crypto";
+import { chmodSync, existsSync, mkdirSync, readdirSync, writeFileSync } from "node:fs";
+import { join } from "node:path";
+import { Sandbox } from "e2b";
+import { RegistryClient } from "../../src/template/registry.ts";
+import { scratchDir } from "../helpers/tmp.ts";
+import { BUSYBOX_CONFIG, blobBytesServed, busyboxRoot, pushImage, registrySkipReason, registrySuite } from "../template/registry_harness.ts";
+import { FIRST_START_MS, nodeSetup, nodeSkipReason, startNode, stopNode, type NodeProc } from "./harness.ts";
+
+const skip = nodeSkipReason() ?? registrySkipReason();
+const KEY_A = "e2b_" + "a1".repeat(20);
+const KEY_B = "e2b_" + "b2".repeat(20);
+const BUILD_MS = 10 * 60_000;
+const MiB = 2 ** 20;
+/** A file no sandbox reads: the layers are this much larger than what a boot and a command read. */
+const FILLER_MIB = 48;
+const AENV = join(import.meta.dir, "../../src/cli/aenv.ts");
+
+describe.skipIf(!!skip)("a template pushed by one node, started lazily by another", () => {
+  if (skip) return void test.skip(skip!, () => {});
+  const setupA = nodeSetup("rma", 236, KEY_A);
+  // B fetches only what is read (no background download), so the registry's bytes show the lazy reads.
+  const setupB = nodeSetup("rmb", 237, KEY_B, { AENV_BLOCK_CACHE_DOWNLOAD: "0" });
+  const registry = registrySuite("remote-node-registry", { accessLog: true });
+  let a: NodeProc;
+  let b: NodeProc;
+  const post = (n: NodeProc, key: string, path: string, body: unknown) =>
+    fetch(`${n.base}${path}`, { method: "POST", body: JSON.stringify(body), headers: { "x-api-key": key, "content-type": "application/json" } });
+  const sdk = (n: NodeProc, key: string) => ({ apiKey: key, apiUrl: n.base, sandboxUrl: n.base, requestTimeoutMs: 180_000 });
+  const aenv = async (args: string[]) => {
+    const p = Bun.spawn([process.execPath, AENV, ...args, "--url", a.base, "--api-key", KEY_A], { stdout: "pipe", stderr: "pipe", timeout: BUILD_MS });
+    const [out, err] = await Promise.all([new Response(p.stdout).text(), new Response(p.stderr).text()]);
+    return { code: await p.exited, out, err };
+  };
+
+  beforeAll(async () => {
+    // One after the other: each boots its base template once on 2 shared cores.
+    a = await startNode(setupA.env, FIRST_START_MS);
+    b = await startNode(setupB.env, FIRST_START_MS);
+  }, 2 * FIRST_START_MS + 60_000);
+  afterAll(async () => {
+    await stopNode(b, setupB);
+    await stopNode(a, setupA);
+  }, 360_000);
+
+  test("A pushes its template as an overlaybd image; B starts sandboxes from it fetching fewer bytes than the layers, the second from its cache", async () => {
+    const { reg } = registry();
+    const client = new RegistryClient({ dockerConfigPath: null });
+    const root = await busyboxRoot(join(scratchDir("remote-node-image"), "root"));
+    writeFileSync(join(root, "bin/bash"), '#!/bin/sh\nexec /bin/busybox sh "$@"\n');
+    chmodSync(join(root, "bin/bash"), 0o755);
+    writeFileSync(join(root, "etc/motd"), "made on node A\n");
+    mkdirSync(join(root, "data"));
+    writeFileSync(join(root, "data/filler"), randomBytes(FILLER_MIB * MiB));
+    const image = `${reg.host}/remote/busybox:1`;
+    await pushImage(client, image, { layers: [root], config: BUSYBOX_CONFIG, compression: "none" });
+
+    // A: a template of the image (pulled and converted, booted once), then pushed as overlaybd.
+    const made = await post(a, KEY_A, "/sandboxes-cold", { image });
+    expect(made.status).toBe(201);
+    const { sandboxID: first, templateID } = (await made.json()) as { sandboxID: string; templateID: string };
+    await Sandbox.kill(first, sdk(a, KEY_A));
+    const pushedRef = `${reg.host}/remote/pushed:1`;
+    const pushed = await aenv(["push", templateID, pushedRef]);
+    expect({ code: pushed.code, err: pushed.err }).toMatchObject({ code: 0 });
+    expect(pushed.out).toMatch(new RegExp(`^${pushedRef.replace(/[.:/]/g, "\\$&")}@sha256:[0-9a-f]{64}\\n$`));
+    expect(pushed.err).toContain(": pushed");
+    // Pushed again: every blob is in the registry already (HEAD), nothing is sent.
+    const again = await aenv(["push", templateID, pushedRef, "--json"]);
+    expect(again.code).toBe(0);
+    const answer = JSON.parse(again.out) as { manifestDigest: string; layers: { digest: string; size: number; uploaded: boolean }[] };
+    expect(answer.layers.map((l) => l.uploaded)).toEqual(answer.layers.map(() => false));
+    expect(pushed.out.trim().endsWith(answer.manifestDigest)).toBe(true);
+    const img = await client.resolve(pushedRef);
+    expect(img.overlaybdNative).toBe(true);
+    // Base first: the empty ext4 layer, then the image's files.
+    expect(img.layers.map((l) => l.digest)).toEqual(answer.layers.map((l) => l.digest));
+    expect(img.config).toMatchObject({ WorkingDir: "/work", User: "root" });
+    expect(img.config.Env).toContain("FOO=bar");
+    const digests = answer.layers.map((l) => l.digest);
+    const layerBytes = answer.layers.reduce((s, l) => s + l.size, 0);
+    expect(layerBytes).toBeGreaterThan(FILLER_MIB * MiB);
+    const beforeB = await blobBytesServed(reg, digests);
+
+    // B: a sandbox from the pushed reference, its layers read lazily from the registry.
+    const t0 = performance.now();
+    const onB = await post(b, KEY_B, "/sandboxes-cold", { image: pushedRef });
+    expect(onB.status).toBe(201);
+    const sb = (await onB.json()) as { sandboxID: string; templateID: string };
+    const sbx = await Sandbox.connect(sb.sandboxID, sdk(b, KEY_B));
+    const r = await sbx.commands.run("pwd; echo $FOO; cat /etc/motd");
+    const firstMs = performance.now() - t0;
+    expect(r.stdout).toBe("/work\nbar\nmade on node A\n");
+    const firstBytes = (await blobBytesServed(reg, digests)) - beforeB;
+    console.log(`B's first sandbox (pull, boot, checkpoint, restore, command) in ${(firstMs / 1000).toFixed(1)} s fetched ${(firstBytes / MiB).toFixed(1)} MiB of ${(layerBytes / MiB).toFixed(1)} MiB of layers`);
+    expect(firstBytes).toBeGreaterThan(0);
+    expect(firstBytes).toBeLessThan(layerBytes / 2);
+    // Nothing was downloaded whole: no layer file in B's image cache, chunks in its block cache.
+    const bLayers = join(setupB.home, "image-layers", "layers");
+    expect(existsSync(bLayers) ? readdirSync(bLayers) : []).toEqual([]);
+    expect(readdirSync(join(setupB.home, "block-cache", "chunks")).length).toBeGreaterThan(0);
+
+    // A second sandbox on B: a restore of the same template, its reads served by the block cache.
+    const second = await post(b, KEY_B, "/sandboxes-cold", { image: pushedRef });
+    expect(second.status).toBe(201);
+    const s2 = (await second.json()) as { sandboxID: string; templateID: string };
+    expect(s2.templateID).toBe(sb.templateID);
+    const sbx2 = await Sandbox.connect(s2.sandboxID, sdk(b, KEY_B));
+    expect((await sbx2.commands.run("pwd; echo $FOO; cat /etc/motd")).stdout).toBe("/work\nbar\nmade on node A\n");
+    const secondBytes = (await blobBytesServed(reg, digests)) - beforeB - firstBytes;
+    console.log(`B's second sandbox fetched ${(secondBytes / MiB).toFixed(1)} MiB`);
+    expect(secondBytes).toBe(0);
+
+    // Checkpoints over remote lowers: a pause and resume, and a snapshot (stored with its remote layers named, not copied) that a sandbox starts from.
+    expect((await post(b, KEY_B, `/sandboxes/${sb.sandboxID}/pause`, {})).status).toBe(204);
+    const resumed = await Sandbox.connect(sb.sandboxID, sdk(b, KEY_B));
+    expect((await resumed.commands.run("cat /etc/motd; echo resumed")).stdout).toBe("made on node A\nresumed\n");
+    const snap = await post(b, KEY_B, `/sandboxes/${s2.sandboxID}/snapshots`, {});
+    expect(snap.status).toBe(201);
+    const { snapshotID } = (await snap.json()) as { snapshotID: string };
+    const fromSnap = await Sandbox.create(snapshotID, sdk(b, KEY_B));
+    expect((await fromSnap.commands.run("cat /etc/motd; pwd")).stdout).toBe("made on node A\n/work\n");
+    console.log(`B's pause, resume and snapshot fetched ${(((await blobBytesServed(reg, digests)) - beforeB - firstBytes) / MiB).toFixed(1)} MiB more`);
+    for (const id of [sb.sandboxID, s2.sandboxID, fromSnap.sandboxId]) await Sandbox.kill(id, sdk(b, KEY_B));
+
+    // B pushes its lazily pulled template to another repository: its remote layers, held neither
+    // whole nor as files, are copied from the registry (verified), and the image is the same.
+    const copyRef = `${reg.host}/remote/copied:1`;
+    const copied = await post(b, KEY_B, `/templates/${sb.templateID}/push`, { ref: copyRef });
+    const copiedText = await copied.text();
+    expect({ status: copied.status, body: copiedText }).toMatchObject({ status: 200 });
+    const c = JSON.parse(copiedText) as { manifestDigest: string; layers: { digest: string; uploaded: boolean }[] };
+    expect(c.layers.map((l) => l.digest)).toEqual(digests);
+    expect(c.layers.map((l) => l.uploaded)).toEqual(digests.map(() => true));
+    expect((await client.resolve(copyRef)).layers.map((l) => l.digest)).toEqual(digests);
+    const bad = await post(b, KEY_B, `/templates/${sb.templateID}/push`, { ref: "not a reference" });
+    expect(bad.status).toBe(400);
+    expect(((await bad.json()) as { message: string }).message).toContain("not a reference");
+    expect((await post(b, KEY_B, "/templates/no-such-template/push", { ref: copyRef })).status).toBe(404);
+  }, 3 * BUILD_MS);
+});
