@@ -230,6 +230,25 @@ describe("block cache", () => {
     }
   });
 
+  test("a chunk written again while its eviction's unlink is pending keeps its new file: every chunk the cache holds is on disk", async () => {
+    const C = 64 * KiB;
+    const bytes = randomBytes(40 * C, 9);
+    const d = digestOf(bytes);
+    const chunk = (i: number) => bytes.subarray(i * C, (i + 1) * C);
+    for (let round = 0; round < 5; round++) {
+      const cache = await freshCache(2 * MiB, { high: 0.9, low: 0.3 });
+      for (let i = 0; i < 28; i++) await cache.put(d, C, i, chunk(i)); // just under the high watermark
+      // One more crosses it: chunks 0..18 are forgotten at once and unlinked one after another.
+      const crossing = cache.put(d, C, 28, chunk(28));
+      while (cache.has(d, C, 18)) await new Promise((r) => setImmediate(r));
+      await Promise.all([crossing, cache.put(d, C, 18, chunk(18))]); // written again before its unlink came
+      const onDisk = readdirSync(join(cache.dir, "chunks"), { recursive: true }).map(String).filter((n) => n.includes("/") && !n.includes(".tmp."));
+      expect({ round, held: cache.has(d, C, 18), onDisk: onDisk.some((n) => n.endsWith("/18")) }).toEqual({ round, held: true, onDisk: true });
+      expect(onDisk.length * C).toBe(cache.usage);
+      await cache.close();
+    }
+  });
+
   test("more chunks than MAX_OPEN_CHUNKS: each pin holds an open file, reads through a RemoteFile stay right", async () => {
     const n = MAX_OPEN_CHUNKS + 44;
     const bytes = randomBytes(n * 4 * KiB, 8);

@@ -53,8 +53,13 @@ export class BlockCache {
   private entries = new Map<string, Entry>();
   private used = 0;
   private openFiles = 0;
-  /** Chunks this instance evicted and is unlinking: not adopted back from disk meanwhile. */
-  private readonly unlinking = new Set<string>();
+  /**
+   * Chunks this instance evicted and is unlinking, each with its unlink's end: not adopted back
+   * from disk meanwhile, and a put of one renames its new file into place only after.
+   */
+  private readonly unlinking = new Map<string, Promise<void>>();
+  /** Puts in flight by chunk: a second put of one joins the first (at most one rename per chunk at a time). */
+  private readonly putting = new Map<string, Promise<void>>();
   readonly highBytes: number;
   readonly lowBytes: number;
   /** Counters for tests and benchmarks. */
@@ -224,10 +229,18 @@ export class BlockCache {
   }
 
   /** Store a whole chunk (temp, sync, rename), then evict down to the low watermark if past the high one. */
-  async put(digest: string, chunkSize: number, index: number, bytes: Uint8Array): Promise<void> {
+  put(digest: string, chunkSize: number, index: number, bytes: Uint8Array): Promise<void> {
     const hex = hexOf(digest);
     const key = this.key(hex, chunkSize, index);
-    if (this.entries.has(key)) return;
+    if (this.entries.has(key)) return Promise.resolve();
+    const cur = this.putting.get(key);
+    if (cur) return cur;
+    const p = this.putNow(hex, chunkSize, key, bytes).finally(() => this.putting.delete(key));
+    this.putting.set(key, p);
+    return p;
+  }
+
+  private async putNow(hex: string, chunkSize: number, key: string, bytes: Uint8Array): Promise<void> {
     const dir = this.layerDir(hex, chunkSize);
     await mkdir(dir, { recursive: true });
     const final = this.path(key);
@@ -242,6 +255,8 @@ export class BlockCache {
       throw e;
     }
     await f.close();
+    // An eviction's unlink still to come would take the new file: it goes first.
+    for (let gone = this.unlinking.get(key); gone; gone = this.unlinking.get(key)) await gone;
     await rename(tmp, final);
     if (this.entries.has(key)) return; // a racing put of the same chunk
     this.entries.set(key, { bytes: bytes.length, pins: 0, file: undefined });
@@ -257,20 +272,22 @@ export class BlockCache {
    * reading keeps its open file.
    */
   private async evict(): Promise<void> {
-    const gone: string[] = [];
+    const gone: [string, () => void][] = [];
     for (const [k, e] of this.entries) {
       if (this.used <= this.lowBytes) break;
       if (e.pins > 0) continue;
       this.entries.delete(k);
       this.used -= e.bytes;
       this.closeFile(e);
-      gone.push(k);
-      this.unlinking.add(k);
+      const unlinked = Promise.withResolvers<void>();
+      this.unlinking.set(k, unlinked.promise);
+      gone.push([k, unlinked.resolve]);
       this.stats.evicted++;
     }
-    for (const k of gone) {
+    for (const [k, done] of gone) {
       await unlink(this.path(k)).catch(() => {});
       this.unlinking.delete(k);
+      done();
     }
   }
 
