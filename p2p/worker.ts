@@ -110,6 +110,11 @@ export class PeerWorker implements PeerClient {
     return this.call({ type: "stats", id: 0 }, BACKSTOP_MS) as Promise<PeerNodeStats>;
   }
 
+  /**
+   * Closes the endpoint; the thread is then left idle and unref'd (it never holds the process up)
+   * instead of terminated: tearing down a Bun worker that loaded the iroh binding runs the
+   * binding's environment cleanup while other threads still use it, which corrupts the heap.
+   */
   async close(): Promise<void> {
     if (this.closed) return;
     try {
@@ -117,7 +122,8 @@ export class PeerWorker implements PeerClient {
     } finally {
       this.closed = true;
       this.failAll(new errors.PeerError("the peer worker is closed", "", false));
-      this.worker.terminate();
+      this.worker.onmessage = null;
+      this.worker.unref();
     }
   }
 
