@@ -2,8 +2,8 @@
 // emits exactly the documented fields, checks their types and enums, and drops absent optionals.
 
 import { existsSync } from "node:fs";
-import { mkdir, rm } from "node:fs/promises";
-import { basename, join, resolve } from "node:path";
+import { mkdir, rm, writeFile } from "node:fs/promises";
+import { basename, dirname, join, resolve } from "node:path";
 import { readAdoptRecord, writeAdoptRecord } from "./adopt.ts";
 import { probeKvm } from "./qemu.ts";
 import {
@@ -504,8 +504,28 @@ export function firecrackerAvailable(o: FirecrackerOptions = {}): { usable: bool
 }
 
 /** The API requests that configure a fresh Firecracker for spec, in the documented order. */
+/**
+ * Where Firecracker writes its log and metrics, as paths it opens (inside the jail with the
+ * jailer) and as this host sees them: files of the VM's own, never mixed into the console.
+ * Firecracker opens them without creating them: start() makes them first.
+ */
+export function telemetryPaths(spec: Pick<VmSpec, "id" | "runDir">, o: FirecrackerOptions = {}): { log: string; metrics: string; hostLog: string; hostMetrics: string } {
+  const inVm = o.jailer ? "/" : spec.runDir;
+  const onHost = o.jailer ? jailRoot(spec.id, firecrackerBinary(o), o.jailer) : spec.runDir;
+  return { log: join(inVm, FC_LOG), metrics: join(inVm, FC_METRICS), hostLog: join(onHost, FC_LOG), hostMetrics: join(onHost, FC_METRICS) };
+}
+const FC_LOG = "firecracker.log";
+const FC_METRICS = "metrics.json";
+
+/** Logger and metrics, which Firecracker takes only before boot or snapshot load. */
+export function telemetryRequests(spec: Pick<VmSpec, "id" | "runDir">, o: FirecrackerOptions = {}): FcRequest[] {
+  const t = telemetryPaths(spec, o);
+  return [putLogger({ logPath: t.log, level: "Warning", showLevel: true }), putMetrics({ metricsPath: t.metrics })];
+}
+
 export function bootRequests(spec: VmSpec, o: FirecrackerOptions = {}): FcRequest[] {
   const reqs: FcRequest[] = [
+    ...telemetryRequests(spec, o),
     putMachineConfig({ vcpuCount: spec.vcpus, memSizeMib: spec.memMiB, trackDirtyPages: o.trackDirtyPages }),
     putBootSource({ kernelImagePath: spec.kernel, initrdPath: spec.initrd, bootArgs: spec.cmdline }),
   ];
@@ -518,6 +538,9 @@ export function bootRequests(spec: VmSpec, o: FirecrackerOptions = {}): FcReques
     reqs.push(putNetworkInterface({ ifaceId: "eth0", hostDevName: spec.net.tap, guestMac: spec.net.mac }));
   }
   if (spec.balloon) reqs.push(putBalloon({ amountMib: 0, deflateOnOom: true, statsPollingIntervalS: 1, freePageReporting: true }));
+  // virtio-rng on every VM: the guest's CRNG is fed from the host's, so clones of one snapshot do
+  // not share a random stream (the entropy device is part of the snapshot a restore loads).
+  reqs.push(putEntropy());
   reqs.push(action("InstanceStart"));
   return reqs;
 }
@@ -611,6 +634,11 @@ export class FirecrackerDriver implements VmmDriver {
       argv = netnsArgv(spec.netnsPath, [bin, "--api-sock", sock, "--id", spec.id], this.opts.nice);
     }
     await rm(sock, { force: true });
+    const t = telemetryPaths(spec, this.opts);
+    for (const f of [t.hostLog, t.hostMetrics]) {
+      await mkdir(dirname(f), { recursive: true });
+      await writeFile(f, "");
+    }
     // The guest's serial console is Firecracker's stdout.
     const out = Bun.file(consoleLog);
     let proc: ReturnType<typeof Bun.spawn>;
@@ -668,6 +696,7 @@ export class FirecrackerDriver implements VmmDriver {
     const { proc, api, consoleLog } = await this.start(spec);
     const vm = new FirecrackerVm(spec, proc, api, consoleLog);
     try {
+      for (const q of telemetryRequests(spec, this.opts)) await api.send(q);
       const oldTap = old.net && "tap" in old.net ? old.net.tap : undefined;
       const newTap = r.net && "tap" in r.net ? r.net.tap : undefined;
       await api.send(

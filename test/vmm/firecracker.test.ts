@@ -271,19 +271,28 @@ describe("firecracker request builders", () => {
     };
     const reqs = fc.bootRequests(spec, { ioEngine: "Async", trackDirtyPages: true });
     expect(reqs.map((r) => `${r.method} ${r.path}`)).toEqual([
+      "PUT /logger",
+      "PUT /metrics",
       "PUT /machine-config",
       "PUT /boot-source",
       "PUT /drives/vda",
       "PUT /drives/vdb",
       "PUT /network-interfaces/eth0",
       "PUT /balloon",
+      "PUT /entropy",
       "PUT /actions",
     ]);
-    const defs = ["MachineConfiguration", "BootSource", "Drive", "Drive", "NetworkInterface", "Balloon", "InstanceActionInfo"];
+    const defs = ["Logger", "Metrics", "MachineConfiguration", "BootSource", "Drive", "Drive", "NetworkInterface", "Balloon", "EntropyDevice", "InstanceActionInfo"];
     reqs.forEach((r, i) => conforms(r, defs[i]!));
+    // Log and metrics go to files of the VM's own run directory, not the console.
+    expect(reqs[0]!.body).toMatchObject({ log_path: "/run/fc1/firecracker.log" });
+    expect(reqs[1]!.body).toEqual({ metrics_path: "/run/fc1/metrics.json" });
     // No initramfs: the tools disk is the kernel's root, so Firecracker appends root=/dev/vda ro.
-    expect((reqs[2]!.body as any).is_root_device).toBe(true);
-    expect((reqs[3]!.body as any).is_root_device).toBe(false);
+    expect((reqs[4]!.body as any).is_root_device).toBe(true);
+    expect((reqs[5]!.body as any).is_root_device).toBe(false);
+    // With the jailer the paths are the jail's own; the host sees them under its chroot.
+    const jailed = fc.telemetryPaths(spec, { jailer: { uid: 1, gid: 1, chrootBaseDir: "/srv/j" } });
+    expect(jailed).toEqual({ log: "/firecracker.log", metrics: "/metrics.json", hostLog: "/srv/j/firecracker/fc1/root/firecracker.log", hostMetrics: "/srv/j/firecracker/fc1/root/metrics.json" });
     expect(() => fc.bootRequests({ ...spec, net: { user: { forwards: [] } } })).toThrow(/TAP/);
   });
 
