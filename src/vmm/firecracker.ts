@@ -523,7 +523,26 @@ export function telemetryRequests(spec: Pick<VmSpec, "id" | "runDir">, o: Firecr
   return [putLogger({ logPath: t.log, level: "Warning", showLevel: true }), putMetrics({ metricsPath: t.metrics })];
 }
 
-export function bootRequests(spec: VmSpec, o: FirecrackerOptions = {}): FcRequest[] {
+/** What the running Firecracker binary supports, by its version. */
+export interface FirecrackerCaps {
+  /** virtio-balloon free page reporting: Firecracker 1.14.0 and later. */
+  freePageReporting: boolean;
+}
+const FREE_PAGE_REPORTING_SINCE: readonly [number, number, number] = [1, 14, 0];
+
+/** [major, minor, patch] of `firecracker --version`'s first line ("Firecracker v1.14.0"), or undefined. */
+export function parseFirecrackerVersion(text: string): [number, number, number] | undefined {
+  const m = /^Firecracker v(\d+)\.(\d+)\.(\d+)/m.exec(text);
+  return m ? [Number(m[1]), Number(m[2]), Number(m[3])] : undefined;
+}
+
+/** The capabilities of a version; an unknown version gets none of the optional ones. */
+export function capsOf(version: readonly [number, number, number] | undefined): FirecrackerCaps {
+  const atLeast = (v: readonly [number, number, number]) => !!version && (version[0] - v[0] || version[1] - v[1] || version[2] - v[2]) >= 0;
+  return { freePageReporting: atLeast(FREE_PAGE_REPORTING_SINCE) };
+}
+
+export function bootRequests(spec: VmSpec, o: FirecrackerOptions = {}, caps: FirecrackerCaps = capsOf(undefined)): FcRequest[] {
   const reqs: FcRequest[] = [
     ...telemetryRequests(spec, o),
     putMachineConfig({ vcpuCount: spec.vcpus, memSizeMib: spec.memMiB, trackDirtyPages: o.trackDirtyPages }),
@@ -537,7 +556,7 @@ export function bootRequests(spec: VmSpec, o: FirecrackerOptions = {}): FcReques
     if (!("tap" in spec.net)) throw new VmmError("Unsupported", "Firecracker networking needs a TAP device (user-mode networking is QEMU's)");
     reqs.push(putNetworkInterface({ ifaceId: "eth0", hostDevName: spec.net.tap, guestMac: spec.net.mac }));
   }
-  if (spec.balloon) reqs.push(putBalloon({ amountMib: 0, deflateOnOom: true, statsPollingIntervalS: 1, freePageReporting: true }));
+  if (spec.balloon) reqs.push(putBalloon({ amountMib: 0, deflateOnOom: true, statsPollingIntervalS: 1, ...(caps.freePageReporting ? { freePageReporting: true } : {}) }));
   // virtio-rng on every VM: the guest's CRNG is fed from the host's, so clones of one snapshot do
   // not share a random stream (the entropy device is part of the snapshot a restore loads).
   reqs.push(putEntropy());
@@ -613,7 +632,22 @@ interface FirecrackerAdoptRecord {
 
 export class FirecrackerDriver implements VmmDriver {
   readonly kind = "firecracker" as const;
+  private caps: Promise<FirecrackerCaps> | undefined;
   constructor(private opts: FirecrackerOptions = {}) {}
+
+  /** `firecracker --version`, asked once (5 s bound); a binary that does not say gets no optional capability. */
+  capabilities(): Promise<FirecrackerCaps> {
+    this.caps ??= (async () => {
+      try {
+        const p = Bun.spawn([firecrackerBinary(this.opts), "--version"], { stdin: "ignore", stdout: "pipe", stderr: "ignore", signal: AbortSignal.timeout(5000) });
+        const [out] = await Promise.all([new Response(p.stdout).text(), p.exited]);
+        return capsOf(parseFirecrackerVersion(out));
+      } catch {
+        return capsOf(undefined);
+      }
+    })();
+    return this.caps;
+  }
 
   private async start(spec: VmSpec): Promise<{ proc: ReturnType<typeof Bun.spawn>; api: FirecrackerApi; consoleLog: string }> {
     // Firecracker would refuse it after we spawned it; the id also names the jail directory.
@@ -674,7 +708,7 @@ export class FirecrackerDriver implements VmmDriver {
 
   async boot(spec: VmSpec): Promise<Vmm> {
     spec = { ...spec, runDir: resolve(spec.runDir) };
-    const reqs = bootRequests(spec, this.opts);
+    const reqs = bootRequests(spec, this.opts, await this.capabilities());
     const { proc, api, consoleLog } = await this.start(spec);
     const vm = new FirecrackerVm(spec, proc, api, consoleLog);
     try {

@@ -296,6 +296,21 @@ describe("firecracker request builders", () => {
     expect(() => fc.bootRequests({ ...spec, net: { user: { forwards: [] } } })).toThrow(/TAP/);
   });
 
+  test("free page reporting only where the binary's version has it (1.14.0 and later); an unknown version gets none", () => {
+    expect(fc.parseFirecrackerVersion("Firecracker v1.14.0\n\nSupported snapshot data format versions: v5.0.0\n")).toEqual([1, 14, 0]);
+    expect(fc.parseFirecrackerVersion("Firecracker v1.7.0-dev")).toEqual([1, 7, 0]);
+    expect(fc.parseFirecrackerVersion("qemu 7.2")).toBeUndefined();
+    expect(fc.capsOf([1, 13, 9])).toEqual({ freePageReporting: false });
+    expect(fc.capsOf([1, 14, 0])).toEqual({ freePageReporting: true });
+    expect(fc.capsOf([2, 0, 0])).toEqual({ freePageReporting: true });
+    expect(fc.capsOf(undefined)).toEqual({ freePageReporting: false });
+    const spec: VmSpec = { id: "fc2", runDir: "/run/fc2", kernel: "/k", cmdline: "console=ttyS0", vcpus: 1, memMiB: 256, drives: [{ path: "/t", readOnly: true }], balloon: true };
+    const balloon = (caps?: fc.FirecrackerCaps) => fc.bootRequests(spec, {}, caps).find((r) => r.path === "/balloon")!;
+    expect(balloon().body).not.toHaveProperty("free_page_reporting");
+    expect(balloon({ freePageReporting: true }).body).toMatchObject({ free_page_reporting: true, deflate_on_oom: true });
+    conforms(balloon({ freePageReporting: true }), "Balloon");
+  });
+
   test("jailer command line", () => {
     const j = { uid: 123, gid: 100, chrootBaseDir: "/srv/jail", netns: "/var/run/netns/s1", cgroupVersion: 2 as const, cgroups: { "cpu.max": "50000 100000" }, parentCgroup: "aenv", resourceLimits: { fsize: 1 << 30, noFile: 4096 }, daemonize: true, newPidNs: true, binary: "/usr/bin/jailer" };
     expect(fc.jailerArgs("sbx-1", "/usr/bin/firecracker", j, ["--api-sock", "/firecracker.sock"])).toEqual([
