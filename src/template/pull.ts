@@ -263,28 +263,29 @@ async function remoteLayers(image: ResolvedImage, opts: PullOptions, r: RemotePu
 
 /** A remote blob's virtual size once it opens as an overlaybd layer; CorruptLayer when it does not, Unreachable when it cannot be read. */
 async function remoteVirtualSize(file: RemoteFile, digest: string): Promise<number> {
-  let layer: ReadOnlyLayer;
-  try {
-    layer = await ReadOnlyLayer.open((await unwrap(file)).file);
-  } catch (e) {
-    await file.close();
-    if (e instanceof RemoteReadError) throw new RegistryError("Unreachable", `layer ${digest}: ${e.message}`);
-    throw new ConvertError("CorruptLayer", `the blob is not an overlaybd layer: ${(e as Error).message}`, undefined, digest);
-  }
-  try {
-    if (!(layer.virtualSize > 0)) throw new ConvertError("CorruptLayer", "the overlaybd layer has a virtual size of 0", undefined, digest);
-    return layer.virtualSize;
-  } finally {
-    await layer.close();
-  }
+  return virtualSizeOf(async () => {
+    try {
+      return await ReadOnlyLayer.open((await unwrap(file)).file);
+    } catch (e) {
+      await file.close();
+      if (e instanceof RemoteReadError) throw new RegistryError("Unreachable", `layer ${digest}: ${e.message}`);
+      throw e;
+    }
+  }, digest);
 }
 
 /** An overlaybd blob's virtual size, once it opens as a layer (tar or ZFile wrapped, or bare LSMT); else CorruptLayer. */
-async function nativeVirtualSize(path: string, digest: string): Promise<number> {
+function nativeVirtualSize(path: string, digest: string): Promise<number> {
+  return virtualSizeOf(() => openLayerFile(path), digest);
+}
+
+/** The virtual size of the layer `open` gives, which must be > 0; a layer that does not open is CorruptLayer (RegistryErrors pass). */
+async function virtualSizeOf(open: () => Promise<{ virtualSize: number; close(): Promise<void> }>, digest: string): Promise<number> {
   let layer;
   try {
-    layer = await openLayerFile(path);
+    layer = await open();
   } catch (e) {
+    if (e instanceof RegistryError) throw e;
     throw new ConvertError("CorruptLayer", `the blob is not an overlaybd layer: ${(e as Error).message}`, undefined, digest);
   }
   try {
