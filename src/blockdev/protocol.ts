@@ -102,7 +102,9 @@ export class CallTable {
       try {
         send();
       } catch (e) {
-        this.settle(key, undefined, e as Error);
+        // A socket found closed on the write is the connection lost, as when it closes later.
+        const lost = e instanceof BlockdError && e.code === "Disconnected" && !(e instanceof BlockdConnectionError);
+        this.settle(key, undefined, lost ? new BlockdConnectionError(this.peer, call, e.message) : (e as Error));
       }
     });
   }

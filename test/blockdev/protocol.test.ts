@@ -66,3 +66,15 @@ test("a CallTable call ends by its reply, its timeout (a late reply is dropped),
   expect(await t.add(4, "four", 10_000, () => {}).catch((e) => e)).toBeInstanceOf(BlockdConnectionError);
   expect(t.size).toBe(0);
 });
+
+test("a call whose write finds the socket closed is a lost connection (BlockdConnectionError), not a bare error", async () => {
+  const t = new CallTable("blockd");
+  const closed = new FrameWriter({ write: () => -1 });
+  const e = (await t.add(1, "hello", 10_000, () => closed.send(new Uint8Array(8))).catch((e) => e)) as Error;
+  expect(e).toBeInstanceOf(BlockdConnectionError);
+  expect(e.message).toContain('"hello"');
+  const other = (await t.add(2, "list", 10_000, () => { throw new BlockdError("Backpressure", "full"); }).catch((e) => e)) as BlockdError;
+  expect(other).not.toBeInstanceOf(BlockdConnectionError);
+  expect(other.code).toBe("Backpressure");
+  expect(t.size).toBe(0);
+});
