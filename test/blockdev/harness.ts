@@ -8,6 +8,8 @@ import { WritableLayer } from "../../src/storage/lsmt/writable_layer.ts";
 import { scratchDir } from "../helpers/tmp.ts";
 
 export const haveFuse = existsSync("/dev/fuse") && process.getuid?.() === 0;
+/** A test's name, with why it is skipped without FUSE. */
+export const fuseTest = (name: string) => (haveFuse ? name : `${name} (skipped: needs root and /dev/fuse)`);
 export const haveLoop = existsSync("/dev/loop-control");
 
 /** How long cleanup gives blockd's shutdown (every device flushed and stopped, on a loaded machine). */

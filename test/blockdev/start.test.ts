@@ -6,7 +6,7 @@ import { existsSync, mkdirSync, readFileSync, rmSync } from "node:fs";
 import { join } from "node:path";
 import { BlockdClient } from "../../src/blockdev/client.ts";
 import { scratchDir } from "../helpers/tmp.ts";
-import { blockdPid, haveFuse, mountsAt, processGone, startBlockd, until } from "./harness.ts";
+import { blockdPid, fuseTest, haveFuse, mountsAt, processGone, startBlockd, until } from "./harness.ts";
 
 const MAIN = join(import.meta.dir, "../../src/blockdev/main.ts");
 
@@ -19,7 +19,7 @@ async function runMain(args: string[], env: Record<string, string> = {}): Promis
 }
 
 test.skipIf(!haveFuse)(
-  "two blockds started at once on one state dir: one serves, the other exits 1 saying so, both clients reach the one",
+  fuseTest("two blockds started at once on one state dir: one serves, the other exits 1 saying so, both clients reach the one"),
   async () => {
     const dir = scratchDir("blockd-start-race", { keep: true });
     const state = join(dir, "state");
@@ -53,7 +53,7 @@ test.skipIf(!haveFuse)(
 );
 
 test.skipIf(!haveFuse)(
-  "a start that fails says why in one line, exits 1, and lets the fd keeper it started go",
+  fuseTest("a start that fails says why in one line, exits 1, and lets the fd keeper it started go"),
   async () => {
     const dir = scratchDir("blockd-start-fails");
     const state = join(dir, "state");
@@ -73,7 +73,7 @@ test.skipIf(!haveFuse)(
   60_000,
 );
 
-test.skipIf(!haveFuse)("the node's blockd settings reach the blockd it starts, in its environment", async () => {
+test.skipIf(!haveFuse)(fuseTest("the node's blockd settings reach the blockd it starts, in its environment"), async () => {
   const { state, client } = await startBlockd("blockd-start-settings", { settings: { frontend: "fuse", fuseUring: false, fuseReaderSlots: 0 } });
   expect((await client.call<{ frontend: string }>("hello")).frontend).toBe("fuse");
   const env = readFileSync(`/proc/${blockdPid(state)}/environ`, "utf8").split("\0");

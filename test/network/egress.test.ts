@@ -3,9 +3,9 @@
 // of this run. Nothing leaves for the host's real networks.
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import tls from "node:tls";
-import { DEFAULT_ALWAYS_DENIED, Egress, EgressProxy, PolicyError, parseEgressPolicy, sniff, type SlotPool } from "../../src/network/index.ts";
+import { DEFAULT_ALWAYS_DENIED, Egress, EgressProxy, parseEgressPolicy, sniff, type SlotPool } from "../../src/network/index.ts";
 import { netnsExecArgv, type Slot } from "../../src/network/index.ts";
-import { canRun, eventually, hostCounter, slotTestScaffold, startFakeGuest } from "./harness.ts";
+import { canRun, slotSuite, egressSlot, eventually, hostCounter, policyErrorField, slotTestScaffold, startFakeGuest } from "./harness.ts";
 import { fromGuest, startInternet, type TestInternet } from "./internet.ts";
 
 describe("egress policy input", () => {
@@ -19,15 +19,7 @@ describe("egress policy input", () => {
   });
 
   test("malformed entries are refused naming the field", () => {
-    const field = (f: () => unknown) => {
-      try {
-        f();
-      } catch (e) {
-        expect(e).toBeInstanceOf(PolicyError);
-        return (e as PolicyError).field;
-      }
-      return "accepted";
-    };
+    const field = policyErrorField;
     expect(field(() => parseEgressPolicy(true, { allowOut: ["1.2.3.4", "300.1.1.1"] }))).toBe("network.allowOut[1]");
     expect(field(() => parseEgressPolicy(true, { denyOut: ["10.0.0.1/8"] }))).toBe("network.denyOut[0]");
     expect(field(() => parseEgressPolicy(true, { denyOut: ["exa mple.com"] }))).toBe("network.denyOut[0]");
@@ -72,7 +64,7 @@ describe("the name a connection claims", () => {
   });
 });
 
-describe.skipIf(!canRun)("egress by CIDR", () => {
+describe.skipIf(!canRun)(slotSuite("egress by CIDR"), () => {
   const t = slotTestScaffold();
   let net: TestInternet;
 
@@ -176,7 +168,7 @@ describe.skipIf(!canRun)("egress by CIDR", () => {
   }, 60_000);
 });
 
-describe.skipIf(!canRun)("egress by domain", () => {
+describe.skipIf(!canRun)(slotSuite("egress by domain"), () => {
   const t = slotTestScaffold();
   let net: TestInternet;
   let proxy: EgressProxy;
@@ -190,16 +182,7 @@ describe.skipIf(!canRun)("egress by domain", () => {
     await net?.stop();
   });
 
-  async function setup(): Promise<{ egress: Egress; slot: Slot; guest: string }> {
-    const pool = t.newPool({ size: 0 });
-    await pool.start();
-    const egress = new Egress(pool.config, { alwaysDenied: DEFAULT_ALWAYS_DENIED, resolvers: [net.ips[0]!], uplinks: [net.uplink], proxyPort: proxy.port });
-    proxy.use(egress);
-    await egress.start();
-    const slot = await pool.acquire();
-    const guest = t.keep(await startFakeGuest(slot, "guest"));
-    return { egress, slot, guest: guest.netns };
-  }
+  const setup = () => egressSlot(t, net, proxy);
 
   test("allowed names pass over HTTP and HTTPS; other names, lying names and nameless connections are refused", async () => {
     const { egress, slot, guest } = await setup();

@@ -7,20 +7,13 @@ import { chmodSync, mkdirSync, statSync, writeFileSync } from "node:fs";
 import tls from "node:tls";
 import { join } from "node:path";
 import {
-  EgressCa, MAX_HEADER_VALUE, MAX_HEADERS_PER_RULE, MAX_RULE_HOSTS, PolicyError, RequestRewriter, SecretStore, Tunnel,
+  EgressCa, MAX_HEADER_VALUE, MAX_HEADERS_PER_RULE, MAX_RULE_HOSTS, RequestRewriter, SecretStore, Tunnel,
   loadOrCreateCa, parseEgressPolicy, redirectedPorts, rulesFor, type HeadDecision, type RequestHead,
 } from "../../src/network/index.ts";
 import { scratchDir } from "../helpers/tmp.ts";
+import { policyErrorField } from "./harness.ts";
 
-const field = (f: () => unknown) => {
-  try {
-    f();
-  } catch (e) {
-    expect(e).toBeInstanceOf(PolicyError);
-    return (e as PolicyError).field;
-  }
-  return "accepted";
-};
+const field = policyErrorField;
 
 describe("rules and egressProxy input", () => {
   test("become a policy: headers by host, secrets by name, the proxy's kind and credentials", () => {

@@ -6,15 +6,15 @@ import { createHash, randomBytes } from "node:crypto";
 import { chmodSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import {
-  DEFAULT_ALWAYS_DENIED, Egress, EgressCa, EgressProxy, SecretStore, parseEgressPolicy, type EgressProxyOptions, type Slot,
+  Egress, EgressCa, EgressProxy, SecretStore, parseEgressPolicy, type EgressProxyOptions, type Slot,
 } from "../../src/network/index.ts";
 import { scratchDir } from "../helpers/tmp.ts";
-import { canRun, slotTestScaffold, startFakeGuest } from "./harness.ts";
+import { canRun, slotSuite, egressSlot, slotTestScaffold } from "./harness.ts";
 import { fromGuest, startInternet, type TestInternet } from "./internet.ts";
 
 const b64 = (s: string) => Buffer.from(s).toString("base64");
 
-describe.skipIf(!canRun)("egress proxies and header rules", () => {
+describe.skipIf(!canRun)(slotSuite("egress proxies and header rules"), () => {
   const t = slotTestScaffold();
   let net: TestInternet;
   const ca = EgressCa.generate();
@@ -34,14 +34,7 @@ describe.skipIf(!canRun)("egress proxies and header rules", () => {
   async function setup(o: Partial<EgressProxyOptions> = {}): Promise<{ egress: Egress; proxy: EgressProxy; slot: Slot; guest: string }> {
     const proxy = new EgressProxy({ resolvers: [net.ips[0]!], ca, secrets: new SecretStore(secrets), upstreamCa: [net.certPem], ...o }).listen();
     t.after(() => proxy.stop());
-    const pool = t.newPool({ size: 0 });
-    await pool.start();
-    const egress = new Egress(pool.config, { alwaysDenied: DEFAULT_ALWAYS_DENIED, resolvers: [net.ips[0]!], uplinks: [net.uplink], proxyPort: proxy.port });
-    proxy.use(egress);
-    await egress.start();
-    const slot = await pool.acquire();
-    const guest = t.keep(await startFakeGuest(slot, "guest"));
-    return { egress, proxy, slot, guest: guest.netns };
+    return { ...(await egressSlot(t, net, proxy)), proxy };
   }
 
   test("every allowed TCP connection leaves through the egress proxy: SOCKS5 by name or address, HTTP CONNECT with Basic", async () => {

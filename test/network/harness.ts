@@ -9,10 +9,12 @@
 import { afterAll, afterEach, beforeEach, expect } from "bun:test";
 import { existsSync, readdirSync } from "node:fs";
 import { join } from "node:path";
-import { GATEWAY_IP, GATEWAY_MAC, GUEST_PREFIX_LEN, SlotPool, haveTool, netnsExecArgv, type Slot } from "../../src/network/index.ts";
+import { DEFAULT_ALWAYS_DENIED, Egress, GATEWAY_IP, GATEWAY_MAC, GUEST_PREFIX_LEN, PolicyError, SlotPool, haveTool, netnsExecArgv, type EgressProxy, type Slot } from "../../src/network/index.ts";
 
 export const canRun =
   process.getuid?.() === 0 && existsSync("/dev/net/tun") && ["ip", "nft", "sysctl", "conntrack"].every((t) => haveTool(t as "ip"));
+/** A suite's name, with why it is skipped where it cannot run. */
+export const slotSuite = (name: string) => (canRun ? name : `${name} (skipped: needs root, /dev/net/tun, ip, nft, sysctl and conntrack)`);
 
 const tag = (process.pid % 46656).toString(36).padStart(3, "0");
 /** Only this run's names start with it; 7 bytes leave 8 for slot numbers and decoys. */
@@ -207,4 +209,30 @@ export function slotTestScaffold() {
     after: (f: () => void) => void after.push(f),
     census: () => before,
   };
+}
+
+/** The field a PolicyError names for `f`'s input, or "accepted" when `f` takes it. */
+export function policyErrorField(f: () => unknown): string {
+  try {
+    f();
+  } catch (e) {
+    expect(e).toBeInstanceOf(PolicyError);
+    return (e as PolicyError).field;
+  }
+  return "accepted";
+}
+
+/**
+ * A slot of a fresh pool under an Egress whose domain rules go to `proxy`, with the test
+ * internet (`resolver`, `uplink`) behind it and a fake guest in the slot.
+ */
+export async function egressSlot(t: ReturnType<typeof slotTestScaffold>, net: { ips: string[]; uplink: string }, proxy: EgressProxy): Promise<{ egress: Egress; slot: Slot; guest: string }> {
+  const pool = t.newPool({ size: 0 });
+  await pool.start();
+  const egress = new Egress(pool.config, { alwaysDenied: DEFAULT_ALWAYS_DENIED, resolvers: [net.ips[0]!], uplinks: [net.uplink], proxyPort: proxy.port });
+  proxy.use(egress);
+  await egress.start();
+  const slot = await pool.acquire();
+  const guest = t.keep(await startFakeGuest(slot, "guest"));
+  return { egress, slot, guest: guest.netns };
 }

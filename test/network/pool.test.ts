@@ -6,9 +6,9 @@ import { describe, expect, test } from "bun:test";
 import { existsSync } from "node:fs";
 import { NetworkError, type Slot } from "../../src/network/index.ts";
 import { run } from "../../src/network/command.ts";
-import { GUEST_PORT, PREFIX, canRun, eventually, must, sh, slotTestScaffold, startFakeGuest, vanishGuest } from "./harness.ts";
+import { GUEST_PORT, PREFIX, canRun, slotSuite, eventually, must, sh, slotTestScaffold, startFakeGuest, vanishGuest } from "./harness.ts";
 
-describe.skipIf(!canRun)("slot pool", () => {
+describe.skipIf(!canRun)(slotSuite("slot pool"), () => {
   const t = slotTestScaffold();
 
   test("tool runs are awaited: timers keep firing while slots are built, scrubbed and removed", async () => {

@@ -10,6 +10,7 @@ import {
   HOST_TABLE,
   PREFIX,
   canRun,
+  slotSuite,
   census,
   eventually,
   hostCounter,
@@ -43,7 +44,7 @@ function watchGuestArrivals(guestNetns: string, sport: number): () => number {
   };
 }
 
-describe.skipIf(!canRun)("network slots", () => {
+describe.skipIf(!canRun)(slotSuite("network slots"), () => {
   const t = slotTestScaffold();
 
   test("host reaches a guest port through the slot's DNAT", async () => {
