@@ -34,8 +34,8 @@ const allowed: Record<string, string[]> = {
   // Peers share verified layers over iroh: the ChunkSource seam and layer files of storage, nothing above it.
   "p2p": ["p2p", "src/storage", "ffi"],
   // bench/template drives a whole node and a loopback registry through the tests' harnesses;
-  // bench/remote starts the tests' s3rver.
-  "bench": ["bench", "src", "ffi", "guest", "test/helpers", "test/node/harness.ts", "test/template/registry_harness.ts", "test/network/harness.ts", "test/network/internet.ts", "test/snapshot/s3_server.ts", "p2p"],
+  // bench/remote starts the tests' s3rver; bench/memory drives VMs with the VM tests' guest helpers.
+  "bench": ["bench", "src", "ffi", "guest", "test/helpers", "test/node/harness.ts", "test/template/registry_harness.ts", "test/network/harness.ts", "test/network/internet.ts", "test/snapshot/s3_server.ts", "test/vmm/harness.ts", "p2p"],
   "test": ["test", "src", "ffi", "guest", "bench", "p2p"],
 };
 

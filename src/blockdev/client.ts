@@ -10,7 +10,7 @@ import { BlockdConnectionError, BlockdError, ClientLink, FrameReader, PROTOCOL_V
 export const CALL_TIMEOUT_MS = 30_000;
 /** Calls that open, seal or flush images (their cost follows the layers' indexes and the disk). */
 export const SLOW_CALL_TIMEOUT_MS = 120_000;
-const SLOW_CALLS = new Set(["create", "createReadOnly", "restack", "acquire", "release", "delete", "prepare"]);
+const SLOW_CALLS = new Set(["create", "createReadOnly", "restack", "acquire", "release", "delete", "prepare", "memoryLayer"]);
 
 /**
  * blockd's own settings, which it reads from its environment (a separate process that outlives the
@@ -24,6 +24,13 @@ export interface BlockdSettings {
   /** AENV_FUSE_READER_SLOTS: 0..64 requests a device's reader thread takes; 0: no reader. */
   fuseReaderSlots: number;
 }
+
+/**
+ * Threads of blockd's pool for async file calls (UV_THREADPOOL_SIZE, read at its start; the
+ * environment's value wins): Bun's default is 2 on a 2-core host, and two fsyncs (a table write, an
+ * above.json) would then hold an acquire's rename behind them.
+ */
+const BLOCKD_FS_THREADS = "16";
 
 /** The environment that carries BlockdSettings to a blockd process. */
 export function blockdEnv(s: BlockdSettings): Record<string, string> {
@@ -84,7 +91,7 @@ export class BlockdClient {
       stdio: ["ignore", log, log],
       detached: true,
       // As it is now (Bun's default is the environment we started with), then the settings.
-      env: { ...process.env, ...(opts.settings ? blockdEnv(opts.settings) : {}) },
+      env: { UV_THREADPOOL_SIZE: BLOCKD_FS_THREADS, ...process.env, ...(opts.settings ? blockdEnv(opts.settings) : {}) },
     });
     proc.unref();
     const until = Date.now() + (opts.startTimeoutMs ?? 15_000);

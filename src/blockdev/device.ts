@@ -13,16 +13,17 @@ export type DeviceCall = ControlOp["op"] | "start";
 
 /**
  * How long a worker has to answer each call (ms). stats and resize are bookkeeping; start and swap
- * open an image, attach an upper, stop flushes and closes one, restack and flush seal or sync what
- * the upper holds, which grows with its index and the disk. Each stays under the client's bound of
- * the RPC that makes it (30 s; 120 s for create, acquire, restack, delete, ...: client.ts), with a
- * cold acquire's start + swap in one RPC, so the caller hears which device and call, not its own
- * timeout.
+ * open an image, attach and detach an upper (and lowers under it), stop flushes and closes one,
+ * restack and flush seal or sync what the upper holds, which grows with its index and the disk.
+ * Each stays under the client's bound of the RPC that makes it (30 s; 120 s for create, acquire,
+ * restack, delete, ...: client.ts), with a cold acquire's start + swap in one RPC, so the caller
+ * hears which device and call, not its own timeout.
  */
 export const DEVICE_CALL_TIMEOUT_MS: Readonly<Record<DeviceCall, number>> = {
   start: 45_000,
   swap: 45_000,
   attach: 45_000,
+  detach: 45_000,
   stop: 60_000,
   restack: 90_000,
   flush: 90_000,
@@ -193,14 +194,22 @@ export class DeviceHandle {
   restack(layerPath: string): Promise<{ layerPath: string; config: ImageConfig }> {
     return this.call({ op: "restack", layerPath });
   }
-  /** `hold`: a fresh upper the worker opens now and keeps for the next attach (a prepared device). */
-  async swap(config: ImageConfig | null, readOnly: boolean, hold?: UpperRef): Promise<void> {
-    const r = await this.call<{ size: number }>({ op: "swap", config, readOnly, hold });
+  /**
+   * `hold`: a fresh upper the worker opens now (makes, given a size) and keeps for the next attach
+   * (a prepared device). `makeUpper`: the config's upper is made fresh, of that size, before it opens.
+   */
+  async swap(config: ImageConfig | null, readOnly: boolean, hold?: UpperRef & { size?: number }, makeUpper?: number): Promise<void> {
+    const r = await this.call<{ size: number }>({ op: "swap", config, readOnly, hold, makeUpper });
     this.size = r.size;
   }
   /** The image's lowers stay open; `above`'s lowers, then `upper`, go on top (a prepared pool device being acquired). */
   async attach(upper: UpperRef, above?: ImageConfig): Promise<void> {
     const r = await this.call<{ size: number }>({ op: "attach", upper, above });
+    this.size = r.size;
+  }
+  /** An attach undone: the upper held again at `upper` (its prepared place), the lowers past `keep` closed. */
+  async detach(keep: number, upper: UpperRef): Promise<void> {
+    const r = await this.call<{ size: number }>({ op: "detach", keep, upper });
     this.size = r.size;
   }
   async resize(size: number): Promise<void> {

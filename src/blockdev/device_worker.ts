@@ -39,8 +39,9 @@ export interface WorkerInit {
 
 export type ControlOp =
   | { op: "restack"; layerPath: string }
-  | { op: "swap"; config: ImageConfig | null; readOnly: boolean; hold?: UpperRef }
+  | { op: "swap"; config: ImageConfig | null; readOnly: boolean; hold?: UpperRef & { size?: number }; makeUpper?: number }
   | { op: "attach"; upper: UpperRef; above?: ImageConfig }
+  | { op: "detach"; keep: number; upper: UpperRef }
   | { op: "resize"; size: number }
   | { op: "flush" }
   | { op: "stats" }
@@ -93,10 +94,15 @@ async function runControl(body: ControlOp): Promise<unknown> {
       const old = io.image;
       await heldUpper?.close();
       heldUpper = undefined;
+      // makeUpper: the config's upper is made fresh, of that size, first (here, not on blockd's loop).
+      const up = body.config?.upper;
+      if (body.makeUpper && up) await (await WritableLayer.create(up.data, up.index, { virtualSize: body.makeUpper, sparse: false })).close();
       io.image = body.config ? await Image.open(body.config, { remoteIo }) : null;
       io.readOnly = body.readOnly;
       if (old) await old.close();
-      if (body.hold) heldUpper = await WritableLayer.open(body.hold.data, body.hold.index);
+      // With a size the upper is made here: its file creations block this thread, not blockd's.
+      const hold = body.hold;
+      if (hold) heldUpper = hold.size ? await WritableLayer.create(hold.data, hold.index, { virtualSize: hold.size, sparse: false }) : await WritableLayer.open(hold.data, hold.index);
       disk?.invalidate();
       return { size: io.size() };
     }
@@ -122,6 +128,18 @@ async function runControl(body: ControlOp): Promise<unknown> {
         throw e;
       }
       io.readOnly = false;
+      disk?.invalidate();
+      return { size: io.size() };
+    }
+    case "detach": {
+      // An attach undone (its acquire did not go on): the upper is held again at `upper`'s paths,
+      // the lowers it stacked above the first `keep` are closed; the device is a prepared one again.
+      if (!io.image) throw new IoRangeError("no image attached", init.id);
+      const { upper, above } = io.image.detachUpper(body.keep);
+      upper.moved(body.upper.data, body.upper.index);
+      heldUpper = upper;
+      io.readOnly = true;
+      for (const l of above) await l.close();
       disk?.invalidate();
       return { size: io.size() };
     }

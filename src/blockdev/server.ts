@@ -8,6 +8,7 @@ import type { Socket } from "bun";
 import { umount2, MNT_DETACH, SyscallError } from "../../ffi/libc.ts";
 import { loopAttach, loopDetach } from "../../ffi/loop.ts";
 import { type ImageConfig, type LayerRef, parseImageConfig, resolveLayerPath } from "../storage/image_config.ts";
+import { type MemorySource, writeMemoryLayer } from "./memory_layer.ts";
 import { WRITABLE_DATA, WRITABLE_INDEX, WritableLayer } from "../storage/lsmt/writable_layer.ts";
 import { DeviceHandle } from "./device.ts";
 import { ID_RE, TableWriter, fuseDevicePath, loadDeviceTable } from "./device_table.ts";
@@ -76,6 +77,8 @@ interface PrepareTarget {
   lowers: LayerRef[];
   size: number;
   count: number;
+  /** Acquires of this stack the target still serves (a fork's children); each takes one, and at 0 the target ends. None: it stays. */
+  acquires?: number;
   /** The last refill of this target that failed, and why: it is not retried for PREPARE_RETRY_MS. */
   failedAt?: number;
   error?: Error;
@@ -202,7 +205,8 @@ export class Blockd {
     if (upperDir !== undefined && isAbsolute(upperDir)) {
       let above: LayerRef[] = [];
       try {
-        above = parseImageConfig(JSON.parse(readFileSync(join(dir, ABOVE_LOWERS), "utf8"))).lowers;
+        const text = readFileSync(join(dir, ABOVE_LOWERS), "utf8");
+        above = text.trim() ? parseImageConfig(JSON.parse(text)).lowers : []; // blank: as prepared (writeAbove)
       } catch (e) {
         if ((e as NodeJS.ErrnoException).code !== "ENOENT") throw new Error(`prepared device ${rec.id}: its ${ABOVE_LOWERS} is unreadable: ${(e as Error).message}`);
       }
@@ -651,15 +655,20 @@ export class Blockd {
     const unclaimUpper = config.upper ? this.claimUpper(config.upper.data) : () => {};
     try {
       if (!readOnly) {
-        const fast = await this.acquirePrepared(config, checkUpperDir(p.upperDir), stackKey(config, size));
+        const key = stackKey(config, size);
+        const counted = this.served(key);
+        const fast = await this.acquirePrepared(config, checkUpperDir(p.upperDir), key);
+        if (counted && !fast) void this.refillPrepared(); // what the target has prepared past its count goes
         if (fast) return { ...this.view(fast.rec, fast.handle.size), prepared: true };
       }
       const { dev, cold } = await this.reserveIdle();
       let removeUpper: (() => Promise<void>) | undefined;
       try {
-        // An upper that exists is reattached as it is (a sandbox acquiring its own disk again).
-        if (config.upper && !(await exists(config.upper.data))) removeUpper = await makeUpper(checkUpperDir(p.upperDir), size, false);
-        await dev.handle.swap(config, readOnly);
+        // An upper that exists is reattached as it is (a sandbox acquiring its own disk again); a
+        // missing one the worker makes (LocalFile's syncs would block this loop).
+        const make = config.upper !== undefined && !(await exists(config.upper.data));
+        if (make) removeUpper = await upperFolder(checkUpperDir(p.upperDir));
+        await dev.handle.swap(config, readOnly, undefined, make ? size : undefined);
         dev.rec.acquired = true;
         dev.rec.config = config;
         dev.rec.readOnly = readOnly;
@@ -679,8 +688,22 @@ export class Blockd {
   }
 
   /**
+   * An acquire of `key` counts against a target that serves a number of them, before it takes a
+   * device (so the refill that follows does not replace one nobody will ask for); at 0 the target
+   * ends, and the refill after the acquire retires what it still has prepared. True if it counted.
+   */
+  private served(key: string): boolean {
+    const t = this.targets.get(key);
+    if (t?.acquires === undefined) return false;
+    t.acquires--;
+    t.count = Math.min(t.count, t.acquires);
+    if (t.acquires <= 0) this.targets.delete(key);
+    return true;
+  }
+
+  /**
    * A prepared device of this stack, acquired: its fresh upper is renamed to upperDir, the crumb
-   * in its prepared folder names upperDir, and the worker opens the upper over the lowers it holds.
+   * in its prepared folder names upperDir, and the worker puts the upper over the lowers it holds.
    * The rename commits: a blockd that dies after it finds the crumb (settlePrepared), so the reply
    * does not wait for the table write, which follows. Undefined (nothing changed) when none is
    * prepared or upperDir cannot take the rename (not empty, another filesystem): acquire goes on
@@ -697,33 +720,34 @@ export class Blockd {
     const aboveFile = join(this.preparedDir(id), ABOVE_LOWERS);
     const above: ImageConfig | undefined = prefix < config.lowers.length ? { lowers: config.lowers.slice(prefix) } : undefined;
     let retire = false; // the device cannot serve as prepared any more
+    let renamed = false;
+    let linked = false;
+    let attached = false;
+    const commit = () => renameDir(fresh, upperDir).then(() => void (renamed = true));
     try {
-      try {
-        // Durable before the rename commits the acquire: a restarted blockd rebuilds the whole stack from it.
-        if (above) await writeSynced(aboveFile, JSON.stringify(above));
-        await renameDir(fresh, upperDir);
-      } catch (e) {
-        const code = (e as NodeJS.ErrnoException).code;
-        if (code === "EXDEV") console.error(`blockd: ${upperDir} is not on the filesystem of ${this.opts.stateDir}: prepared devices cannot serve it`);
-        retire = !(await exists(fresh));
-        await rm(aboveFile, { force: true }).catch(() => {});
-        return undefined; // upperDir not empty or elsewhere: the device stays prepared
-      }
-      try {
-        await symlink(upperDir, crumb);
-        await dev.handle.attach(config.upper!, above);
-      } catch (e) {
-        // Back as it was: the upper in the prepared folder, no crumb. A worker that failed is retired.
-        await rm(crumb, { force: true }).catch(() => {});
-        await rm(aboveFile, { force: true }).catch(() => {});
-        const back = await rename(upperDir, fresh).then(
-          () => true,
-          () => false,
-        );
+      // At once, as none needs another: the crumb (before the rename it means nothing), the
+      // worker's attach (the upper under the paths the rename gives it; nobody has the device
+      // yet), and the rename, after above.json (if any) is durable: a restarted blockd rebuilds
+      // the whole stack from it.
+      const steps = await Promise.allSettled([
+        symlink(upperDir, crumb).then(() => void (linked = true)),
+        dev.handle.attach(config.upper!, above).then(() => void (attached = true)),
+        above ? writeAbove(aboveFile, JSON.stringify(above)).then(commit) : commit(),
+      ]);
+      const failed = steps.find((r) => r.status === "rejected") as PromiseRejectedResult | undefined;
+      if (failed) {
+        // Back as it was: the worker holding the upper, which is in the prepared folder, no crumb,
+        // above.json blank (a later exact acquire writes none). What does not go back retires the device.
+        const e = failed.reason as NodeJS.ErrnoException;
+        const detached = !attached || (await dev.handle.detach(prefix, { data: join(fresh, WRITABLE_DATA), index: join(fresh, WRITABLE_INDEX) }).then(() => true, () => false));
+        if (linked) await rm(crumb, { force: true }).catch(() => {});
+        const back = !renamed || (await rename(upperDir, fresh).then(() => true, () => false));
         if (!back) await rm(upperDir, { recursive: true, force: true }).catch(() => {});
-        retire = !back || dev.handle.failure !== undefined;
-        console.error(`blockd: acquiring prepared device ${id}: ${(e as Error).message}; acquiring without it`);
-        return undefined;
+        if (above) await writeSynced(aboveFile, BLANK_ABOVE).catch(() => rm(aboveFile, { force: true })).catch(() => {});
+        retire = !detached || !back || dev.handle.failure !== undefined || !(await exists(fresh));
+        if (e.code === "EXDEV") console.error(`blockd: ${upperDir} is not on the filesystem of ${this.opts.stateDir}: prepared devices cannot serve it`);
+        else if (!["ENOTEMPTY", "EEXIST", "ENOTDIR", "EISDIR"].includes(e.code ?? "")) console.error(`blockd: acquiring prepared device ${id}: ${e.message}; acquiring without it`);
+        return undefined; // upperDir not empty or elsewhere: the device stays prepared
       }
       dev.prepared = undefined;
       dev.rec.acquired = true;
@@ -765,8 +789,9 @@ export class Blockd {
   /**
    * Keep `count` pool devices ready for acquires of this stack (lowers and size): each has the
    * lowers open and a fresh upper in its prepared folder under the state dir, so upperDirs must be
-   * on that filesystem. Replies once the devices are ready; count 0 retires them. All or nothing:
-   * a refill that fails restores the target it replaced.
+   * on that filesystem. Replies once the devices are ready; count 0 retires them. `acquires`: the
+   * target serves that many acquires of the stack, then ends (a fork's children: its devices are
+   * not replaced past the last). All or nothing: a refill that fails restores the target it replaced.
    */
   private async prepare(p: Record<string, unknown>) {
     const config = checkConfig(p.lowers);
@@ -775,13 +800,16 @@ export class Blockd {
     const count = p.count;
     if (!Number.isSafeInteger(count) || (count as number) < 0 || (count as number) > MAX_PREPARED_PER_STACK)
       throw new BlockdError("BadRequest", `"count" must be an integer 0..${MAX_PREPARED_PER_STACK}`);
+    const acquires = p.acquires;
+    if (acquires !== undefined && (!Number.isSafeInteger(acquires) || (acquires as number) < (count as number) || (acquires as number) > MAX_TARGET_ACQUIRES))
+      throw new BlockdError("BadRequest", `"acquires" must be an integer ${count as number}..${MAX_TARGET_ACQUIRES} ("count" or more)`);
     const key = stackKey(config, size);
     const before = this.targets.get(key);
     const others = [...this.targets].filter(([k]) => k !== key);
     if (count && !before && others.length >= MAX_PREPARED_STACKS) throw new BlockdError("BadRequest", `${MAX_PREPARED_STACKS} stacks are prepared already`);
     const total = others.reduce((n, [, t]) => n + t.count, count as number);
     if (total > MAX_PREPARED) throw new BlockdError("BadRequest", `${total} prepared devices would be over ${MAX_PREPARED}`);
-    const target: PrepareTarget = { lowers: config.lowers, size, count: count as number };
+    const target: PrepareTarget = { lowers: config.lowers, size, count: count as number, acquires: acquires as number | undefined };
     if (target.count) this.targets.set(key, target);
     else this.targets.delete(key);
     await this.refillPrepared();
@@ -793,6 +821,13 @@ export class Blockd {
       throw target.error;
     }
     return { lowers: config.lowers.map((l, i) => resolveLayerPath(l, i)), size, count: target.count, ready };
+  }
+
+  /** Plain idle devices free to take now. */
+  private idleCount(): number {
+    let n = 0;
+    for (const d of this.devices.values()) if (isPlainIdle(d) && !d.handle.failure && !this.busy.has(d.rec.id)) n++;
+    return n;
   }
 
   private preparedCount(key: string): number {
@@ -813,20 +848,23 @@ export class Blockd {
     }));
   }
 
-  /** Every target topped up to its count (a failing one waits PREPARE_RETRY_MS), surplus retired, pool filled. */
+  /** Every target topped up to its count, PREPARE_AT_ONCE at a time (a failing one waits PREPARE_RETRY_MS), surplus retired, pool filled. */
   private async refillPass(): Promise<void> {
     for (const [key, t] of this.targets) {
       if (t.failedAt !== undefined && Date.now() - t.failedAt < PREPARE_RETRY_MS) continue;
       while (!this.closing && this.targets.get(key) === t && this.preparedCount(key) < t.count) {
-        try {
-          await this.prepareOne(key, t);
+        // Idle devices are prepared PREPARE_AT_ONCE at a time; cold ones (a worker start each) one by one.
+        const n = Math.min(t.count - this.preparedCount(key), PREPARE_AT_ONCE, Math.max(1, this.idleCount()));
+        const made = await Promise.allSettled(Array.from({ length: n }, () => this.prepareOne(key, t)));
+        const failed = made.find((r) => r.status === "rejected");
+        if (!failed) {
           t.failedAt = t.error = undefined;
-        } catch (e) {
-          t.failedAt = Date.now();
-          t.error = e as Error;
-          console.error(`blockd: preparing a device for ${key}: ${t.error.message}`);
-          break;
+          continue;
         }
+        t.failedAt = Date.now();
+        t.error = failed.reason as Error;
+        console.error(`blockd: preparing a device for ${key}: ${t.error.message}`);
+        break;
       }
     }
     const surplus = new Map<string, number>();
@@ -846,14 +884,13 @@ export class Blockd {
   private async prepareOne(key: string, t: PrepareTarget): Promise<void> {
     const { dev, cold } = await this.reserveIdle();
     const dir = this.preparedDir(dev.rec.id);
-    let swapped = false;
     try {
-      await rm(dir, { recursive: true, force: true });
-      await mkdir(dir, { recursive: true });
-      await makeUpper(join(dir, PREPARED_UPPER), t.size, false);
       const fresh = join(dir, PREPARED_UPPER);
-      await dev.handle.swap({ lowers: t.lowers }, true, { data: join(fresh, WRITABLE_DATA), index: join(fresh, WRITABLE_INDEX) });
-      swapped = true;
+      await rm(dir, { recursive: true, force: true });
+      await mkdir(fresh, { recursive: true });
+      await writeSynced(join(dir, ABOVE_LOWERS), BLANK_ABOVE);
+      // The worker makes the fresh upper (sync file creations stall under journal load: not on this loop).
+      await dev.handle.swap({ lowers: t.lowers }, true, { data: join(fresh, WRITABLE_DATA), index: join(fresh, WRITABLE_INDEX), size: t.size });
       dev.rec.config = { lowers: t.lowers };
       await this.saveTable();
       dev.prepared = key;
@@ -861,7 +898,7 @@ export class Blockd {
       dev.rec.config = null;
       await rm(dir, { recursive: true, force: true }).catch(() => {});
       if (cold) await this.dropCold(dev);
-      else if (swapped) await dev.handle.swap(null, true).catch(() => {});
+      else await dev.handle.swap(null, true).catch(() => {}); // a swap that failed half way may have left the lowers open
       throw e;
     } finally {
       this.busy.delete(dev.rec.id);
@@ -906,6 +943,19 @@ export class Blockd {
     return released;
   }
 
+  /** A sealed memory layer at `out` from a memory image file or a stopped VMM's dirty pages (memory_layer.ts). */
+  private async memoryLayer(p: Record<string, unknown>) {
+    if (typeof p.out !== "string" || !isAbsolute(p.out)) throw new BlockdError("BadRequest", `"out" must be an absolute file path`);
+    const f = p.from as Record<string, unknown> | undefined;
+    let from: MemorySource;
+    if (f && typeof f.file === "string" && isAbsolute(f.file)) from = { file: f.file };
+    else if (f && Number.isInteger(f.pid) && (f.pid as number) > 0 && Number.isSafeInteger(f.address) && typeof f.pagesFile === "string" && isAbsolute(f.pagesFile))
+      from = { pid: f.pid as number, address: f.address as number, pagesFile: f.pagesFile };
+    else throw new BlockdError("BadRequest", `"from" must be {file} or {pid, address, pagesFile} with absolute paths`);
+    if (p.zfile !== undefined && p.zfile !== "zstd" && p.zfile !== "lz4") throw new BlockdError("BadRequest", `"zfile" must be "zstd" or "lz4"`);
+    return writeMemoryLayer(p.out, p.size as number, from, p.zfile as "zstd" | "lz4" | undefined);
+  }
+
   private async list() {
     return [...this.devices.values()].map((d) => this.view(d.rec, d.handle.failure ? d.rec.size : d.handle.size));
   }
@@ -932,6 +982,8 @@ export class Blockd {
         return this.release(params);
       case "prepare":
         return this.prepare(params);
+      case "memoryLayer":
+        return this.memoryLayer(params);
       case "stats":
         return this.device(params.id).handle.stats();
       case "shutdown":
@@ -1045,6 +1097,10 @@ const MAX_IN_FLIGHT = 64;
 const MAX_PREPARED_PER_STACK = 16;
 const MAX_PREPARED_STACKS = 16;
 const MAX_PREPARED = 64;
+/** Acquires one target may serve before it ends (a fork's children: the API's limit is 100). */
+const MAX_TARGET_ACQUIRES = 1024;
+/** Devices of one target prepared at once: each swaps on its own worker, and they share table writes. */
+const PREPARE_AT_ONCE = 4;
 /** A target whose refill failed (its layers gone, the disk full) is not tried again for this long. */
 const PREPARE_RETRY_MS = 5_000;
 /** In a prepared device's folder: its fresh upper, and (once acquired) the link to where it went. */
@@ -1052,6 +1108,9 @@ const PREPARED_UPPER = "upper";
 const ACQUIRED_CRUMB = "acquired";
 /** In a prepared folder: the lowers an acquire stacks above the prepared ones (JSON), written before its rename. */
 const ABOVE_LOWERS = "above.json";
+/** above.json is made this long and blank (spaces) at prepare: an acquire overwrites it in place, a data-only sync. */
+const ABOVE_BYTES = 16384;
+const BLANK_ABOVE = " ".repeat(ABOVE_BYTES);
 /** How long shutdown lets calls under way finish (a restack's seal, a device start) before it stops devices. */
 const SHUTDOWN_WAIT_MS = 30_000;
 
@@ -1134,17 +1193,22 @@ async function exists(path: string): Promise<boolean> {
   );
 }
 
-/** A fresh writable layer in upperDir; returns what removes it again (and the directories made for it). */
-async function makeUpper(upperDir: string, size: number, sparse: boolean): Promise<() => Promise<void>> {
+/** upperDir made (mkdir -p) for a writable layer; returns what removes it again (the directories made, or the layer's files). */
+async function upperFolder(upperDir: string): Promise<() => Promise<void>> {
   const data = join(upperDir, WRITABLE_DATA);
   const index = join(upperDir, WRITABLE_INDEX);
   const madeDir = await mkdir(upperDir, { recursive: true });
-  const remove = async () => {
+  return async () => {
     if (madeDir) await rm(madeDir, { recursive: true, force: true });
     else await Promise.all([rm(data, { force: true }), rm(index, { force: true })]);
   };
+}
+
+/** A fresh writable layer in upperDir; returns what removes it again (and the directories made for it). */
+async function makeUpper(upperDir: string, size: number, sparse: boolean): Promise<() => Promise<void>> {
+  const remove = await upperFolder(upperDir);
   try {
-    await (await WritableLayer.create(data, index, { virtualSize: size, sparse })).close();
+    await (await WritableLayer.create(join(upperDir, WRITABLE_DATA), join(upperDir, WRITABLE_INDEX), { virtualSize: size, sparse })).close();
   } catch (e) {
     await remove();
     throw e;
@@ -1200,6 +1264,29 @@ function processAlive(pid: number): boolean {
   } catch (e) {
     return (e as { code?: string }).code === "EPERM";
   }
+}
+
+/**
+ * A prepared folder's above.json (BLANK_ABOVE) made `text` and synced: in place when it fits (the
+ * rest padded with spaces, the size unchanged, so fdatasync needs no journal commit), else anew.
+ */
+async function writeAbove(path: string, text: string): Promise<void> {
+  const bytes = Buffer.from(text);
+  if (bytes.length <= ABOVE_BYTES) {
+    const f = await open(path, "r+").catch(() => undefined);
+    if (f) {
+      try {
+        const buf = Buffer.alloc(ABOVE_BYTES, 0x20);
+        buf.set(bytes);
+        await f.write(buf, 0, ABOVE_BYTES, 0);
+        await f.datasync();
+        return;
+      } finally {
+        await f.close();
+      }
+    }
+  }
+  await writeSynced(path, text);
 }
 
 /** `text` written to `path` and synced before it resolves. */

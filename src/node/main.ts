@@ -142,8 +142,8 @@ async function start(): Promise<void> {
   const o = new Orchestrator(store, templates, blockd, slots, driver, {
     kernel: kernel.vmlinux, initrd: kernel.initrd, toolsLayer,
     // The base image maps the hostname `sandbox` in /etc/hosts (sudo looks its host up).
-    cmdline: (s) => guestCmdline({ ip: `${s.guestIp}/${s.guestPrefixLen}`, gw: s.gatewayIp, hostname: "sandbox" }),
-  }, { home: cfg.home, runRoot: join(cfg.runDir, "vms"), defaultTimeoutS: cfg.defaultTimeoutS, maxSandboxes: cfg.maxSandboxes, preparedDevices: cfg.devicePool,
+    cmdline: (s) => guestCmdline({ ip: `${s.guestIp}/${s.guestPrefixLen}`, gw: s.gatewayIp, hostname: "sandbox", damonReclaim: kernel.damonReclaim }),
+  }, { home: cfg.home, runRoot: join(cfg.runDir, "vms"), defaultTimeoutS: cfg.defaultTimeoutS, maxSandboxes: cfg.maxSandboxes, preparedDevices: cfg.devicePool, balloonPressurePct: cfg.balloonPressurePct, memoryLayersMax: cfg.memoryLayersMax, memoryZfile: cfg.memoryZfile || undefined,
     snapshots: openSnapshotStore(cfg.snapshotStore, {
       home: cfg.home,
       s3: { endpoint: cfg.s3Endpoint, region: cfg.s3Region, accessKeyId: cfg.s3AccessKeyId, secretAccessKey: cfg.s3SecretAccessKey, sessionToken: cfg.s3SessionToken },

@@ -7,11 +7,12 @@ import { existsSync, mkdirSync } from "node:fs";
 import { join } from "node:path";
 import type { BlockdClient } from "../blockdev/client.ts";
 import { PolicyError, parseEgressPolicy, parseInboundPolicy, type Egress, type EgressPolicy, type Slot, type SlotPool } from "../network/index.ts";
-import { readSnapshot, type DriveSpec, type SnapshotInfo, type Vmm, type VmmDriver } from "../vmm/types.ts";
+import { readSnapshot, writeSnapshot, type DriveSpec, type SnapshotInfo, type Vmm, type VmmDriver } from "../vmm/types.ts";
 import type { Json, SnapshotStore } from "../snapshot/index.ts";
-import { link, open as openAsync, readdir, rm } from "node:fs/promises";
+import { link, mkdir, open as openAsync, readdir, rm } from "node:fs/promises";
 import { posixFadvise, POSIX_FADV_DONTNEED } from "../../ffi/libc.ts";
 import { ENVD_PORT, ENVD_VERSION, initEnvd, waitEnvdReady } from "./envd.ts";
+import { MemoryDevices } from "./memory_devices.ts";
 import { SandboxStore, publicState, type SandboxRecord, type SandboxState } from "./store.ts";
 import { TemplateStore, isRemoteLayer, localLayers, type RemoteLayer, type TemplateLayer, type TemplateRecord, type VmCheckpoint } from "./templates.ts";
 import { PhaseClock, TimingLog } from "./timings.ts";
@@ -50,6 +51,16 @@ export interface OrchestratorOptions {
   envdReadyTimeoutMs?: number;
   /** Children of one fork started at once. */
   forkParallelism?: number;
+  /**
+   * Host memory pressure: below this % of MemTotal available, running sandboxes' balloons take back
+   * half their memory (deflate-on-oom gives it back to a guest that needs it); from twice that
+   * available, they return it. 0: never (default 10).
+   */
+  balloonPressurePct?: number;
+  /** Memory layers a sandbox stacks before a pause writes one fresh base instead (default MEMORY_LAYERS_MAX). */
+  memoryLayersMax?: number;
+  /** Memory layers compressed as ZFiles with this algorithm; none: plain layers. */
+  memoryZfile?: "zstd" | "lz4";
   /** Rootfs devices blockd keeps ready per template stack (its lowers open, a fresh upper). */
   preparedDevices?: number;
   /** Where snapshots are kept so they outlive this node's checkpoints (local dir, shared FS, S3). */
@@ -80,6 +91,8 @@ export function egressPolicyOf(allowInternetAccess: unknown, network: unknown): 
 interface StoredSnapshotMeta {
   vm: SnapshotInfo;
   layers: number;
+  /** Memory layers (`mem-layer-<i>` files), lowest first; 0 or absent: memory in `mem`. */
+  memLayers?: number;
   envdToken: string | null;
   alias: string | null;
   names: string[];
@@ -108,6 +121,10 @@ export interface SandboxRuntime {
   paused: VmCheckpoint | null;
   /** Checkpoints whose files this sandbox still uses (its lowers, or the memory it was restored from). */
   checkpoints: string[];
+  /** Memory layers the VM runs on, lowest first (absent in old rows). */
+  memLayers?: string[];
+  /** The blockd read-only device over memLayers that the VMM maps, while it runs. */
+  memDevice?: string | null;
 }
 
 export interface CreateOptions {
@@ -121,6 +138,12 @@ export interface CreateOptions {
   network?: unknown;
   customExtensionParams?: Record<string, unknown>;
 }
+
+/** Memory layers a sandbox stacks before its next pause compacts them into one, by default (AgentENV: 32). */
+export const MEMORY_LAYERS_MAX = 32;
+
+/** Devices prepared ahead for a fork's children, at most (blockd's bound per stack). */
+export const FORK_PREPARED_MAX = 16;
 
 /** Bounds of the API's inputs that reach the orchestrator (extensionParamsBytes: customExtensionParams as JSON). */
 export const LIMITS = { metadataPairs: 64, envVars: 256, keyBytes: 256, valueBytes: 8192, timeoutS: 86_400 * 30, forkCount: 100, extensionParamsBytes: 16_384 };
@@ -193,6 +216,11 @@ async function linkOrCopy(src: string, dst: string): Promise<void> {
 }
 
 /** Writes a file's dirty pages (off the event loop) and drops its cached ones; a missing file is fine. */
+/** The checkpoint directories whose files a VM started from `cp` uses: its own, its lowers', its memory layers'. */
+function checkpointDirs(cp: VmCheckpoint): string[] {
+  return [...new Set([cp.dir, ...localLayers(cp.layers).map((l) => join(l, "..")), ...(cp.memLayers ?? []).map((l) => join(l, ".."))])];
+}
+
 async function dropCache(path: string): Promise<void> {
   if (!existsSync(path)) return;
   const fh = await openAsync(path, "r");
@@ -236,6 +264,7 @@ export class Orchestrator {
   /** Creates (POST /sandboxes, fork children) since this process started: succeeded, failed. */
   readonly creates = { successes: 0, fails: 0 };
   private closed = false;
+  private readonly memDevices: MemoryDevices;
 
   constructor(
     readonly store: SandboxStore,
@@ -247,6 +276,7 @@ export class Orchestrator {
     private readonly opts: OrchestratorOptions,
   ) {
     this.envdTimeoutMs = opts.envdReadyTimeoutMs ?? 120_000;
+    this.memDevices = new MemoryDevices(blockd);
     for (const d of ["sandboxes", "checkpoints"]) mkdirSync(join(opts.home, d), { recursive: true });
     mkdirSync(opts.runRoot, { recursive: true });
   }
@@ -405,10 +435,10 @@ export class Orchestrator {
       const held: BootHeld = { devices: [] };
       try {
         const vm = await this.coldBoot(id, tpl.layers, tpl, held);
-        await vm.snapshot(cpDir, { resumable: false });
+        const snap = await vm.snapshot(cpDir, { resumable: false });
         const layer = join(cpDir, "rootfs.layer");
         await this.blockd.call("restack", { id: held.devices[0], layerPath: layer });
-        const cp: VmCheckpoint = { dir: cpDir, layers: [...tpl.layers, layer], envdToken: null };
+        const cp: VmCheckpoint = { dir: cpDir, layers: [...tpl.layers, layer], envdToken: null, memLayers: await this.memoryLayers(snap, undefined) };
         this.templates.setCheckpoint(tpl.id, cp);
         if (tpl.kind === "template") this.prepareDevices(cp, tpl.diskSizeMB);
         return cp;
@@ -437,6 +467,8 @@ export class Orchestrator {
       id, runDir: join(this.opts.runRoot, id), kernel: this.guest.kernel, initrd: this.guest.initrd,
       cmdline: this.guest.cmdline(slot), vcpus: size.cpuCount, memMiB: size.memoryMB, drives,
       net: { tap: slot.tap, mac: slot.guestMac }, netnsPath: slot.netnsPath,
+      // Free page reporting returns what the guest frees; the node inflates it under host pressure.
+      balloon: true,
     });
     held.vm = vm;
     await waitEnvdReady(`http://${slot.nsIp}:${ENVD_PORT}`, this.envdTimeoutMs, () => vm.state !== "stopped");
@@ -488,10 +520,10 @@ export class Orchestrator {
         const dir = join(this.opts.home, "checkpoints", `template-${templateId}-${randomId(8)}`);
         this.buildCheckpoints.add(dir);
         try {
-          await vm.snapshot(dir, { resumable: false });
+          const snap = await vm.snapshot(dir, { resumable: false });
           const layer = join(dir, "rootfs.layer");
           await this.blockd.call("restack", { id: device, layerPath: layer });
-          return { dir, layers: [...stack, layer], envdToken: null };
+          return { dir, layers: [...stack, layer], envdToken: null, memLayers: await this.memoryLayers(snap, undefined) };
         } catch (e) {
           this.discardBuildCheckpoint(dir);
           throw e;
@@ -547,12 +579,21 @@ export class Orchestrator {
   }
 
   /**
-   * Asks blockd to keep rootfs devices ready for a checkpoint's stack (count 0 retires them).
-   * Best effort: without them, creates take the plain acquire path.
+   * Asks blockd to keep rootfs devices ready for a checkpoint's stack (count 0 retires them), for
+   * `acquires` acquires of it if given (a fork's children). Best effort: without them, creates
+   * take the plain acquire path.
    */
-  private prepareDevices(cp: VmCheckpoint, diskSizeMB: number, count = this.opts.preparedDevices ?? 2): void {
-    this.lowers(cp.layers).then((lowers) => this.blockd.call("prepare", { lowers, size: diskSizeMB * 1024 * 1024, count }))
-      .catch((e) => console.error(`orchestrator: prepare devices for ${cp.dir}: ${(e as Error).message}`));
+  private prepareDevices(cp: VmCheckpoint, diskSizeMB: number, count = this.opts.preparedDevices ?? 2, acquires?: number): Promise<void> {
+    // Its memory device too: kept open while devices are kept ready for the stack.
+    if (cp.memLayers?.length) {
+      if (count > 0) this.memDevices.pin(cp.memLayers);
+      else this.memDevices.unpin(cp.memLayers);
+    }
+    const failed = (e: unknown) => console.error(`orchestrator: prepare devices for ${cp.dir}: ${(e as Error).message}`);
+    // Resolves once the call is sent (a later call for the same stack then lands after it).
+    return this.lowers(cp.layers).then((lowers) => {
+      this.blockd.call("prepare", { lowers, size: diskSizeMB * 1024 * 1024, count, acquires }).catch(failed);
+    }).catch(failed);
   }
 
   /** At node start: devices ready for every template that has a checkpoint. */
@@ -566,7 +607,7 @@ export class Orchestrator {
     const upperDir = join(this.opts.home, "sandboxes", rec.id, `upper-${randomId(6)}`);
     const rt: SandboxRuntime = {
       slot: null, toolsDevice: null, rootfsDevice: null, upperDir, layers: cp.layers, vmPid: null,
-      runDir: join(this.opts.runRoot, rec.id), paused: null, checkpoints: [cp.dir, ...localLayers(cp.layers).map((l) => join(l, ".."))],
+      runDir: join(this.opts.runRoot, rec.id), paused: null, checkpoints: checkpointDirs(cp), memLayers: cp.memLayers, memDevice: null,
     };
     // Recorded before each step, so a crash or a kill mid-way can find what to give back.
     const save = () => this.store.setRuntime(rec.id, rt);
@@ -578,16 +619,28 @@ export class Orchestrator {
     // On a throw, the caller's teardown() gives back what the saved runtime names.
     {
       let drives: DriveSpec[];
+      const reading = readSnapshot(cp.dir); // read while blockd gets the device
+      reading.catch(() => {});
+      // One memory device per memory stack, shared by every VM restored from it (blockd counts
+      // them), asked for alongside the rootfs device.
+      const memory = cp.memLayers?.length
+        ? this.memDevices.take(cp.memLayers, rec.id).then((m) => {
+            rt.memDevice = m.id;
+            return m.path;
+          })
+        : undefined;
       try {
         ({ drives } = await this.devices(devices, cp.layers, upperDir, rec.diskSizeMB));
       } finally {
         rt.rootfsDevice = devices[0] ?? null;
+        await memory?.catch(() => {}); // settled, so the record names it before a teardown reads it
         save();
       }
-      const snap = await readSnapshot(cp.dir);
+      const snap = await reading;
+      const memImage = await memory;
       clock.lap("devices");
       const vm = await this.driver.restore(snap, {
-        id: rec.id, runDir: rt.runDir!, drives, net: { tap: rt.slot.tap, mac: rt.slot.guestMac }, netnsPath: rt.slot.netnsPath,
+        id: rec.id, runDir: rt.runDir!, drives, net: { tap: rt.slot.tap, mac: rt.slot.guestMac }, netnsPath: rt.slot.netnsPath, memImage,
       });
       clock.lap("vmm");
       rt.vmPid = vm.pid;
@@ -671,16 +724,18 @@ export class Orchestrator {
           return live.vm.stop();
         } }, clock);
         this.live.delete(id);
-        const paused: SandboxRuntime = { ...rt, slot: null, toolsDevice: null, rootfsDevice: null, upperDir: null, vmPid: null, paused: cp, layers: cp.layers, checkpoints: [cp.dir, ...localLayers(cp.layers).map((l) => join(l, ".."))] };
+        const paused: SandboxRuntime = { ...rt, slot: null, toolsDevice: null, rootfsDevice: null, upperDir: null, vmPid: null, paused: cp, layers: cp.layers, checkpoints: checkpointDirs(cp), memLayers: cp.memLayers, memDevice: null };
         this.store.transition(id, ["pausing"], "paused", { runtime: paused });
         clock.lap("record");
         this.timings.add("pause", id, clock);
         // The answer does not wait for the rest: the slot's scrub, the device and the page cache.
         this.afterReply(id, "pause", async () => {
-          await this.release(rt);
+          await this.release(id, rt);
+          // Its resume will want its own memory stack: opened now, kept while it is among the last left.
+          if (cp.memLayers) this.memDevices.warm(cp.memLayers);
           await rm(join(this.opts.home, "sandboxes", id), { recursive: true, force: true });
           // A paused sandbox's memory lives on disk, not in the host's page cache.
-          for (const f of ["mem", "vmstate"]) await dropCache(join(cp.dir, f));
+          for (const f of ["mem", "mem.layer", "vmstate"]) await dropCache(join(cp.dir, f));
           await this.collectCheckpoints();
         });
       } catch (e) {
@@ -788,37 +843,52 @@ export class Orchestrator {
     const src = this.get(id);
     if (src.state !== "running" || this.inflight.has(id)) throw new OrchestratorError(409, `sandbox ${id} is ${src.state}, not running`);
     if (!this.store.transition(id, ["running"], "forking")) throw new OrchestratorError(409, `sandbox ${id} is busy`);
-    const cp = await this.track(id, "fork", async () => {
-      const rt = this.runtime(id);
-      const live = this.live.get(id);
-      try {
-        if (!live) throw new OrchestratorError(500, `sandbox ${id} has no VM`);
-        const clock = new PhaseClock();
-        const cp = await this.checkpoint(id, live.vm, rt, { resumable: true }, clock);
-        await live.vm.resume();
-        clock.lap("vmm");
-        this.timings.add("fork-checkpoint", id, clock);
-        return cp;
-      } finally {
-        if (live?.vm.state === "paused") await live.vm.resume().catch(() => {});
-        this.store.transition(id, ["forking"], "running", { runtime: rt });
-      }
-    });
-    const results: ({ rec: SandboxRecord } | { error: OrchestratorError })[] = new Array(count);
-    let next = 0;
-    const worker = async () => {
-      for (let i = next++; i < count; i = next++) {
+    // Devices of the children's own stack, one per child started at once, prepared from the seal on
+    // (while the VMM writes the memory) and replaced as children take them; retired when the fork ends.
+    let preparing: { cp: VmCheckpoint; sent: Promise<void> } | undefined;
+    try {
+      const cp = await this.track(id, "fork", async () => {
+        const rt = this.runtime(id);
+        const live = this.live.get(id);
         try {
-          const rec = await this.createFromCheckpoint(src, cp, timeoutS);
-          results[i] = { rec };
-        } catch (e) {
-          results[i] = { error: e instanceof OrchestratorError ? e : new OrchestratorError(500, (e as Error).message) };
+          if (!live) throw new OrchestratorError(500, `sandbox ${id} has no VM`);
+          const clock = new PhaseClock();
+          const ahead = Math.min(count, this.opts.forkParallelism ?? 4, FORK_PREPARED_MAX);
+          const onSealed = (c: VmCheckpoint) => (preparing = { cp: c, sent: this.prepareDevices(c, src.diskSizeMB, ahead, count) });
+          const cp = await this.checkpoint(id, live.vm, rt, { resumable: true, onSealed }, clock);
+          const resumed = live.vm.resume();
+          // The children's memory device, opened once for all of them (unpinned with their rootfs devices).
+          const memory = cp.memLayers ? this.memDevices.pin(cp.memLayers) : undefined;
+          await resumed;
+          clock.lap("vmm");
+          await memory;
+          clock.lap("memory-device");
+          this.timings.add("fork-checkpoint", id, clock);
+          return cp;
+        } finally {
+          if (live?.vm.state === "paused") await live.vm.resume().catch(() => {});
+          this.store.transition(id, ["forking"], "running", { runtime: rt });
         }
-      }
-    };
-    await Promise.all(Array.from({ length: Math.min(count, this.opts.forkParallelism ?? 4) }, worker));
-    this.collectCheckpointsLater();
-    return results;
+      });
+      const results: ({ rec: SandboxRecord } | { error: OrchestratorError })[] = new Array(count);
+      let next = 0;
+      const worker = async () => {
+        for (let i = next++; i < count; i = next++) {
+          try {
+            const rec = await this.createFromCheckpoint(src, cp, timeoutS);
+            results[i] = { rec };
+          } catch (e) {
+            results[i] = { error: e instanceof OrchestratorError ? e : new OrchestratorError(500, (e as Error).message) };
+          }
+        }
+      };
+      await Promise.all(Array.from({ length: Math.min(count, this.opts.forkParallelism ?? 4) }, worker));
+      this.collectCheckpointsLater();
+      return results;
+    } finally {
+      const p = preparing;
+      if (p) void p.sent.then(() => this.prepareDevices(p.cp, src.diskSizeMB, 0));
+    }
   }
 
   private async createFromCheckpoint(src: SandboxRecord, cp: VmCheckpoint, timeoutS: number | undefined): Promise<SandboxRecord> {
@@ -895,11 +965,12 @@ export class Orchestrator {
   private async storeSnapshot(t: TemplateRecord, cp: VmCheckpoint): Promise<void> {
     const vm = await readSnapshot(cp.dir);
     const files = [{ name: "vmstate", path: vm.statePath }, ...(vm.memPath ? [{ name: "mem", path: vm.memPath }] : []),
-      ...cp.layers.flatMap((path, i) => (typeof path === "string" ? [{ name: `layer-${i}`, path, shared: true }] : []))];
+      ...cp.layers.flatMap((path, i) => (typeof path === "string" ? [{ name: `layer-${i}`, path, shared: true }] : [])),
+      ...(cp.memLayers ?? []).map((path, i) => ({ name: `mem-layer-${i}`, path, shared: true }))];
     // A remote layer stays where it is (its registry): the record names it instead of a file.
     const remote = Object.fromEntries(cp.layers.flatMap((l, i) => (isRemoteLayer(l) ? [[String(i), l]] : [])));
     const meta: StoredSnapshotMeta = {
-      vm, layers: cp.layers.length, envdToken: cp.envdToken, alias: t.alias, names: t.names, cpuCount: t.cpuCount,
+      vm, layers: cp.layers.length, memLayers: cp.memLayers?.length ?? 0, envdToken: cp.envdToken, alias: t.alias, names: t.names, cpuCount: t.cpuCount,
       memoryMB: t.memoryMB, diskSizeMB: t.diskSizeMB, envdVersion: t.envdVersion, sourceSandboxId: t.sourceSandboxId, createdAt: t.createdAt,
       ...(Object.keys(remote).length ? { remote } : {}),
     };
@@ -925,7 +996,11 @@ export class Orchestrator {
         for (const [name, path] of Object.entries(got.paths)) await linkOrCopy(path, join(dir, name));
         const vm: SnapshotInfo = { ...meta.vm, dir, statePath: join(dir, "vmstate"), memPath: got.paths.mem ? join(dir, "mem") : undefined };
         await Bun.write(join(dir, "snapshot.json"), JSON.stringify(vm, null, 1));
-        const cp: VmCheckpoint = { dir, layers: Array.from({ length: meta.layers }, (_, i) => meta.remote?.[String(i)] ?? join(dir, `layer-${i}`)), envdToken: meta.envdToken };
+        const memLayers = Array.from({ length: meta.memLayers ?? 0 }, (_, i) => join(dir, `mem-layer-${i}`));
+        const cp: VmCheckpoint = {
+          dir, layers: Array.from({ length: meta.layers }, (_, i) => meta.remote?.[String(i)] ?? join(dir, `layer-${i}`)), envdToken: meta.envdToken,
+          ...(memLayers.length ? { memLayers } : {}),
+        };
         this.templates.setCheckpoint(t.id, cp);
         return cp;
       } catch (e) {
@@ -977,30 +1052,105 @@ export class Orchestrator {
    * Pauses the VM, writes its device state and memory into a new checkpoint directory and seals the
    * rootfs upper into a layer there (the device carries on over a fresh upper). `resumable`: the
    * VM may run again (memory copied), else the checkpoint takes its memory over. `stop` (a pause):
-   * the VMM is stopped while the rootfs is restacked, so the restack costs only what outlasts it.
+   * the VMM is stopped once its state is written. The rootfs is restacked while the VMM works
+   * (QEMU: from its pause on, which drains and flushes every disk; otherwise once the snapshot
+   * has flushed them), so the restack costs only what outlasts the VMM. `onSealed`: the new
+   * stack, as soon as its layer is sealed (a fork prepares its children's devices meanwhile).
    */
-  private async checkpoint(id: string, vm: Vmm, rt: SandboxRuntime, o: { resumable: boolean; stop?: () => Promise<void> }, clock = new PhaseClock()): Promise<VmCheckpoint> {
+  private async checkpoint(id: string, vm: Vmm, rt: SandboxRuntime, o: { resumable: boolean; stop?: () => Promise<void>; onSealed?: (cp: VmCheckpoint) => void }, clock = new PhaseClock()): Promise<VmCheckpoint> {
     const envdToken = this.store.get(id)?.envdAccessToken ?? null;
     const dir = join(this.opts.home, "checkpoints", `${id}-${randomId(8)}`);
+    const layer = join(dir, "rootfs.layer");
+    const cp: VmCheckpoint = { dir, layers: [...rt.layers, layer], envdToken };
+    let sealed = false;
     try {
       clock.lap("record");
-      await vm.snapshot(dir, { resumable: o.resumable });
-      clock.lap("vmm");
-      const layer = join(dir, "rootfs.layer");
-      const restack = this.blockd.call("restack", { id: rt.rootfsDevice, layerPath: layer });
-      if (o.stop) {
-        const [stopped] = await Promise.allSettled([o.stop().then(() => clock.lap("vmm")), restack]);
-        if (stopped.status === "rejected") throw stopped.reason;
+      // QEMU's stop (vm_stop) drains and flushes the disks: nothing reaches the rootfs after it.
+      const early = vm.kind === "qemu";
+      if (early) {
+        await vm.pause();
+        await mkdir(dir, { recursive: true });
       }
-      await restack;
+      const restack = () => this.blockd.call("restack", { id: rt.rootfsDevice, layerPath: layer }).then(() => {
+        sealed = true;
+        o.onSealed?.(cp);
+      });
+      const sealing = early ? restack() : undefined;
+      const snap = vm.snapshot(dir, { resumable: o.resumable });
+      const vmm = snap.then(async (info) => {
+        clock.lap("vmm");
+        // The dirty pages are read from the VMM process: before it stops or runs on.
+        cp.memLayers = await this.memoryLayers(info, rt.memLayers);
+        clock.lap("memory");
+        if (o.stop) await o.stop();
+        clock.lap("vmm");
+      });
+      const [ran, restacked] = await Promise.allSettled([vmm, sealing ?? snap.then(restack)]);
+      if (restacked.status === "rejected") throw restacked.reason;
+      if (ran.status === "rejected") throw ran.reason;
       clock.lap("restack");
-      rt.layers = [...rt.layers, layer];
-      rt.checkpoints = [...rt.checkpoints, dir];
-      this.store.setRuntime(id, rt);
-      return { dir, layers: rt.layers, envdToken };
+      return cp;
     } catch (e) {
-      await rm(dir, { recursive: true, force: true });
+      if (!sealed) await rm(dir, { recursive: true, force: true });
+      else for (const f of await readdir(dir).catch(() => [] as string[])) if (f !== "rootfs.layer") await rm(join(dir, f), { recursive: true, force: true });
       throw e;
+    } finally {
+      // A sealed layer is a lower of the rootfs from now on, checkpoint or not: the sandbox keeps it.
+      if (sealed) {
+        rt.layers = cp.layers;
+        rt.checkpoints = [...rt.checkpoints, dir];
+        this.store.setRuntime(id, rt);
+      }
+    }
+  }
+
+  /**
+   * A snapshot's memory as layers (docs/vmm.md, "Memory layers"): its delta (the pages dirtied
+   * since the VM's memory image) stacked on `below`, a fresh base layer past memoryLayersMax,
+   * or its whole memory file as a base layer (the file then goes). Undefined: none of these.
+   */
+  private async memoryLayers(snap: SnapshotInfo, below: string[] | undefined): Promise<string[] | undefined> {
+    const out = join(snap.dir, "mem.layer");
+    const d = snap.delta;
+    if (d) {
+      if (!below?.length) throw new OrchestratorError(500, `${snap.dir}: a memory delta with no memory layers below it`);
+      let pagesFile = d.pagesFile;
+      const compact = below.length >= (this.opts.memoryLayersMax ?? MEMORY_LAYERS_MAX);
+      if (compact) {
+        // Compaction: every page of the guest into one base layer (its cost is the guest's size, once in memoryLayersMax pauses).
+        pagesFile = join(snap.dir, "mem.all");
+        await Bun.write(pagesFile, new Uint32Array([0, d.size / d.pageSize]));
+      }
+      await this.blockd.call("memoryLayer", { out, size: d.size, from: { pid: d.pid, address: d.address, pagesFile }, zfile: this.opts.memoryZfile });
+      await rm(d.pagesFile, { force: true });
+      await rm(join(snap.dir, "mem.all"), { force: true });
+      return compact ? [out] : [...below, out];
+    }
+    if (!snap.memPath) return undefined;
+    await this.blockd.call("memoryLayer", { out, size: snap.spec.memMiB * 1024 * 1024, from: { file: snap.memPath }, zfile: this.opts.memoryZfile });
+    await rm(snap.memPath, { force: true });
+    await writeSnapshot({ ...snap, memPath: undefined, memoryImage: true });
+    return [out];
+  }
+
+  /** Sandboxes whose balloon holds memory back: inflated under pressure, deflated when it passes. */
+  private readonly ballooned = new Set<string>();
+
+  /** One pass of the balloon policy (see balloonPressurePct); a VM without a balloon is left alone. */
+  private async relieveMemory(): Promise<void> {
+    const pct = this.opts.balloonPressurePct ?? 10;
+    if (pct <= 0) return;
+    const info = await Bun.file("/proc/meminfo").text();
+    const kb = (k: string) => Number(new RegExp(`^${k}:\\s+(\\d+)`, "m").exec(info)?.[1] ?? NaN);
+    const available = (kb("MemAvailable") / kb("MemTotal")) * 100;
+    const inflate = available < pct;
+    if (!inflate && available < 2 * pct) return;
+    for (const id of [...this.ballooned]) if (!this.live.has(id)) this.ballooned.delete(id);
+    for (const [id, { vm }] of this.live) {
+      if (!vm.spec.balloon || inflate === this.ballooned.has(id) || vm.state !== "running" || this.inflight.has(id)) continue;
+      await vm.balloon(inflate ? Math.max(1, Math.floor(vm.spec.memMiB / 2)) : vm.spec.memMiB);
+      if (inflate) this.ballooned.add(id);
+      else this.ballooned.delete(id);
     }
   }
 
@@ -1015,8 +1165,9 @@ export class Orchestrator {
     if (rootfs) await this.blockd.call("release", { id: rootfs }).catch((e) => console.error(`orchestrator: release ${rootfs}: ${(e as Error).message}`));
   }
 
-  private async release(rt: SandboxRuntime): Promise<void> {
+  private async release(id: string, rt: SandboxRuntime): Promise<void> {
     await this.giveBackDevice(rt.rootfsDevice);
+    this.memDevices.release(id);
     if (rt.slot) await this.opts.egress?.clear(rt.slot).catch((e) => console.error(`orchestrator: clearing the egress policy of ${rt.slot?.netns}: ${(e as Error).message}`));
     if (rt.slot) await this.slots.release(rt.slot).catch(() => {});
     if (rt.runDir) await rm(rt.runDir, { recursive: true, force: true });
@@ -1036,8 +1187,10 @@ export class Orchestrator {
       // A VM this process does not hold (started before a restart): stopped only if it is still
       // the one recorded in its run directory (pids are reused).
       if (!live && rt.runDir) await this.driver.adopt(rt.runDir).then((vm) => vm.stop()).catch(() => {});
-      await this.release(rt);
+      await this.release(id, rt);
       if (rt.upperDir) await rm(rt.upperDir, { recursive: true, force: true });
+      // A paused sandbox's memory device, kept open for its resume, is not wanted any more.
+      if (!o.keepPaused && rt.paused?.memLayers) this.memDevices.forget(rt.paused.memLayers);
     }
     if (!o.keepPaused) {
       this.samples.delete(id);
@@ -1132,6 +1285,7 @@ export class Orchestrator {
    */
   async recover(): Promise<{ adopted: string[]; lost: string[]; paused: string[] }> {
     const out = { adopted: [] as string[], lost: [] as string[], paused: [] as string[] };
+    const devices = await this.blockd.call<{ id: string; path: string; readOnly: boolean; refs: number; config?: { lowers?: unknown[] } }[]>("list");
     for (const r of this.store.all()) {
       const rt = r.runtime as SandboxRuntime | null;
       if (r.state === "paused") { out.paused.push(r.id); continue; }
@@ -1150,6 +1304,8 @@ export class Orchestrator {
           // An interrupted checkpoint left the VM paused; the half-written checkpoint is collected below.
           if (vm.state === "paused") await vm.resume();
           this.live.set(r.id, { vm, slot: rt.slot });
+          const mem = rt.memDevice ? devices.find((d) => d.id === rt.memDevice) : undefined;
+          if (mem && rt.memLayers) this.memDevices.adopt(mem.id, mem.path, rt.memLayers, r.id);
           this.store.transition(r.id, [r.state], "running", { runtime: { ...rt, vmPid: vm.pid } });
           await this.applyEgress(r.id, rt.slot); // the pool's start replaced the host table
           out.adopted.push(r.id);
@@ -1162,6 +1318,13 @@ export class Orchestrator {
       await this.teardown(r.id);
       this.store.delete(r.id);
       out.lost.push(r.id);
+    }
+    // Memory devices the node held before its restart that no adopted VM maps (warm or pinned ones).
+    const held = this.memDevices.ids();
+    for (const d of devices) {
+      const top = d.config?.lowers?.at(-1);
+      if (!d.readOnly || held.has(d.id) || typeof top !== "string" || !/(^|\/)mem(\.layer|-layer-\d+)$/.test(top)) continue;
+      for (let i = 0; i < Math.max(1, d.refs); i++) await this.blockd.call("delete", { id: d.id }).catch(() => {});
     }
     this.collectCheckpointsLater();
     return out;
@@ -1180,7 +1343,8 @@ export class Orchestrator {
       if (!sampling && Date.now() - sampledAt >= METRICS_INTERVAL_MS) {
         sampling = true;
         sampledAt = Date.now();
-        void this.sampleAll().catch(() => {}).finally(() => { sampling = false; });
+        void Promise.all([this.sampleAll().catch(() => {}), this.relieveMemory().catch((e) => console.error(`orchestrator: balloons: ${(e as Error).message}`))])
+          .finally(() => { sampling = false; });
       }
       for (const r of this.store.expired(Date.now(), 64)) {
         if (this.inflight.has(r.id)) continue;

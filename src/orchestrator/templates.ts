@@ -27,6 +27,8 @@ export interface VmCheckpoint {
   layers: TemplateLayer[];
   /** The access token envd held when checkpointed: a restore re-initialises envd with it. */
   envdToken: string | null;
+  /** Memory layers, lowest first: restores map a blockd read-only device over them (none: the snapshot's own memory file). */
+  memLayers?: string[];
 }
 
 export interface TemplateRecord {

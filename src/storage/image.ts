@@ -89,6 +89,23 @@ export class Image {
     }
     this.upperLayer = upper;
   }
+  /**
+   * attachUpper undone (the acquire it was for did not go on): the upper, which nothing may have
+   * written to, and the lowers past the first `keep` come off, the caller's to close or keep.
+   */
+  detachUpper(keep: number): { upper: WritableLayer; above: ReadOnlyLayer[] } {
+    const upper = this.upperLayer;
+    if (!upper) throw new ConfigError("the image has no writable layer to detach");
+    if (upper.index.size) throw new ConfigError("only an upper nothing was written to can be detached", upper.dataPath);
+    if (!Number.isInteger(keep) || keep < 0 || keep > this.lowers.length) throw new ConfigError(`cannot keep ${keep} of ${this.lowers.length} lowers`);
+    const above = this.lowers.splice(keep);
+    if (above.length) {
+      this.merged = new SegmentIndex();
+      this.lowers.forEach((l, tag) => this.addToMerged(l, tag));
+    }
+    this.upperLayer = undefined;
+    return { upper, above };
+  }
   get readOnly(): boolean {
     return !this.upperLayer;
   }

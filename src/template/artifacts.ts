@@ -3,7 +3,7 @@
 
 import { existsSync, mkdirSync, readdirSync, renameSync, rmSync, statSync } from "node:fs";
 import { open } from "node:fs/promises";
-import { join } from "node:path";
+import { basename, dirname, join } from "node:path";
 import { WritableLayer } from "../storage/lsmt/writable_layer.ts";
 
 /** guest/: the build scripts and envd sources (what runs inside the VM). */
@@ -23,6 +23,14 @@ export interface GuestKernel {
   /** Busybox plus the virtio modules; hands over to the tools disk. */
   initrd: string;
   vmlinuz: string;
+  /** The kernel has CONFIG_DAMON_RECLAIM=y (Debian 6.1's cloud kernel does not; guest/kernel/build-firecracker-kernel.sh builds it in). */
+  damonReclaim: boolean;
+}
+
+/** Whether a kernel config file (`config-<version>`) builds DAMON_RECLAIM in. */
+export async function kernelHasDamonReclaim(config: string): Promise<boolean> {
+  const text = await Bun.file(config).text().catch(() => "");
+  return /^CONFIG_DAMON_RECLAIM=y$/m.test(text);
 }
 
 /** A build script's stdout lines, built into `cache`; asynchronous, so a node building its guest keeps serving. */
@@ -42,7 +50,9 @@ const BUILD_TIMEOUT_MS = 10 * 60_000;
 /** Debian's stock cloud kernel with our initramfs. */
 export async function debianKernel(cache = guestCache()): Promise<GuestKernel> {
   const [vmlinux, initrd, vmlinuz] = await run("kernel/fetch-debian-kernel.sh", [], cache);
-  return { vmlinux: vmlinux!, initrd: initrd!, vmlinuz: vmlinuz! };
+  const version = basename(vmlinux!).replace(/^vmlinux-/, "");
+  const damonReclaim = await kernelHasDamonReclaim(join(dirname(vmlinux!), `pkg-${version}`, "boot", `config-${version}`));
+  return { vmlinux: vmlinux!, initrd: initrd!, vmlinuz: vmlinuz!, damonReclaim };
 }
 
 /** The read-only tools disk; with envd, the binary goes in at /agentenv/envd. */
@@ -102,6 +112,8 @@ export interface GuestCmdline {
   httpdRoot?: string;
   /** Kernel console on the serial port (slow under TCG; keep "quiet"). */
   console?: boolean;
+  /** Turn on DAMON_RECLAIM (cold guest pages paged out by the guest itself); only for a kernel that has it (GuestKernel.damonReclaim). */
+  damonReclaim?: boolean;
   extra?: string;
 }
 
@@ -124,6 +136,7 @@ export function guestCmdline(o: GuestCmdline = {}): string {
   if (o.envdPort) parts.push(`aenv.envd_port=${o.envdPort}`);
   if (o.httpdPort) parts.push(`aenv.httpd=${o.httpdPort}`);
   if (o.httpdRoot) parts.push(`aenv.httpd_root=${o.httpdRoot}`);
+  if (o.damonReclaim) parts.push("damon_reclaim.enabled=Y");
   if (o.extra) parts.push(o.extra);
   return parts.filter(Boolean).join(" ");
 }

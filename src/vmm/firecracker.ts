@@ -1,16 +1,18 @@
 // Firecracker driver: its HTTP API over a unix socket (Firecracker's swagger, docs/vmm.md). Upstream rejects unknown fields with a 400, so every request comes from a builder below that
 // emits exactly the documented fields, checks their types and enums, and drops absent optionals.
 
-import { existsSync } from "node:fs";
-import { mkdir, rm, writeFile } from "node:fs/promises";
+import { existsSync, readFileSync, realpathSync } from "node:fs";
+import { chown, copyFile, link, mkdir, readFile, realpath, rename, rm, stat, symlink, writeFile } from "node:fs/promises";
 import { basename, dirname, join, resolve } from "node:path";
-import { readAdoptRecord, writeAdoptRecord } from "./adopt.ts";
-import { probeKvm } from "./qemu.ts";
+import { AdoptedProcess, readAdoptRecord, writeAdoptRecord } from "./adopt.ts";
+import { probeKvm, sparseCopy } from "./qemu.ts";
 import {
   type BalloonInfo,
+  type IoRateLimit,
   type RestoreSpec,
   type SnapshotInfo,
   type SnapshotOptions,
+  type TokenBucketSpec,
   type VmSpec,
   type VmState,
   type Vmm,
@@ -20,7 +22,7 @@ import {
   VmProcess,
   netnsArgv,
 } from "./types.ts";
-import { retryUntilListening, withTimeout } from "./wait.ts";
+import { retryUntilListening } from "./wait.ts";
 
 // ---- request builders -------------------------------------------------------------------------
 
@@ -78,15 +80,9 @@ export const SNAPSHOT_TYPES = ["Full", "Diff"] as const;
 export const MEM_BACKENDS = ["File", "Uffd"] as const;
 export const MMDS_VERSIONS = ["V1", "V2"] as const;
 
-export interface TokenBucket {
-  size: number;
-  refillTimeMs: number;
-  oneTimeBurst?: number;
-}
-export interface RateLimiter {
-  bandwidth?: TokenBucket;
-  ops?: TokenBucket;
-}
+/** Firecracker's TokenBucket and RateLimiter are the VM spec's own shapes (types.ts). */
+export type TokenBucket = TokenBucketSpec;
+export type RateLimiter = IoRateLimit;
 
 export function tokenBucket(field: string, b: TokenBucket): Json {
   return compact({
@@ -288,6 +284,17 @@ export function patchMmds(data: Json): FcRequest {
 export function getMmds(): FcRequest {
   return { method: "GET", path: "/mmds" };
 }
+/** Sandbox metadata as the MMDS data store: string keys (non-empty) to string values, at the top level. */
+export function mmdsData(metadata: Record<string, string>): Json {
+  if (!metadata || typeof metadata !== "object" || Array.isArray(metadata)) bad("metadata", "an object of strings", metadata);
+  const out: Json = {};
+  for (const [k, v] of Object.entries(metadata)) {
+    if (k === "") bad("metadata key", "a non-empty string", k);
+    if (typeof v !== "string") bad(`metadata.${k}`, "a string", v);
+    out[k] = v;
+  }
+  return out;
+}
 
 export interface BalloonConfig {
   amountMib: number;
@@ -319,8 +326,72 @@ export function getBalloon(): FcRequest {
 export function getBalloonStatistics(): FcRequest {
   return { method: "GET", path: "/balloon/statistics" };
 }
+
+/** GET /balloon/statistics, parsed: the balloon's size (always there) and what the guest reported (where it did). */
+export interface BalloonStatistics {
+  targetPages: number;
+  actualPages: number;
+  targetMib: number;
+  actualMib: number;
+  swapIn?: number;
+  swapOut?: number;
+  majorFaults?: number;
+  minorFaults?: number;
+  freeMemory?: number;
+  totalMemory?: number;
+  availableMemory?: number;
+  diskCaches?: number;
+  hugetlbAllocations?: number;
+  hugetlbFailures?: number;
+  oomKill?: number;
+  allocStall?: number;
+  asyncScan?: number;
+  directScan?: number;
+  asyncReclaim?: number;
+  directReclaim?: number;
+}
+/** BalloonStats' required fields (u32 upstream) and its guest-reported optional ones (u64), as reply field → our name. */
+const BALLOON_STATS_REQUIRED = { target_pages: "targetPages", actual_pages: "actualPages", target_mib: "targetMib", actual_mib: "actualMib" } as const;
+const BALLOON_STATS_OPTIONAL = {
+  swap_in: "swapIn", swap_out: "swapOut", major_faults: "majorFaults", minor_faults: "minorFaults", free_memory: "freeMemory", total_memory: "totalMemory",
+  available_memory: "availableMemory", disk_caches: "diskCaches", hugetlb_allocations: "hugetlbAllocations", hugetlb_failures: "hugetlbFailures", oom_kill: "oomKill",
+  alloc_stall: "allocStall", async_scan: "asyncScan", direct_scan: "directScan", async_reclaim: "asyncReclaim", direct_reclaim: "directReclaim",
+} as const;
+/** Balloon pages are 4 KiB whatever the guest's page size: 256 to the MiB (Firecracker's MIB_TO_4K_PAGES). */
+const BALLOON_PAGES_PER_MIB = 256;
+
+/**
+ * Checks a statistics reply field by field: the four sizes are u32 integers, each MiB figure is its
+ * page count / 256, and neither size exceeds the guest's `memMiB`; every guest-reported field present
+ * is a non-negative safe integer. Fields newer than this list are ignored. Protocol error otherwise.
+ */
+export function parseBalloonStats(reply: unknown, memMiB: number): BalloonStatistics {
+  const no = (why: string): never => {
+    throw new VmmError("Protocol", `firecracker GET /balloon/statistics: ${why} in ${JSON.stringify(reply)}`);
+  };
+  if (!reply || typeof reply !== "object" || Array.isArray(reply)) no("not an object");
+  const o = reply as Record<string, unknown>;
+  const out: Record<string, number> = {};
+  for (const [field, name] of Object.entries(BALLOON_STATS_REQUIRED)) {
+    const v = o[field];
+    if (!Number.isSafeInteger(v) || (v as number) < 0 || (v as number) > 0xffff_ffff) no(`${field} is not a u32`);
+    out[name] = v as number;
+  }
+  for (const [field, name] of Object.entries(BALLOON_STATS_OPTIONAL)) {
+    const v = o[field];
+    if (v === undefined) continue;
+    if (!Number.isSafeInteger(v) || (v as number) < 0) no(`${field} is not a non-negative integer`);
+    out[name] = v as number;
+  }
+  const s = out as unknown as BalloonStatistics;
+  if (s.targetMib !== Math.floor(s.targetPages / BALLOON_PAGES_PER_MIB)) no("target_mib is not target_pages / 256");
+  if (s.actualMib !== Math.floor(s.actualPages / BALLOON_PAGES_PER_MIB)) no("actual_mib is not actual_pages / 256");
+  if (s.targetMib > memMiB || s.actualMib > memMiB) no(`a balloon larger than the guest's ${memMiB} MiB`);
+  return s;
+}
 export function patchBalloonStatistics(o: { statsPollingIntervalS: number }): FcRequest {
-  return { method: "PATCH", path: "/balloon/statistics", body: { stats_polling_interval_s: int("stats_polling_interval_s", o.statsPollingIntervalS) } };
+  // Statistics cannot be turned on or off after boot: the new interval is 1 s or more.
+  return { method: "PATCH", path: "/balloon/statistics", body: { stats_polling_interval_s: int("stats_polling_interval_s", o.statsPollingIntervalS, 1) } };
 }
 /** The swagger says PATCH (the prose docs say POST). */
 export function startBalloonHinting(o: { acknowledgeOnStop?: boolean } = {}): FcRequest {
@@ -437,15 +508,112 @@ export function jailerArgs(id: string, execFile: string, j: JailerOptions, firec
   return [...argv, "--", ...firecrackerArgs];
 }
 
+/** A path with its symlinks resolved where it exists (as Rust's canonicalize), else as given. */
+function canonical(path: string): string {
+  try {
+    return realpathSync(path);
+  } catch {
+    return path;
+  }
+}
+
+/** The Firecracker binary as the jailer sees `--exec-file`: found on PATH, then canonicalized (the chroot is named after that file's name). */
+export function canonicalExecFile(bin: string): string {
+  return canonical(bin.includes("/") ? resolve(bin) : (Bun.which(bin) ?? bin));
+}
+
+/** `<chroot_base>/<exec_file_name>/<id>`: the jailer's directory for one VM, its root/ inside (both canonicalized as the jailer does). */
+export function jailDir(id: string, execFile: string, j: JailerOptions): string {
+  return join(canonical(j.chrootBaseDir ?? "/srv/jailer"), basename(canonicalExecFile(execFile)), id);
+}
 /** Where the jailer puts a VM's root: every API path is resolved inside it. */
 export function jailRoot(id: string, execFile: string, j: JailerOptions): string {
-  return join(j.chrootBaseDir ?? "/srv/jailer", basename(execFile), id, "root");
+  return join(jailDir(id, execFile, j), "root");
+}
+/** The jailer writes the pid of the process it execs (after its forks) to `<root>/<exec_file_name>.pid`, in every mode. */
+export function jailPidFile(id: string, execFile: string, j: JailerOptions): string {
+  return join(jailRoot(id, execFile, j), `${basename(canonicalExecFile(execFile))}.pid`);
+}
+
+/** How a host file got into a jail. */
+export type Placement = "link" | "copy" | "bind";
+
+/**
+ * Puts host file `src` at `dst` in a jail: a hard link when both are on one filesystem. Across
+ * filesystems a file read once at start (`once`: kernel, initrd, vmstate) is copied and owned by
+ * the jail's user; one used for the VM's life (`live`: a drive, a block device, the memory file) is
+ * bind-mounted onto an empty file, since a copy would take the guest's writes away from the device.
+ */
+export async function placeInJail(src: string, dst: string, use: "once" | "live", owner?: { uid: number; gid: number }): Promise<Placement> {
+  // link(2) does not follow a symlink: link its target.
+  const from = await realpath(src).catch((e: Error) => {
+    throw new VmmError("StartFailed", `cannot put ${src} into the jail: ${e.message}`);
+  });
+  await rm(dst, { force: true });
+  try {
+    await link(from, dst);
+    return "link";
+  } catch (e) {
+    if ((e as { code?: string }).code !== "EXDEV") throw new VmmError("StartFailed", `cannot link ${from} to ${dst}: ${(e as Error).message}`);
+  }
+  if (use === "once") {
+    await copyFile(from, dst);
+    if (owner) await chown(dst, owner.uid, owner.gid);
+    return "copy";
+  }
+  await writeFile(dst, "");
+  await runTool(["mount", "--bind", from, dst], "StartFailed");
+  return "bind";
+}
+
+/** A mount or umount, bounded (10 s); its stderr in a named error. */
+async function runTool(argv: string[], code: "StartFailed" | "BadState"): Promise<void> {
+  const p = Bun.spawn(argv, { stdin: "ignore", stdout: "ignore", stderr: "pipe", signal: AbortSignal.timeout(10_000), killSignal: "SIGKILL" });
+  const [err] = await Promise.all([new Response(p.stderr).text(), p.exited]);
+  if (p.exitCode !== 0) throw new VmmError(code, `${argv.join(" ")} failed (${p.exitCode ?? p.signalCode}): ${err.trim()}`);
+}
+
+/** Mount points at or below `dir`, from /proc/self/mountinfo (field 5, octal escapes undone). */
+export function mountsUnder(dir: string): string[] {
+  let info = "";
+  try {
+    info = readFileSync("/proc/self/mountinfo", "utf8");
+  } catch {
+    return [];
+  }
+  const out: string[] = [];
+  for (const line of info.split("\n")) {
+    const at = line.split(" ")[4];
+    if (!at) continue;
+    const path = at.replace(/\\([0-7]{3})/g, (_, o: string) => String.fromCharCode(parseInt(o, 8)));
+    if (path === dir || path.startsWith(`${dir}/`)) out.push(path);
+  }
+  return out;
+}
+
+/**
+ * Removes a jail directory: unmounts the bind mounts in it (deepest first), then deletes it. A
+ * mount that stays is BadState and nothing is deleted (a recursive delete must never reach through a mount).
+ */
+export async function cleanJail(dir: string): Promise<void> {
+  for (const m of mountsUnder(dir).sort((a, b) => b.length - a.length)) await runTool(["umount", m], "BadState");
+  const left = mountsUnder(dir);
+  if (left.length) throw new VmmError("BadState", `not removing jail ${dir}: still mounted at ${left.join(", ")}`);
+  await rm(dir, { recursive: true, force: true });
 }
 
 // ---- API client ---------------------------------------------------------------------------------
 
 /** How long a request waits for the API socket to accept (Firecracker binds, then listens). */
 export const API_CONNECT_TIMEOUT_MS = 5_000;
+/** How long a request waits for its answer once connected; snapshot create and load get their own. */
+export const API_REQUEST_TIMEOUT_MS = 10_000;
+/** A snapshot load maps the memory file and restores device state: seconds, not minutes. */
+export const SNAPSHOT_LOAD_TIMEOUT_MS = 30_000;
+/** A snapshot create writes guest memory: 30 s plus 50 ms per MiB (20 MiB/s, a slow disk). */
+export function snapshotCreateTimeoutMs(memMiB: number): number {
+  return 30_000 + memMiB * 50;
+}
 
 export class FirecrackerApi {
   constructor(
@@ -453,24 +621,43 @@ export class FirecrackerApi {
     readonly connectTimeoutMs = API_CONNECT_TIMEOUT_MS,
   ) {}
 
-  async send<T = unknown>(req: FcRequest): Promise<T> {
+  /**
+   * One request: a refused connect is retried until connectTimeoutMs, the answer waited for
+   * timeoutMs (Timeout); an error status, a broken connection or a reply that is not JSON is Protocol.
+   */
+  async send<T = unknown>(req: FcRequest, timeoutMs = API_REQUEST_TIMEOUT_MS): Promise<T> {
+    const what = `firecracker ${req.method} ${req.path} on ${this.socketPath}`;
     const attempt = () =>
       fetch(`http://localhost${req.path}`, {
         unix: this.socketPath,
         method: req.method,
         headers: req.body !== undefined ? { "Content-Type": "application/json", Accept: "application/json" } : { Accept: "application/json" },
         body: req.body !== undefined ? JSON.stringify(req.body) : undefined,
+        signal: AbortSignal.timeout(timeoutMs),
       } as RequestInit);
-    const res = await retryUntilListening(attempt, Date.now() + this.connectTimeoutMs, `firecracker ${req.method} ${req.path} on ${this.socketPath}`);
-    const text = await res.text();
-    if (!res.ok) {
+    let status: number;
+    let text: string;
+    try {
+      const res = await retryUntilListening(attempt, Date.now() + this.connectTimeoutMs, what);
+      status = res.status;
+      text = await res.text();
+    } catch (e) {
+      if (e instanceof VmmError) throw e;
+      if ((e as Error)?.name === "TimeoutError" || (e as Error)?.name === "AbortError") throw new VmmError("Timeout", `${what}: no answer in ${timeoutMs} ms`);
+      throw new VmmError("Protocol", `${what}: ${(e as Error).message}`);
+    }
+    if (status < 200 || status > 299) {
       let msg = text;
       try {
         msg = (JSON.parse(text) as { fault_message?: string }).fault_message ?? text;
       } catch {}
-      throw new VmmError("Protocol", `firecracker ${req.method} ${req.path} → ${res.status}: ${msg}`);
+      throw new VmmError("Protocol", `firecracker ${req.method} ${req.path} → ${status}: ${msg}`);
     }
-    return (text ? JSON.parse(text) : undefined) as T;
+    try {
+      return (text ? JSON.parse(text) : undefined) as T;
+    } catch {
+      throw new VmmError("Protocol", `${what}: the reply is not JSON: ${text.slice(0, 200)}`);
+    }
   }
 }
 
@@ -479,7 +666,7 @@ export class FirecrackerApi {
 export interface FirecrackerOptions {
   /** firecracker binary (default `firecracker` on PATH; the node passes its firecracker_bin setting). */
   binary?: string;
-  /** Run under the jailer; spec paths must then be the paths inside the jail. */
+  /** Run under the jailer; spec paths stay host paths, the driver links them into the jail. */
   jailer?: JailerOptions;
   /** virtio-blk engine for every drive. */
   ioEngine?: (typeof IO_ENGINES)[number];
@@ -503,7 +690,6 @@ export function firecrackerAvailable(o: FirecrackerOptions = {}): { usable: bool
   return kvm.usable ? { usable: true, reason: `${bin} with ${kvm.reason}` } : { usable: false, reason: kvm.reason };
 }
 
-/** The API requests that configure a fresh Firecracker for spec, in the documented order. */
 /**
  * Where Firecracker writes its log and metrics, as paths it opens (inside the jail with the
  * jailer) and as this host sees them: files of the VM's own, never mixed into the console.
@@ -542,21 +728,57 @@ export function capsOf(version: readonly [number, number, number] | undefined): 
   return { freePageReporting: atLeast(FREE_PAGE_REPORTING_SINCE) };
 }
 
+// Paths Firecracker records in a snapshot and reopens at load are names relative to its working
+// directory: the VM's run directory, or the jail's root (the jailer chdirs there). Every VM has its
+// own entries under the same names, so a restore never needs the source VM's files (docs/vmm.md).
+
+/** Drive i's id in the API and in the snapshot: vda, vdb, … in guest order. */
+export function driveId(i: number): string {
+  return `vd${String.fromCharCode(97 + i)}`;
+}
+/** Drive i's path_on_host: a per-VM name (a symlink to the device, or its link in the jail). */
+export function driveName(i: number): string {
+  return `drive-${i}`;
+}
+/** The vsock device's uds_path, a per-VM name too (Firecracker binds it, also at load). */
+export const VSOCK_NAME = "vsock.sock";
+/** Every VM's vsock guest CID: 0-2 are reserved (hypervisor, local, host), and each VM's device is its own. */
+export const GUEST_CID = 3;
+/** The VM's one network interface (its TAP), where MMDS answers too. */
+const IFACE_ID = "eth0";
+
+/** The kernel and initrd as Firecracker opens them: the spec's paths, or their copies at the jail's root. */
+export function bootPaths(spec: Pick<VmSpec, "kernel" | "initrd">, o: FirecrackerOptions = {}): { kernel: string; initrd?: string } {
+  if (!o.jailer) return { kernel: spec.kernel, initrd: spec.initrd };
+  return { kernel: "/vmlinux", initrd: spec.initrd === undefined ? undefined : "/initrd" };
+}
+
+/** MMDS for the sandbox's metadata: V2 (session tokens) on the TAP interface, then the data; before InstanceStart. */
+export function mmdsRequests(spec: Pick<VmSpec, "net" | "metadata">): FcRequest[] {
+  if (spec.metadata === undefined) return [];
+  if (!spec.net) throw new VmmError("BadSpec", "metadata needs a network interface: MMDS answers on one");
+  return [putMmdsConfig({ networkInterfaces: [IFACE_ID], version: "V2" }), putMmds(mmdsData(spec.metadata))];
+}
+
+/** The API requests that configure a fresh Firecracker for spec, in the documented order. */
 export function bootRequests(spec: VmSpec, o: FirecrackerOptions = {}, caps: FirecrackerCaps = capsOf(undefined)): FcRequest[] {
+  const boot = bootPaths(spec, o);
   const reqs: FcRequest[] = [
     ...telemetryRequests(spec, o),
     putMachineConfig({ vcpuCount: spec.vcpus, memSizeMib: spec.memMiB, trackDirtyPages: o.trackDirtyPages }),
-    putBootSource({ kernelImagePath: spec.kernel, initrdPath: spec.initrd, bootArgs: spec.cmdline }),
+    putBootSource({ kernelImagePath: boot.kernel, initrdPath: boot.initrd, bootArgs: spec.cmdline }),
   ];
   spec.drives.forEach((d, i) => {
     // Without an initramfs the kernel mounts drive 0 (the tools disk) itself; Firecracker appends root=.
-    reqs.push(putDrive({ driveId: `vd${String.fromCharCode(97 + i)}`, isRootDevice: i === 0 && !spec.initrd, pathOnHost: d.path, isReadOnly: !!d.readOnly, ioEngine: o.ioEngine }));
+    reqs.push(putDrive({ driveId: driveId(i), isRootDevice: i === 0 && !spec.initrd, pathOnHost: driveName(i), isReadOnly: !!d.readOnly, ioEngine: o.ioEngine, rateLimiter: d.rateLimit }));
   });
   if (spec.net) {
     if (!("tap" in spec.net)) throw new VmmError("Unsupported", "Firecracker networking needs a TAP device (user-mode networking is QEMU's)");
-    reqs.push(putNetworkInterface({ ifaceId: "eth0", hostDevName: spec.net.tap, guestMac: spec.net.mac }));
-  }
+    reqs.push(putNetworkInterface({ ifaceId: IFACE_ID, hostDevName: spec.net.tap, guestMac: spec.net.mac, rxRateLimiter: spec.netRateLimit?.rx, txRateLimiter: spec.netRateLimit?.tx }));
+  } else if (spec.netRateLimit) throw new VmmError("BadSpec", "netRateLimit without a network interface");
+  reqs.push(...mmdsRequests(spec));
   if (spec.balloon) reqs.push(putBalloon({ amountMib: 0, deflateOnOom: true, statsPollingIntervalS: 1, ...(caps.freePageReporting ? { freePageReporting: true } : {}) }));
+  if (spec.vsock) reqs.push(putVsock({ guestCid: GUEST_CID, udsPath: VSOCK_NAME }));
   // virtio-rng on every VM: the guest's CRNG is fed from the host's, so clones of one snapshot do
   // not share a random stream (the entropy device is part of the snapshot a restore loads).
   reqs.push(putEntropy());
@@ -564,7 +786,233 @@ export function bootRequests(spec: VmSpec, o: FirecrackerOptions = {}, caps: Fir
   return reqs;
 }
 
-class FirecrackerVm extends VmProcess implements Vmm {
+/** Rate limits to change on a running (or just loaded) VM: PATCH for each drive and the interface given. */
+export interface RateLimitUpdate {
+  /** By drive index; an absent entry is left as it is. */
+  drives?: (IoRateLimit | undefined)[];
+  net?: { rx?: IoRateLimit; tx?: IoRateLimit };
+}
+export function rateLimitRequests(u: RateLimitUpdate): FcRequest[] {
+  const reqs: FcRequest[] = [];
+  (u.drives ?? []).forEach((r, i) => {
+    if (r) reqs.push(patchDrive({ driveId: driveId(i), rateLimiter: r }));
+  });
+  if (u.net && (u.net.rx || u.net.tx)) reqs.push(patchNetworkInterface({ ifaceId: IFACE_ID, rxRateLimiter: u.net.rx, txRateLimiter: u.net.tx }));
+  return reqs;
+}
+
+/** The drive names a snapshot recorded (SnapshotInfo.extra.drives): a restore makes its own under them. */
+function snapshotDriveNames(n: number): string[] {
+  return Array.from({ length: n }, (_, i) => driveName(i));
+}
+
+/**
+ * The requests that bring a fresh Firecracker up from a snapshot: logger and metrics (not part of a
+ * snapshot), the load (paused; the TAP overridden when it differs), this VM's rate limits where the
+ * restore gives them, its MMDS data (a snapshot keeps the MMDS config, never the data store), Resumed.
+ */
+export function restoreRequests(
+  snap: SnapshotInfo,
+  spec: VmSpec,
+  r: Pick<RestoreSpec, "drives" | "netRateLimit">,
+  files: { statePath: string; memPath: string },
+  o: FirecrackerOptions = {},
+): FcRequest[] {
+  const oldTap = snap.spec.net && "tap" in snap.spec.net ? snap.spec.net.tap : undefined;
+  const newTap = spec.net && "tap" in spec.net ? spec.net.tap : undefined;
+  return [
+    ...telemetryRequests(spec, o),
+    loadSnapshot({
+      snapshotPath: files.statePath,
+      // MAP_PRIVATE of the file: clones share its page cache, their writes stay their own.
+      memBackend: { backendType: "File", backendPath: files.memPath },
+      trackDirtyPages: o.trackDirtyPages,
+      resumeVm: false,
+      networkOverrides: newTap && newTap !== oldTap ? [{ ifaceId: IFACE_ID, hostDevName: newTap }] : undefined,
+    }),
+    ...rateLimitRequests({ drives: r.drives.map((d) => d.rateLimit), net: r.netRateLimit }),
+    ...(spec.metadata !== undefined ? [putMmds(mmdsData(spec.metadata))] : []),
+    patchVm("Resumed"),
+  ];
+}
+
+/**
+ * Full, or Diff where dirty pages are tracked (without tracking a Diff relies on mincore and misses
+ * swapped pages). A Diff holds only the pages written since the VM's memory base: with no base (a
+ * booted VM, never snapshotted) that is all its memory; with one, the base must still exist to be
+ * merged under it, else Full.
+ */
+export function snapshotTypeFor(trackDirtyPages: boolean, memBase: string | null): (typeof SNAPSHOT_TYPES)[number] {
+  if (!trackDirtyPages) return "Full";
+  return memBase === null || existsSync(memBase) ? "Diff" : "Full";
+}
+
+/** Bytes of a memory file: a regular file's size, or a block device's (sysfs sectors × 512). */
+export async function memoryFileSize(path: string): Promise<number> {
+  const st = await stat(path).catch((e: Error) => {
+    throw new VmmError("BadSpec", `memory file ${path}: ${e.message}`);
+  });
+  if (st.isFile()) return st.size;
+  if (!st.isBlockDevice()) throw new VmmError("BadSpec", `memory file ${path} is neither a file nor a block device`);
+  // Linux dev_t: major in bits 8-19, minor in bits 0-7 and 20-31.
+  const dev = `${(st.rdev >>> 8) & 0xfff}:${(st.rdev & 0xff) | ((st.rdev >>> 12) & 0xfff00)}`;
+  const sectors = Number((await readFile(`/sys/dev/block/${dev}/size`, "utf8").catch(() => "")).trim());
+  if (!Number.isSafeInteger(sectors) || sectors <= 0) throw new VmmError("BadSpec", `memory device ${path} (${dev}): no size in /sys/dev/block`);
+  return sectors * 512;
+}
+
+/** A snapshot's memory must be exactly the guest's (Firecracker sizes a snapshot memory file to mem_size_mib). */
+async function checkMemorySize(path: string, memMiB: number): Promise<void> {
+  const size = await memoryFileSize(path);
+  if (size !== memMiB * 1024 * 1024) throw new VmmError("BadSpec", `memory file ${path} has ${size} bytes, the snapshot's guest has ${memMiB} MiB (${memMiB * 1024 * 1024} bytes)`);
+}
+
+/** Whether two paths name one file (device and inode), e.g. a snapshot's memory and its hard link. */
+async function sameFile(a: string, b: string): Promise<boolean> {
+  const [x, y] = await Promise.all([stat(a).catch(() => undefined), stat(b).catch(() => undefined)]);
+  return !!x && !!y && x.dev === y.dev && x.ino === y.ino;
+}
+
+/** Moves a file out of the jail: a rename, or a copy keeping holes across filesystems. */
+async function moveOut(from: string, to: string): Promise<void> {
+  try {
+    await rename(from, to);
+  } catch (e) {
+    if ((e as { code?: string }).code !== "EXDEV") throw new VmmError("Protocol", `cannot move ${from} to ${to}: ${(e as Error).message}`);
+    await sparseCopy(from, to);
+    await rm(from, { force: true });
+  }
+}
+
+/** How one VMM runs: its argv and the places it uses, before anything is spawned. */
+export interface Launch {
+  argv: string[];
+  /** The API socket as this host reaches it. */
+  sock: string;
+  /** Where Firecracker's relative names (drives, vsock) resolve, as this host sees it: the run directory or the jail's root. */
+  hostDir: string;
+  /** The jailer's directory for this VM (`<chroot_base>/<exec_file_name>/<id>`), removed on stop. */
+  jailDir?: string;
+  /** The jail's user, who must own what the driver puts there. */
+  owner?: { uid: number; gid: number };
+  /** The jailer forks (--daemonize or --new-pid-ns) and exits: the VMM's pid is in this file. */
+  pidFile?: string;
+}
+
+export function launchPlan(spec: Pick<VmSpec, "id" | "runDir" | "netnsPath">, o: FirecrackerOptions = {}): Launch {
+  checkVmId(spec.id);
+  const bin = firecrackerBinary(o);
+  if (!o.jailer) {
+    const sock = join(spec.runDir, "firecracker.sock");
+    return { argv: netnsArgv(spec.netnsPath, [bin, "--api-sock", sock, "--id", spec.id], o.nice), sock, hostDir: spec.runDir };
+  }
+  // The jailer canonicalizes --exec-file and names the chroot after it; give it the canonical path.
+  const exec = canonicalExecFile(bin);
+  // The jailer joins the namespace itself (by path) before it execs Firecracker.
+  const j = spec.netnsPath && !o.jailer.netns ? { ...o.jailer, netns: spec.netnsPath } : o.jailer;
+  const root = jailRoot(spec.id, exec, j);
+  return {
+    argv: netnsArgv(undefined, jailerArgs(spec.id, exec, j, ["--api-sock", "/firecracker.sock"]), o.nice),
+    // The jailer's Firecracker binds its socket inside the chroot.
+    sock: join(root, "firecracker.sock"),
+    hostDir: root,
+    jailDir: dirname(root),
+    owner: { uid: j.uid, gid: j.gid },
+    pidFile: j.daemonize || j.newPidNs ? jailPidFile(spec.id, exec, j) : undefined,
+  };
+}
+
+/**
+ * This VM's drives under their per-VM names: symlinks in the run directory to the devices, or
+ * (jailer) their links into the jail; with the jailer also the kernel and initrd, read once at boot.
+ */
+async function stageFiles(spec: VmSpec, l: Launch, withBootFiles: boolean): Promise<void> {
+  for (const [i, d] of spec.drives.entries()) {
+    const at = join(l.hostDir, driveName(i));
+    if (l.jailDir) await placeInJail(d.path, at, "live", l.owner);
+    else {
+      await rm(at, { force: true });
+      await symlink(resolve(d.path), at);
+    }
+  }
+  if (!l.jailDir || !withBootFiles) return;
+  await placeInJail(spec.kernel, join(l.hostDir, "vmlinux"), "once", l.owner);
+  if (spec.initrd !== undefined) await placeInJail(spec.initrd, join(l.hostDir, "initrd"), "once", l.owner);
+}
+
+/** A restore's snapshot files inside its jail, under /restore/ (never where its own snapshots go: /snapshot/). */
+async function stageSnapshotInJail(l: Launch, statePath: string, memPath: string): Promise<{ statePath: string; memPath: string }> {
+  await mkdir(join(l.hostDir, "restore"), { recursive: true });
+  await placeInJail(statePath, join(l.hostDir, "restore/vmstate"), "once", l.owner);
+  await placeInJail(memPath, join(l.hostDir, "restore/mem"), "live", l.owner);
+  return { statePath: "/restore/vmstate", memPath: "/restore/mem" };
+}
+
+/** How often a forked VMM's liveness is checked (it is not our child: no exit notification). */
+const FORKED_POLL_MS = 100;
+
+/**
+ * A VMM the jailer forked off: not our child, so `exited` (null: the code is not ours to read)
+ * resolves once /proc/<pid> is gone, is another process, or is a zombie (its reaper is init, which may be slow).
+ */
+class ForkedProcess implements VmmProcess {
+  private gone = false;
+  killed = false;
+  readonly exited: Promise<number | null>;
+
+  constructor(
+    readonly pid: number,
+    private readonly startTime: string,
+  ) {
+    this.exited = new Promise((resolveExit) => {
+      const t = setInterval(() => {
+        if (this.alive()) return;
+        clearInterval(t);
+        this.gone = true;
+        resolveExit(null);
+      }, FORKED_POLL_MS);
+      t.unref();
+    });
+  }
+  private alive(): boolean {
+    if (AdoptedProcess.startTimeOf(this.pid) !== this.startTime) return false;
+    try {
+      const stat = readFileSync(`/proc/${this.pid}/stat`, "utf8");
+      return !"ZX".includes(stat.slice(stat.lastIndexOf(")") + 2, stat.lastIndexOf(")") + 3));
+    } catch {
+      return false;
+    }
+  }
+  get exitCode(): number | null {
+    return this.gone ? -1 : null;
+  }
+  kill(signal: NodeJS.Signals | number = "SIGTERM"): void {
+    if (this.gone || !this.alive()) return;
+    try {
+      process.kill(this.pid, signal);
+      this.killed = true;
+    } catch {}
+  }
+}
+
+/** What a VM needs beyond its spec: how it was launched and the memory its next Diff snapshot is merged onto. */
+interface VmContext {
+  opts: FirecrackerOptions;
+  launch: Launch;
+  /** The full memory file this VM's memory diverged from (host path): the one it was loaded from or last snapshotted to; null: none (booted). */
+  memBase: string | null;
+}
+
+/** Firecracker's part of the adoption record. */
+interface FirecrackerAdoptRecord {
+  spec: VmSpec;
+  socketPath: string;
+  consoleLog: string;
+  launch?: Launch;
+  memBase?: string | null;
+}
+
+export class FirecrackerVm extends VmProcess implements Vmm {
   readonly kind = "firecracker" as const;
 
   constructor(
@@ -572,10 +1020,16 @@ class FirecrackerVm extends VmProcess implements Vmm {
     proc: VmmProcess,
     readonly api: FirecrackerApi,
     readonly consoleLog: string,
+    private ctx: VmContext,
     state: VmState = "running",
   ) {
     super(spec, proc);
     this._state = state;
+  }
+
+  /** The host side of the vsock device (host-initiated: connect, then `CONNECT <port>\n`; guest-initiated: `<path>_<port>`). */
+  get vsockPath(): string | undefined {
+    return this.spec.vsock ? join(this.ctx.launch.hostDir, VSOCK_NAME) : undefined;
   }
 
   async pause(): Promise<void> {
@@ -589,18 +1043,54 @@ class FirecrackerVm extends VmProcess implements Vmm {
     this._state = "running";
   }
 
+  /**
+   * Paused, then `snapshot/create` into `<dir>/vmstate` and `<dir>/mem` (the VM stays resumable).
+   * A Diff (snapshotTypeFor) is written into a copy of the memory base: Firecracker leaves a memory
+   * file of the guest's size in place and writes the dirty pages over it, so `mem` is always a full
+   * image. With the jailer Firecracker writes under the jail's /snapshot/ and the files move out.
+   */
   async snapshot(dir: string, _opts: SnapshotOptions = {}): Promise<SnapshotInfo> {
     this.need("running", "paused");
     dir = resolve(dir);
     await mkdir(dir, { recursive: true });
-    if (this._state === "running") await this.pause();
     const statePath = join(dir, "vmstate");
     const memPath = join(dir, "mem");
-    // Firecracker writes a full memory file, so the VM stays resumable whatever opts say.
-    await this.api.send(createSnapshot({ snapshotType: "Full", snapshotPath: statePath, memFilePath: memPath }));
-    const info: SnapshotInfo = { vmm: "firecracker", dir, statePath, memPath, spec: this.spec, createdAt: new Date().toISOString() };
+    const base = this.ctx.memBase;
+    // Writing over the file this VM maps would change its memory under it.
+    if (base !== null && (await sameFile(base, memPath))) throw new VmmError("BadSpec", `${memPath} is the memory this VM runs on`);
+    if (this._state === "running") await this.pause();
+    const type = snapshotTypeFor(!!this.ctx.opts.trackDirtyPages, base);
+    const l = this.ctx.launch;
+    const host = l.jailDir ? { state: join(l.hostDir, "snapshot/vmstate"), mem: join(l.hostDir, "snapshot/mem") } : { state: statePath, mem: memPath };
+    await mkdir(dirname(host.mem), { recursive: true });
+    if (l.owner && l.jailDir) await chown(dirname(host.mem), l.owner.uid, l.owner.gid);
+    // Fresh files: Firecracker writes into an existing memory file of the right size in place, under any VM that maps it.
+    await rm(host.state, { force: true });
+    await rm(host.mem, { force: true });
+    if (type === "Diff" && base !== null) {
+      await sparseCopy(base, host.mem);
+      if (l.owner && l.jailDir) await chown(host.mem, l.owner.uid, l.owner.gid);
+    }
+    const inVm = l.jailDir ? { state: "/snapshot/vmstate", mem: "/snapshot/mem" } : host;
+    await this.api.send(createSnapshot({ snapshotType: type, snapshotPath: inVm.state, memFilePath: inVm.mem }), snapshotCreateTimeoutMs(this.spec.memMiB));
+    if (l.jailDir) {
+      await moveOut(host.state, statePath);
+      await moveOut(host.mem, memPath);
+    }
+    const extra: Record<string, unknown> = { snapshotType: type, drives: snapshotDriveNames(this.spec.drives.length) };
+    if (type === "Diff" && base !== null) extra.base = base;
+    const info: SnapshotInfo = { vmm: "firecracker", dir, statePath, memPath, spec: this.spec, createdAt: new Date().toISOString(), extra };
     await Bun.write(join(dir, "snapshot.json"), JSON.stringify(info, null, 1));
+    // Either type resets the dirty log: the next Diff holds what is written from now on, over this file.
+    this.ctx.memBase = memPath;
+    await writeAdoptRecord<FirecrackerAdoptRecord>(this.spec.runDir, this.pid, adoptRecordOf(this));
     return info;
+  }
+
+  /** The balloon's statistics, checked field by field (parseBalloonStats). */
+  async balloonStatistics(): Promise<BalloonStatistics> {
+    if (!this.spec.balloon) throw new VmmError("Unsupported", `VM ${this.id} was started without a balloon device`);
+    return parseBalloonStats(await this.api.send(getBalloonStatistics()), this.spec.memMiB);
   }
 
   async balloon(targetMiB: number): Promise<BalloonInfo> {
@@ -609,8 +1099,23 @@ class FirecrackerVm extends VmProcess implements Vmm {
       throw new VmmError("BadSpec", `balloon target must be 1..${this.spec.memMiB} MiB`);
     // Firecracker's amount is what the balloon holds, i.e. what the guest gives up.
     await this.api.send(patchBalloon({ amountMib: this.spec.memMiB - targetMiB }));
-    const stats = await this.api.send<{ actual_mib: number }>(getBalloonStatistics()).catch(() => undefined);
-    return { actualMiB: stats ? this.spec.memMiB - stats.actual_mib : targetMiB, targetMiB };
+    const stats = await this.balloonStatistics();
+    return { actualMiB: this.spec.memMiB - stats.actualMib, targetMiB };
+  }
+
+  /** New rate limits on the running VM (PATCH merges: an absent bucket stays, a 0-sized one lifts the limit). */
+  async setRateLimits(u: RateLimitUpdate): Promise<void> {
+    this.need("running", "paused");
+    if ((u.drives?.length ?? 0) > this.spec.drives.length) throw new VmmError("BadSpec", `VM ${this.id} has ${this.spec.drives.length} drives`);
+    if (u.net && !this.spec.net) throw new VmmError("BadSpec", `VM ${this.id} has no network interface`);
+    for (const r of rateLimitRequests(u)) await this.api.send(r);
+  }
+
+  /** Replaces the MMDS data store (the guest sees it at once). */
+  async setMetadata(metadata: Record<string, string>): Promise<void> {
+    this.need("running", "paused");
+    if (!this.spec.net || this.spec.metadata === undefined) throw new VmmError("Unsupported", `VM ${this.id} was started without MMDS (metadata)`);
+    await this.api.send(putMmds(mmdsData(metadata)));
   }
 
   async stop(): Promise<void> {
@@ -620,14 +1125,17 @@ class FirecrackerVm extends VmProcess implements Vmm {
     }
     this._state = "stopped";
     await rm(this.api.socketPath, { force: true });
+    if (this.ctx.launch.jailDir) await cleanJail(this.ctx.launch.jailDir);
+  }
+
+  /** For the adoption record. */
+  get context(): VmContext {
+    return this.ctx;
   }
 }
 
-/** Firecracker's part of the adoption record. */
-interface FirecrackerAdoptRecord {
-  spec: VmSpec;
-  socketPath: string;
-  consoleLog: string;
+function adoptRecordOf(vm: FirecrackerVm): FirecrackerAdoptRecord {
+  return { spec: vm.spec, socketPath: vm.api.socketPath, consoleLog: vm.consoleLog, launch: vm.context.launch, memBase: vm.context.memBase };
 }
 
 export class FirecrackerDriver implements VmmDriver {
@@ -649,108 +1157,166 @@ export class FirecrackerDriver implements VmmDriver {
     return this.caps;
   }
 
-  private async start(spec: VmSpec): Promise<{ proc: ReturnType<typeof Bun.spawn>; api: FirecrackerApi; consoleLog: string }> {
-    // Firecracker would refuse it after we spawned it; the id also names the jail directory.
-    checkVmId(spec.id);
+  /** The files this VM's Firecracker opens: a fresh jail (a stale one of the same id removed), its drives under their names, the log and metrics. */
+  private async prepare(spec: VmSpec, l: Launch, withBootFiles: boolean): Promise<void> {
     await mkdir(spec.runDir, { recursive: true });
-    const bin = firecrackerBinary(this.opts);
-    const consoleLog = join(spec.runDir, "console.log");
-    let sock: string;
-    let argv: string[];
-    if (this.opts.jailer) {
-      // The jailer's Firecracker binds its socket inside the chroot.
-      // The jailer joins the namespace itself (by path) before it execs Firecracker.
-      const jailer = spec.netnsPath && !this.opts.jailer.netns ? { ...this.opts.jailer, netns: spec.netnsPath } : this.opts.jailer;
-      argv = jailerArgs(spec.id, bin, jailer, ["--api-sock", "/firecracker.sock"]);
-      sock = join(jailRoot(spec.id, bin, this.opts.jailer), "firecracker.sock");
-    } else {
-      sock = join(spec.runDir, "firecracker.sock");
-      argv = netnsArgv(spec.netnsPath, [bin, "--api-sock", sock, "--id", spec.id], this.opts.nice);
+    if (l.jailDir) {
+      await cleanJail(l.jailDir);
+      await mkdir(l.hostDir, { recursive: true });
     }
-    await rm(sock, { force: true });
+    try {
+      await this.stage(spec, l, withBootFiles);
+    } catch (e) {
+      if (l.jailDir) await cleanJail(l.jailDir).catch(() => {});
+      throw e;
+    }
+  }
+  private async stage(spec: VmSpec, l: Launch, withBootFiles: boolean): Promise<void> {
+    await stageFiles(spec, l, withBootFiles);
+    // Firecracker binds these itself, and a stale socket file would stop it.
+    await rm(l.sock, { force: true });
+    await rm(join(l.hostDir, VSOCK_NAME), { force: true });
     const t = telemetryPaths(spec, this.opts);
     for (const f of [t.hostLog, t.hostMetrics]) {
       await mkdir(dirname(f), { recursive: true });
       await writeFile(f, "");
+      if (l.jailDir && l.owner) await chown(f, l.owner.uid, l.owner.gid);
     }
-    // The guest's serial console is Firecracker's stdout.
+  }
+
+  /** Spawns the VMM (its working directory is where its relative names resolve) and waits for its API socket. */
+  private async start(spec: VmSpec, l: Launch): Promise<{ proc: VmmProcess; api: FirecrackerApi; consoleLog: string }> {
+    const consoleLog = join(spec.runDir, "console.log");
+    // The guest's serial console is Firecracker's stdout (/dev/null once a jailer daemonizes it).
     const out = Bun.file(consoleLog);
-    let proc: ReturnType<typeof Bun.spawn>;
+    let spawned: ReturnType<typeof Bun.spawn>;
     try {
-      proc = Bun.spawn(argv, { stdin: "ignore", stdout: out, stderr: out, detached: true });
+      spawned = Bun.spawn(l.argv, { cwd: l.hostDir, stdin: "ignore", stdout: out, stderr: out, detached: true });
     } catch (e) {
-      throw new VmmError("StartFailed", `cannot run ${argv[0]}: ${(e as Error).message}`);
+      throw new VmmError("StartFailed", `cannot run ${l.argv[0]}: ${(e as Error).message}`);
     }
-    proc.unref();
+    spawned.unref();
     const until = Date.now() + (this.opts.startTimeoutMs ?? 5000);
-    while (!existsSync(sock)) {
-      if (proc.exitCode !== null || Date.now() > until) {
-        if (proc.exitCode === null) proc.kill("SIGKILL");
-        await proc.exited;
-        const log = (await Bun.file(consoleLog).text().catch(() => "")).trim();
-        throw new VmmError("StartFailed", `firecracker ${spec.id} did not open ${sock}${log ? `: ${log}` : ""}`);
-      }
+    const fail = async (proc: VmmProcess, why: string): Promise<never> => {
+      if (proc.exitCode === null) proc.kill("SIGKILL");
+      await proc.exited;
+      const log = (await Bun.file(consoleLog).text().catch(() => "")).trim();
+      throw new VmmError("StartFailed", `firecracker ${spec.id} ${why}${log ? `: ${log}` : ""}`);
+    };
+    const proc = l.pidFile ? await this.forkedVmm(spawned, l.pidFile, until, (why) => fail(spawned, why)) : spawned;
+    while (!existsSync(l.sock)) {
+      if (proc.exitCode !== null || Date.now() > until) await fail(proc, `did not open ${l.sock}`);
       await Bun.sleep(2);
     }
-    await writeAdoptRecord<FirecrackerAdoptRecord>(spec.runDir, proc.pid, { spec, socketPath: sock, consoleLog });
-    return { proc, api: new FirecrackerApi(sock), consoleLog };
+    await writeAdoptRecord<FirecrackerAdoptRecord>(spec.runDir, proc.pid, { spec, socketPath: l.sock, consoleLog, launch: l, memBase: null });
+    return { proc, api: new FirecrackerApi(l.sock), consoleLog };
+  }
+
+  /** With --daemonize or --new-pid-ns the jailer exits 0 once it has forked: the VMM is the pid in its pid file. */
+  private async forkedVmm(jailer: ReturnType<typeof Bun.spawn>, pidFile: string, until: number, fail: (why: string) => Promise<never>): Promise<VmmProcess> {
+    const code = await Promise.race([jailer.exited, Bun.sleep(Math.max(0, until - Date.now())).then(() => "timeout" as const)]);
+    if (code !== 0) return fail(code === "timeout" ? "jailer did not exit after forking" : `jailer exited with ${code}`);
+    for (;;) {
+      const pid = Number((await readFile(pidFile, "utf8").catch(() => "")).trim());
+      const startTime = Number.isSafeInteger(pid) && pid > 0 ? AdoptedProcess.startTimeOf(pid) : undefined;
+      if (startTime !== undefined) return new ForkedProcess(pid, startTime);
+      if (Date.now() > until) return fail(`left no live pid in ${pidFile}`);
+      await Bun.sleep(5);
+    }
+  }
+
+  /** Starts, then sends reqs; on any failure the VM is stopped (its jail removed) and the error thrown. */
+  private async run(spec: VmSpec, l: Launch, memBase: string | null, reqs: (vm: FirecrackerVm) => Promise<void>): Promise<FirecrackerVm> {
+    let started;
+    try {
+      started = await this.start(spec, l);
+    } catch (e) {
+      if (l.jailDir) await cleanJail(l.jailDir).catch(() => {});
+      throw e;
+    }
+    const vm = new FirecrackerVm(spec, started.proc, started.api, started.consoleLog, { opts: this.opts, launch: l, memBase });
+    try {
+      await reqs(vm);
+    } catch (e) {
+      await vm.stop().catch(() => {});
+      throw e;
+    }
+    await writeAdoptRecord<FirecrackerAdoptRecord>(spec.runDir, vm.pid, adoptRecordOf(vm));
+    return vm;
   }
 
   async adopt(runDir: string): Promise<Vmm> {
     const { proc, driver: rec } = await readAdoptRecord<FirecrackerAdoptRecord>(runDir);
     const api = new FirecrackerApi(rec.socketPath);
     // GET / answers the instance info; its state is "Running", "Paused" or "Not started".
-    const info = await api.send<{ state?: string }>({ method: "GET", path: "/" }).catch((e) => {
+    const info = await api.send<{ state?: string }>(getInstanceInfo()).catch((e) => {
       throw new VmmError("BadState", `the VM of ${runDir} does not answer on its API socket: ${(e as Error).message}`);
     });
-    return new FirecrackerVm(rec.spec, proc, api, rec.consoleLog, info?.state === "Paused" ? "paused" : "running");
+    const launch = rec.launch ?? { argv: [], sock: rec.socketPath, hostDir: rec.spec.runDir };
+    return new FirecrackerVm(rec.spec, proc, api, rec.consoleLog, { opts: this.opts, launch, memBase: rec.memBase ?? null }, info?.state === "Paused" ? "paused" : "running");
   }
 
   async boot(spec: VmSpec): Promise<Vmm> {
-    spec = { ...spec, runDir: resolve(spec.runDir) };
+    // Absolute paths: Firecracker's working directory is the VM's run directory.
+    spec = { ...spec, runDir: resolve(spec.runDir), kernel: spec.kernel && resolve(spec.kernel), ...(spec.initrd ? { initrd: resolve(spec.initrd) } : {}) };
+    // Every check before any process: the id (it also names the jail) and the whole request sequence.
+    const l = launchPlan(spec, this.opts);
+    bootRequests(spec, this.opts);
     const reqs = bootRequests(spec, this.opts, await this.capabilities());
-    const { proc, api, consoleLog } = await this.start(spec);
-    const vm = new FirecrackerVm(spec, proc, api, consoleLog);
-    try {
-      for (const r of reqs) await withTimeout(api.send(r), 10_000, `${r.method} ${r.path}`);
-    } catch (e) {
-      await vm.stop();
-      throw e;
-    }
-    return vm;
+    await this.prepare(spec, l, true);
+    return this.run(spec, l, null, async (vm) => {
+      for (const r of reqs) await vm.api.send(r);
+    });
   }
 
   async restore(snap: SnapshotInfo, r: RestoreSpec): Promise<Vmm> {
+    // Every check before any process starts.
     if (snap.vmm !== "firecracker") throw new VmmError("BadSpec", `a ${snap.vmm} snapshot cannot be restored by Firecracker`);
-    if (!snap.memPath) throw new VmmError("BadSpec", "Firecracker snapshot without a memory file");
+    checkVmId(r.id);
+    const given = r.memImage ?? snap.memPath;
+    if (!given) throw new VmmError("BadSpec", "Firecracker snapshot without a memory file or image");
+    // Absolute: Firecracker's working directory is the new VM's own.
+    const memory = resolve(given);
+    const statePath = resolve(snap.statePath);
     const old = snap.spec;
+    const names = snapshotDriveNames(old.drives.length);
+    // Firecracker reopens the drive paths the snapshot recorded; only per-VM names let another VM's files be opened.
+    if (JSON.stringify(snap.extra?.drives) !== JSON.stringify(names)) throw new VmmError("BadSpec", `${snap.dir}: the snapshot records no per-VM drive names (${names.join(", ")}); take it again`);
     if (r.drives.length !== old.drives.length) throw new VmmError("BadSpec", `restore needs ${old.drives.length} drives`);
+    r.drives.forEach((d, i) => {
+      if (!!d.readOnly !== !!old.drives[i]!.readOnly) throw new VmmError("BadSpec", `drive ${i} must be ${old.drives[i]!.readOnly ? "read-only" : "writable"} as at snapshot time`);
+    });
     if (r.net && !("tap" in r.net)) throw new VmmError("Unsupported", "Firecracker networking needs a TAP device");
-    const spec: VmSpec = { ...old, id: r.id, runDir: resolve(r.runDir), drives: r.drives, net: r.net, netnsPath: r.netnsPath };
-    const { proc, api, consoleLog } = await this.start(spec);
-    const vm = new FirecrackerVm(spec, proc, api, consoleLog);
+    if (!!r.net !== !!old.net) throw new VmmError("BadSpec", `the snapshot's VM had ${old.net ? "a" : "no"} network interface`);
+    if (r.netRateLimit && !r.net) throw new VmmError("BadSpec", "netRateLimit without a network interface");
+    // The MMDS config comes with the snapshot: a VM that had none cannot get data.
+    if (r.metadata !== undefined && old.metadata === undefined) throw new VmmError("BadSpec", "metadata for a restore whose snapshot's VM had no MMDS");
+    if (!existsSync(statePath)) throw new VmmError("BadSpec", `no snapshot state at ${statePath}`);
+    await checkMemorySize(memory, old.memMiB);
+    const spec: VmSpec = {
+      ...old,
+      id: r.id,
+      runDir: resolve(r.runDir),
+      drives: r.drives,
+      net: r.net,
+      netnsPath: r.netnsPath,
+      metadata: r.metadata ?? old.metadata,
+      netRateLimit: r.netRateLimit ?? old.netRateLimit,
+    };
+    const l = launchPlan(spec, this.opts);
+    const reqsFor = (files: { statePath: string; memPath: string }) => restoreRequests(snap, spec, r, files, this.opts);
+    reqsFor({ statePath, memPath: memory });
+    await this.prepare(spec, l, false);
+    let files = { statePath, memPath: memory };
     try {
-      for (const q of telemetryRequests(spec, this.opts)) await api.send(q);
-      const oldTap = old.net && "tap" in old.net ? old.net.tap : undefined;
-      const newTap = r.net && "tap" in r.net ? r.net.tap : undefined;
-      await api.send(
-        loadSnapshot({
-          snapshotPath: snap.statePath,
-          // MAP_PRIVATE of the file: clones share its page cache, their writes stay their own.
-          memBackend: { backendType: "File", backendPath: snap.memPath },
-          trackDirtyPages: this.opts.trackDirtyPages,
-          resumeVm: false,
-          networkOverrides: newTap && newTap !== oldTap ? [{ ifaceId: "eth0", hostDevName: newTap }] : undefined,
-        }),
-      );
-      // Load reopens the snapshot-time drive paths; point each drive at this VM's own device.
-      for (let i = 0; i < r.drives.length; i++)
-        if (r.drives[i]!.path !== old.drives[i]!.path) await api.send(patchDrive({ driveId: `vd${String.fromCharCode(97 + i)}`, pathOnHost: r.drives[i]!.path }));
-      await api.send(patchVm("Resumed"));
+      if (l.jailDir) files = await stageSnapshotInJail(l, statePath, memory);
     } catch (e) {
-      await vm.stop();
+      await cleanJail(l.jailDir!).catch(() => {});
       throw e;
     }
-    return vm;
+    const reqs = reqsFor(files);
+    return this.run(spec, l, memory, async (vm) => {
+      for (const q of reqs) await vm.api.send(q, q.path === "/snapshot/load" ? SNAPSHOT_LOAD_TIMEOUT_MS : undefined);
+    });
   }
 }

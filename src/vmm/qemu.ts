@@ -4,7 +4,7 @@
 // KVM when it is usable, TCG otherwise (docs/vmm.md).
 
 import { accessSync, constants, existsSync, readFileSync } from "node:fs";
-import { link, mkdir, rm } from "node:fs/promises";
+import { link, mkdir, rm, stat } from "node:fs/promises";
 import { dirname, join, resolve } from "node:path";
 import { QmpClient } from "./qmp.ts";
 import { readAdoptRecord, writeAdoptRecord } from "./adopt.ts";
@@ -24,6 +24,7 @@ import {
   netnsArgv,
 } from "./types.ts";
 import { withTimeout } from "./wait.ts";
+import { dirtyRuns, mappingOf, PAGE_SIZE } from "./pagemap.ts";
 
 export type Accel = "kvm" | "tcg";
 
@@ -106,7 +107,7 @@ export function qemuArgs(l: QemuLaunch): string[] {
     "-nodefaults", "-no-user-config", "-nographic",
     // A guest reboot or panic ends the process instead of booting again behind our back.
     "-no-reboot",
-    "-M", "microvm,acpi=on,memory-backend=ram0",
+    "-M", `${MACHINE},acpi=on,memory-backend=ram0`,
     "-accel", l.accel,
     "-cpu", l.accel === "kvm" ? "host" : "max",
     "-smp", String(spec.vcpus),
@@ -124,7 +125,8 @@ export function qemuArgs(l: QemuLaunch): string[] {
     );
   });
   args.push(...netArgs(spec.net));
-  if (spec.balloon) args.push("-device", "virtio-balloon-device,deflate-on-oom=on");
+  // Free pages the guest reports go back to the host (2 MiB at a time, a few seconds after they are freed).
+  if (spec.balloon) args.push("-device", "virtio-balloon-device,deflate-on-oom=on,free-page-reporting=on");
   args.push(
     "-serial", `file:${l.consoleLog}`,
     "-qmp", `unix:${l.qmpSocket},server=on,wait=off`,
@@ -237,6 +239,7 @@ class QemuVm extends VmProcess implements Vmm {
     const statePath = join(dir, "vmstate");
     if (this._state === "running") await this.pause();
     const sharedRam = this.launch.ram.share;
+    if (!sharedRam) return this.deltaSnapshot(dir, statePath, opts);
     // The 7.2 default of 128 MiB/s would throttle a stream that carries RAM.
     await this.qmp.execute("migrate-set-parameters", { "max-bandwidth": 100 * 1024 * MiB });
     await this.qmp.execute("migrate-set-capabilities", { capabilities: [{ capability: "x-ignore-shared", state: sharedRam }] });
@@ -274,6 +277,38 @@ class QemuVm extends VmProcess implements Vmm {
     };
     await Bun.write(join(dir, "snapshot.json"), JSON.stringify(info, null, 1));
     return info;
+  }
+
+  /**
+   * A VM on a private mapping of its memory image: its dirty pages are the mapping's anonymous
+   * pages (pagemap.ts), left in the stopped process for the caller to write out, and the stream
+   * is device state only (`xen-save-devices-state`: no RAM section), so the snapshot costs what
+   * the guest dirtied, not what it holds.
+   */
+  private async deltaSnapshot(dir: string, statePath: string, opts: SnapshotOptions): Promise<SnapshotInfo> {
+    const size = this.spec.memMiB * MiB;
+    const map = await mappingOf(this.pid, this.launch.ram.path);
+    if (map.length !== size) throw new VmmError("BadState", `VM ${this.id} maps ${map.length} bytes of ${this.launch.ram.path}, not ${size}`);
+    const { runs, dirty } = await dirtyRuns(this.pid, map.address, size / PAGE_SIZE);
+    const pagesFile = join(dir, "mem.pages");
+    await Bun.write(pagesFile, runs);
+    const devices = join(dir, "devices.tmp");
+    await this.qmp.execute("xen-save-devices-state", { filename: devices, live: false });
+    await Bun.write(statePath, deviceOnlyStream(new Uint8Array(await Bun.file(devices).arrayBuffer())));
+    await rm(devices, { force: true });
+    // Not resumable: the pages are the caller's to take, and running on would change them.
+    if (!opts.resumable) this._state = "snapshotted";
+    const info: SnapshotInfo = {
+      vmm: "qemu",
+      dir,
+      statePath,
+      spec: this.spec,
+      createdAt: new Date().toISOString(),
+      memoryImage: true,
+      extra: { ignoreShared: false, accel: this.launch.accel, tscKhz: this.launch.tscKhz },
+    };
+    await Bun.write(join(dir, "snapshot.json"), JSON.stringify(info, null, 1));
+    return { ...info, delta: { pid: this.pid, address: map.address, size, pageSize: PAGE_SIZE, pagesFile, pages: dirty } };
   }
 
   async balloon(targetMiB: number): Promise<BalloonInfo> {
@@ -405,14 +440,30 @@ export class QemuDriver implements VmmDriver {
     const p = this.paths(spec.runDir);
     const ignoreShared = snap.extra?.ignoreShared === true;
     let ram: RamBacking;
-    if (snap.memPath) ram = { path: snap.memPath, share: false };
+    if (snap.memoryImage && !r.memImage) throw new VmmError("BadSpec", `snapshot ${snap.dir} keeps its memory in layers: restore needs memImage`);
+    // A memory image of another size, or a stream in another accelerator's terms, fails QEMU half-way: refuse first.
+    const memory = r.memImage ?? snap.memPath;
+    if (memory !== undefined) {
+      const bytes = await stat(memory).then((st) => st.size, () => undefined);
+      if (bytes === undefined) throw new VmmError("BadSpec", `${memory} does not exist`);
+      if (bytes !== old.memMiB * MiB) throw new VmmError("BadSpec", `memory image ${memory} holds ${bytes} bytes, the snapshot's VM has ${old.memMiB} MiB`);
+    }
+    const snapAccel = snap.extra?.accel as Accel | undefined;
+    if (snapAccel !== undefined && snapAccel !== this.accel) throw new VmmError("BadSpec", `snapshot ${snap.dir} was taken under ${snapAccel}; this host runs QEMU with ${this.accel}`);
+    if (r.memImage) ram = { path: resolve(r.memImage), share: false };
+    else if (snap.memPath) {
+      // QEMU 7.2 discards a private mapping's pages (balloon, free page reporting) by punching its
+      // file first: with a balloon, only a read-only device (which refuses the punch) may back RAM.
+      if (old.balloon) throw new VmmError("BadSpec", `snapshot ${snap.dir} has a balloon: restore it from a read-only memory image (memImage), not its mem file, which the balloon would punch`);
+      ram = { path: snap.memPath, share: false };
+    }
     else {
       // RAM comes in the stream: load it into a shared file of our own, so our next snapshot is cheap.
       ram = { path: resolve(r.memFile ?? join(spec.runDir, "ram")), share: true };
       await rm(ram.path, { force: true });
     }
     // The accelerator and TSC must match the source: the stream holds CPU state in its terms.
-    const accel = (snap.extra?.accel as Accel | undefined) ?? this.accel;
+    const accel = snapAccel ?? this.accel;
     const tscKhz = (snap.extra?.tscKhz as number | undefined) ?? this.tscKhz;
     const launch: QemuLaunch = { spec, accel, ram, ...p, incoming: true, tscKhz };
     const { proc, qmp } = await this.start(launch, p.qemuLog);
@@ -439,6 +490,40 @@ export class QemuDriver implements VmmDriver {
     }
     return vm;
   }
+}
+
+/** The machine type of every VM here; a migration stream names it in its configuration section. */
+const MACHINE = "microvm";
+// Migration stream bytes (QEMU migration/savevm.c): section types and the file header.
+const QEMU_VM_CONFIGURATION = 0x07;
+const QEMU_VM_VMDESCRIPTION = 0x06;
+const STREAM_HEADER = 8; // "QEVM" magic + version 3, both big-endian u32
+
+/**
+ * `xen-save-devices-state` writes the header, the device sections and EOF, but a microvm's
+ * loader wants a configuration section after the header (the machine name; no capability
+ * subsection, so the restore runs with x-ignore-shared off) and a VM description after EOF.
+ */
+export function deviceOnlyStream(saved: Uint8Array): Uint8Array {
+  const magic = new DataView(saved.buffer, saved.byteOffset, saved.byteLength);
+  if (saved.length < STREAM_HEADER + 1 || magic.getUint32(0) !== 0x5145564d || magic.getUint32(4) !== 3)
+    throw new VmmError("Protocol", "xen-save-devices-state wrote no QEMU migration stream");
+  const name = new TextEncoder().encode(MACHINE);
+  const desc = new TextEncoder().encode("{}");
+  const out = new Uint8Array(saved.length + 5 + name.length + 5 + desc.length);
+  const v = new DataView(out.buffer);
+  out.set(saved.subarray(0, STREAM_HEADER));
+  let at = STREAM_HEADER;
+  out[at++] = QEMU_VM_CONFIGURATION;
+  v.setUint32(at, name.length);
+  out.set(name, at + 4);
+  at += 4 + name.length;
+  out.set(saved.subarray(STREAM_HEADER), at);
+  at += saved.length - STREAM_HEADER;
+  out[at++] = QEMU_VM_VMDESCRIPTION;
+  v.setUint32(at, desc.length);
+  out.set(desc, at + 4);
+  return out;
 }
 
 /** QEMU's part of the adoption record: how it was launched (QMP socket, RAM file, spec). */

@@ -8,6 +8,21 @@ export interface DriveSpec {
   /** A regular file (a blockd FUSE device, an image) or a block device. */
   path: string;
   readOnly?: boolean;
+  /** Bandwidth and ops limits of this drive (Firecracker's rate_limiter; QEMU ignores it). */
+  rateLimit?: IoRateLimit;
+}
+
+/** A token bucket: `size` tokens, refilled in full over `refillTimeMs`; `oneTimeBurst` extra tokens once at start. */
+export interface TokenBucketSpec {
+  size: number;
+  refillTimeMs: number;
+  oneTimeBurst?: number;
+}
+
+/** One device's I/O limits: a bytes bucket (bandwidth) and an operations bucket (ops); a 0-sized bucket is no limit. */
+export interface IoRateLimit {
+  bandwidth?: TokenBucketSpec;
+  ops?: TokenBucketSpec;
 }
 
 /** A host port forwarded to a guest port (QEMU user networking; traffic stays on 127.0.0.1). */
@@ -49,6 +64,12 @@ export interface VmSpec {
    * slot's `netnsPath`), so `net: {tap}` names a TAP inside it. The VMM keeps its pid.
    */
   netnsPath?: string;
+  /** Guest network limits, received (rx) and sent (tx) by the guest (Firecracker only). */
+  netRateLimit?: { rx?: IoRateLimit; tx?: IoRateLimit };
+  /** Sandbox metadata the guest reads from Firecracker's MMDS (V2, on the TAP interface; needs `net`). */
+  metadata?: Record<string, string>;
+  /** A virtio-vsock device (Firecracker: guest CID 3, host side `<runDir>/vsock.sock`). */
+  vsock?: boolean;
 }
 
 /** What a restore needs that is not in the snapshot: this VM's own disks, network and files. */
@@ -61,8 +82,17 @@ export interface RestoreSpec {
   net?: NetSpec;
   /** Where the restored VM's own RAM file goes when the snapshot carries RAM in its stream. */
   memFile?: string;
+  /**
+   * The snapshot's memory served from elsewhere (a blockd read-only device over its memory layers),
+   * mapped copy-on-write instead of `memPath`. Required for a snapshot with `memoryImage` set.
+   */
+  memImage?: string;
   /** This VM's own network namespace path (not inherited from the snapshot: each restore has its slot). */
   netnsPath?: string;
+  /** This VM's MMDS data (a snapshot keeps none of it); default the snapshot spec's `metadata`. */
+  metadata?: Record<string, string>;
+  /** Network limits to set after the load; default: the snapshot's, which the load keeps. */
+  netRateLimit?: { rx?: IoRateLimit; tx?: IoRateLimit };
 }
 
 /** A snapshot on disk: enough to start any number of VMs from it. */
@@ -77,8 +107,30 @@ export interface SnapshotInfo {
   /** The spec the VM ran with; restores reuse kernel, cmdline, vcpus, memory and device layout. */
   spec: VmSpec;
   createdAt: string;
+  /**
+   * Memory is an image given at restore (`RestoreSpec.memImage`): the state stream holds device
+   * state only and `memPath` is absent. Set on snapshots of a VM that ran on a memory image.
+   */
+  memoryImage?: boolean;
+  /**
+   * The pages this VM dirtied since its memory image, still in the stopped VMM process: the caller
+   * writes them into a memory layer (stacked on the image's) before it stops or resumes the VM.
+   */
+  delta?: MemoryDelta;
   /** VMM-specific details (QEMU: whether the stream skipped shared RAM). */
   extra?: Record<string, unknown>;
+}
+
+/** Where the dirty pages of a paused VM are: guest page p is at `address + p * pageSize` in `pid`'s memory. */
+export interface MemoryDelta {
+  pid: number;
+  address: number;
+  /** Bytes of guest RAM (the memory image's size). */
+  size: number;
+  pageSize: number;
+  /** Dirty pages as runs: little-endian u32 pairs (first page, page count), ascending. */
+  pagesFile: string;
+  pages: number;
 }
 
 export interface SnapshotOptions {
@@ -203,4 +255,10 @@ export abstract class VmProcess {
 /** Reads snapshot.json from a snapshot directory. */
 export async function readSnapshot(dir: string): Promise<SnapshotInfo> {
   return (await Bun.file(`${dir}/snapshot.json`).json()) as SnapshotInfo;
+}
+
+/** Records a snapshot's description (never its transient `delta`) as readSnapshot reads it. */
+export async function writeSnapshot(info: SnapshotInfo): Promise<void> {
+  const { delta: _, ...kept } = info;
+  await Bun.write(`${info.dir}/snapshot.json`, JSON.stringify(kept, null, 1));
 }

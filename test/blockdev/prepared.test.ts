@@ -63,6 +63,32 @@ test("Image.attachUpper: a fresh upper goes on a lowers-only image (writes land 
   await image.close();
 });
 
+test("Image.detachUpper: an attach undone takes the upper and the lowers it stacked off (the image reads as before); an upper written to stays", async () => {
+  const dir = scratchDir("detach-upper");
+  const base = await makeLayer(join(dir, "base.sealed"), SIZE, 0, new Uint8Array(4096).fill(0x3c));
+  const own = await makeLayer(join(dir, "own.sealed"), SIZE, 0, new Uint8Array(4096).fill(0x11));
+  const image = await Image.open({ lowers: [{ file: base }] });
+  const upper = await WritableLayer.create(join(dir, "u"), join(dir, "i"), { virtualSize: SIZE });
+  const read = async () => {
+    const b = new Uint8Array(4096);
+    await image.read(b, 0);
+    return b[0];
+  };
+  image.attachUpper(upper, await Image.openLowers({ lowers: [{ file: own }] }, 0));
+  expect(await read()).toBe(0x11);
+  const off = image.detachUpper(1);
+  expect(off.upper).toBe(upper);
+  expect(off.above).toHaveLength(1);
+  for (const l of off.above) await l.close();
+  expect(image.readOnly).toBe(true);
+  expect(image.lowers).toHaveLength(1);
+  expect(await read()).toBe(0x3c);
+  image.attachUpper(upper); // fresh still: it goes on again
+  await image.write(new Uint8Array(4096).fill(0x55), 4096);
+  expect(() => image.detachUpper(1)).toThrow("nothing was written to");
+  await image.close();
+});
+
 describe.skipIf(!haveFuse)("prepared pool devices", async () => {
   if (!haveFuse) return void test.skip("needs root and /dev/fuse", () => {});
   const { dir, state, client } = await startBlockd("blockd-prepared", { pool: 1 });
@@ -171,6 +197,46 @@ describe.skipIf(!haveFuse)("prepared pool devices", async () => {
     expect((await client.call("stats", { id: b.id })).size).toBe(2 * SIZE);
     expect(preparedOf(await list()).map((d) => d.id).sort()).toEqual(before);
     for (const d of [a, b]) await client.call("release", { id: d.id });
+  }, 60_000);
+
+  test("a target for a number of acquires (a fork's children): its devices are replaced until the last of them, then it ends and none stays prepared", async () => {
+    await client.call("prepare", { lowers, size: SIZE, count: 0 });
+    await settled(0);
+    expect(await client.call("prepare", { lowers, size: SIZE, count: 2, acquires: 3 })).toMatchObject({ count: 2, ready: 2 });
+    const devs: Dev[] = [];
+    for (let i = 0; i < 3; i++) {
+      devs.push(await client.call("acquire", { lowers, upperDir: join(dir, `child-${i}`), size: SIZE }));
+      await settled(Math.min(2, 2 - i)); // 2 ready while 2 acquires are to come; then 1; then none
+    }
+    expect(devs.map((d) => d.prepared)).toEqual([true, true, true]);
+    // Nothing refills it afterwards: a fourth acquire is a plain one.
+    const fourth: Dev = await client.call("acquire", { lowers, upperDir: join(dir, "child-3"), size: SIZE });
+    expect(fourth.prepared).toBe(false);
+    await Bun.sleep(200);
+    expect(preparedOf(await list())).toEqual([]);
+    for (const d of [...devs, fourth]) await client.call("release", { id: d.id });
+    for (const acquires of [1, 1025, 2.5]) expect((await failure(client.call("prepare", { lowers, size: SIZE, count: 2, acquires })))?.name).toBe("BadRequest");
+  }, 60_000);
+
+  test("an acquire over a prepared stack that does not go on (its upperDir not empty) closes the layers it opened above and leaves the device prepared, its above.json blank", async () => {
+    await client.call("prepare", { lowers, size: SIZE, count: 1 });
+    await settled(1);
+    const [ready] = preparedOf(await list());
+    const own = await makeLayer(join(dir, "own-2.sealed"), SIZE, 1 * MiB + 4096, new Uint8Array(4096).fill(0x22));
+    const busyDir = join(dir, "not-empty-2");
+    mkdirSync(busyDir, { recursive: true });
+    writeFileSync(join(busyDir, "someone-elses"), "x");
+    const a: Dev = await client.call("acquire", { lowers: [...lowers, own], upperDir: busyDir, size: SIZE });
+    expect(a.prepared).toBe(false);
+    expect(preparedOf(await list()).map((d) => d.id)).toEqual([ready!.id]);
+    expect(readFileSync(join(state, "prepared", ready!.id, "above.json"), "utf8").trim()).toBe("");
+    // It serves the next acquire of the same stack, from a fresh upperDir.
+    const b: Dev = await client.call("acquire", { lowers: [...lowers, own], upperDir: join(dir, "resumed-2"), size: SIZE });
+    expect(b).toMatchObject({ id: ready!.id, prepared: true });
+    expect(readAll(b.path, 4096, 1 * MiB + 4096).every((x) => x === 0x22)).toBe(true);
+    for (const d of [a, b]) await client.call("release", { id: d.id });
+    await client.call("prepare", { lowers, size: SIZE, count: 4 });
+    await settled(4);
   }, 60_000);
 
   test("prepare refuses bad input and leaves the prepared devices as they were; count 0 retires them, folders and mounts", async () => {

@@ -48,7 +48,7 @@ export async function busyboxTemplate(templates: TemplateStore): Promise<void> {
 /** Store, templates, slots (keeping those that sandboxes use) and an orchestrator over `blockd`. */
 /** `snapshots`: where snapshots go (openSnapshotStore's location and S3 settings); default a directory in d.dir. */
 /** `egress`: builds the node's egress over the started pool (egress policies are then enforced). */
-export async function nodeParts(d: NodeDirs, blockd: BlockdClient, o: { slotPool?: number; maxSandboxes?: number; snapshots?: { location: string; s3: S3Settings }; egress?: (cfg: NetworkConfig) => Promise<Egress>; caBundle?: string } = {}) {
+export async function nodeParts(d: NodeDirs, blockd: BlockdClient, o: { slotPool?: number; maxSandboxes?: number; snapshots?: { location: string; s3: S3Settings }; egress?: (cfg: NetworkConfig) => Promise<Egress>; caBundle?: string; balloonPressurePct?: number; memoryLayersMax?: number } = {}) {
   const fx = await guestFixture();
   const toolsLayer = await sealedLayer(await envdToolsDisk());
   const store = new SandboxStore(join(d.dir, "node.db"));
@@ -61,7 +61,7 @@ export async function nodeParts(d: NodeDirs, blockd: BlockdClient, o: { slotPool
   const orch = new Orchestrator(store, templates, blockd, pool, new QemuDriver(), {
     kernel: fx.kernel.vmlinux, initrd: fx.kernel.initrd, toolsLayer,
     cmdline: (s) => guestCmdline({ ip: `${s.guestIp}/${s.guestPrefixLen}`, gw: s.gatewayIp }),
-  }, { home: join(d.dir, "home"), runRoot: d.runRoot, defaultTimeoutS: 300, maxSandboxes: o.maxSandboxes ?? 12, forkParallelism: 2, snapshots: snapshotStore, egress, caBundle: o.caBundle });
+  }, { home: join(d.dir, "home"), runRoot: d.runRoot, defaultTimeoutS: 300, maxSandboxes: o.maxSandboxes ?? 12, forkParallelism: 2, snapshots: snapshotStore, egress, caBundle: o.caBundle, balloonPressurePct: o.balloonPressurePct, memoryLayersMax: o.memoryLayersMax });
   return { store, templates, pool, orch, snapshotStore };
 }
 

@@ -3,7 +3,7 @@
 // through the node's API and proxy. create → commands/files → pause → connect → fork → snapshot →
 // create from the snapshot (kept in S3: s3rver on loopback) → list/filter → setTimeout expiry → kill → 404; bad input; no leaks.
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
-import { mkdirSync, readdirSync } from "node:fs";
+import { existsSync, mkdirSync, readdirSync, statSync } from "node:fs";
 import { join } from "node:path";
 import { Sandbox, SandboxNotFoundError } from "e2b";
 import type { SlotPool } from "../../src/network/index.ts";
@@ -90,6 +90,16 @@ describe.skipIf(!!skip)("node API + orchestrator with the e2b SDK (QEMU, blockd,
     expect(await sbx.isRunning()).toBe(false);
     expect((await Sandbox.getInfo(sbx.sandboxId, opts())).state).toBe("paused");
     expect(await Sandbox.pause(sbx.sandboxId, opts())).toBe(false); // 409 → false
+    // Its memory is on disk, in layers: the template's base plus one thin layer of what it dirtied;
+    // no VMM process, no RAM file left in the run root.
+    const paused = (store.get(sbx.sandboxId)!.runtime as { paused: { memLayers?: string[]; dir: string } }).paused;
+    expect(paused.memLayers?.length).toBe(2);
+    for (const l of paused.memLayers!) expect(statSync(l).size).toBeGreaterThan(0);
+    expect(statSync(paused.memLayers![1]!).size).toBeLessThan(64 << 20);
+    expect(existsSync(join(paused.dir, "mem"))).toBe(false);
+    await orch.settledCleanups(); // the run directory goes after the answer
+    expect(existsSync(join(root, sbx.sandboxId))).toBe(false);
+    expect(qemuPids(sbx.sandboxId)).toEqual([]);
     const back = await Sandbox.connect(sbx.sandboxId, opts());
     expect(await back.isRunning()).toBe(true);
     expect(await back.files.read("/tmp/keep.txt")).toBe("kept across pause");

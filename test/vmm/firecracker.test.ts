@@ -2,12 +2,12 @@
 // upstream rejects unknown fields, so every body
 // must hold only documented fields, all required ones, the right JSON types and valid enums.
 
-import { describe, expect, test } from "bun:test";
-import { existsSync } from "node:fs";
+import { afterAll, describe, expect, test } from "bun:test";
+import { existsSync, mkdirSync, mkdtempSync, readdirSync, readFileSync, readlinkSync, realpathSync, rmSync, statSync, symlinkSync, truncateSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import * as fc from "../../src/vmm/firecracker.ts";
 import { selectDriver } from "../../src/vmm/select.ts";
-import { VmmError, type VmSpec } from "../../src/vmm/types.ts";
+import { readSnapshot, type SnapshotInfo, VmmError, type VmSpec } from "../../src/vmm/types.ts";
 import { scratchDir } from "../helpers/tmp.ts";
 
 // ---- the documented schema, written out independently of the builders ---------------------------
@@ -16,6 +16,8 @@ type FieldType = "string" | "boolean" | "integer" | { enum: string[] } | { ref: 
 interface Def {
   required: Record<string, FieldType>;
   optional: Record<string, FieldType>;
+  /** additionalProperties: true (MMDS contents: any JSON object). */
+  open?: boolean;
 }
 
 const DEFS: Record<string, Def> = {
@@ -25,7 +27,7 @@ const DEFS: Record<string, Def> = {
     required: {},
     optional: { log_path: "string", level: { enum: ["Error", "Warning", "Info", "Debug", "Trace", "Off"] }, show_level: "boolean", show_log_origin: "boolean", module: "string" },
   },
-  Metrics: { required: { metrics_path: "string" }, optional: {} },
+  Metrics: { required: { metrics_path: "string" }, optional: { emit_id: "boolean", properties: "object" } },
   BootSource: { required: { kernel_image_path: "string" }, optional: { boot_args: "string", initrd_path: "string" } },
   MachineConfiguration: {
     required: { vcpu_count: "integer", mem_size_mib: "integer" },
@@ -54,6 +56,7 @@ const DEFS: Record<string, Def> = {
     optional: { guest_mac: "string", mtu: "integer", rx_rate_limiter: { ref: "RateLimiter" }, tx_rate_limiter: { ref: "RateLimiter" } },
   },
   PartialNetworkInterface: { required: { iface_id: "string" }, optional: { rx_rate_limiter: { ref: "RateLimiter" }, tx_rate_limiter: { ref: "RateLimiter" } } },
+  MmdsContentsObject: { required: {}, optional: {}, open: true },
   MmdsConfig: { required: { network_interfaces: { arrayOf: "string" } }, optional: { version: { enum: ["V1", "V2"] }, ipv4_address: "string", imds_compat: "boolean" } },
   Balloon: {
     required: { amount_mib: "integer", deflate_on_oom: "boolean" },
@@ -81,9 +84,32 @@ const DEFS: Record<string, Def> = {
       network_overrides: { arrayOf: { ref: "NetworkOverride" } },
       vsock_override: { ref: "VsockOverride" },
       clock_realtime: "boolean",
+      huge_pages: { enum: ["Snapshot", "None", "Transparent", "2M"] },
     },
   },
+  BalloonStats: {
+    required: { target_pages: "integer", actual_pages: "integer", target_mib: "integer", actual_mib: "integer" },
+    optional: Object.fromEntries(
+      ["swap_in", "swap_out", "major_faults", "minor_faults", "free_memory", "total_memory", "available_memory", "disk_caches", "hugetlb_allocations", "hugetlb_failures", "oom_kill", "alloc_stall", "async_scan", "direct_scan", "async_reclaim", "direct_reclaim"].map((k) => [k, "integer" as const]),
+    ),
+  },
 };
+
+/** The definition a request's body must conform to, by its method and path (the swagger's paths). */
+function defOf(method: string, path: string): string | undefined {
+  const p = path.replace(/^\/(drives|network-interfaces)\/[^/]+$/, "/$1/{id}");
+  return (
+    {
+      "PUT /logger": "Logger", "PUT /metrics": "Metrics", "PUT /machine-config": "MachineConfiguration", "PATCH /machine-config": "MachineConfiguration",
+      "PUT /boot-source": "BootSource", "PUT /drives/{id}": "Drive", "PATCH /drives/{id}": "PartialDrive",
+      "PUT /network-interfaces/{id}": "NetworkInterface", "PATCH /network-interfaces/{id}": "PartialNetworkInterface",
+      "PUT /mmds/config": "MmdsConfig", "PUT /mmds": "MmdsContentsObject", "PATCH /mmds": "MmdsContentsObject",
+      "PUT /balloon": "Balloon", "PATCH /balloon": "BalloonUpdate", "PATCH /balloon/statistics": "BalloonStatsUpdate",
+      "PUT /vsock": "Vsock", "PUT /entropy": "EntropyDevice", "PUT /actions": "InstanceActionInfo", "PATCH /vm": "Vm",
+      "PUT /snapshot/create": "SnapshotCreateParams", "PUT /snapshot/load": "SnapshotLoadParams",
+    } as Record<string, string>
+  )[`${method} ${p}`];
+}
 
 /** Every violation of def by value, as "path: problem" lines. */
 function violations(value: unknown, def: string, at = def): string[] {
@@ -94,6 +120,7 @@ function violations(value: unknown, def: string, at = def): string[] {
   for (const k of Object.keys(d.required)) if (!(k in o)) out.push(`${at}.${k}: required field missing`);
   for (const [k, v] of Object.entries(o)) {
     const t = d.required[k] ?? d.optional[k];
+    if (!t && d.open) continue;
     if (!t) out.push(`${at}.${k}: unknown field`);
     else out.push(...typeViolations(v, t, `${at}.${k}`));
   }
@@ -113,6 +140,22 @@ function typeViolations(v: unknown, t: FieldType, at: string): string[] {
 
 function conforms(req: fc.FcRequest, def: string) {
   expect(violations(req.body, def)).toEqual([]);
+}
+
+/** Every request of a sequence against the definition of its endpoint; GETs and bodiless PATCHes carry no body. */
+function allConform(reqs: { method: string; path: string; body?: unknown }[]) {
+  const bad: string[] = [];
+  for (const r of reqs) {
+    const def = defOf(r.method, r.path);
+    if (r.method === "GET" || r.path.startsWith("/balloon/hinting/")) continue;
+    if (!def) bad.push(`${r.method} ${r.path}: not an endpoint with a body`);
+    else bad.push(...violations(r.body, def, `${r.method} ${r.path}`));
+    // The path parameter and the body's id are the same.
+    const id = /^\/(drives|network-interfaces)\/([^/]+)$/.exec(r.path)?.[2];
+    const bodyId = (r.body as any)?.drive_id ?? (r.body as any)?.iface_id;
+    if (id !== undefined && id !== bodyId) bad.push(`${r.method} ${r.path}: body id ${bodyId}`);
+  }
+  expect(bad).toEqual([]);
 }
 
 const tb = { size: 1 << 20, refillTimeMs: 100, oneTimeBurst: 4096 };
@@ -426,3 +469,597 @@ function lineReader(stream: ReadableStream<Uint8Array>) {
     },
   };
 }
+
+// ---- the production path: sequences a boot and a restore send, without a process ---------------
+
+const prodSpec = (o: Partial<VmSpec> = {}): VmSpec => ({
+  id: "sbx-1",
+  runDir: "/run/sbx-1",
+  kernel: "/k/vmlinux",
+  cmdline: "console=ttyS0",
+  vcpus: 2,
+  memMiB: 512,
+  drives: [{ path: "/tools.img", readOnly: true }, { path: "/dev/ublkb3", rateLimit: { bandwidth: { size: 50 << 20, refillTimeMs: 1000 }, ops: { size: 5000, refillTimeMs: 1000, oneTimeBurst: 1000 } } }],
+  net: { tap: "tap3", mac: "06:00:AC:10:00:02" },
+  netRateLimit: { rx: { bandwidth: { size: 10 << 20, refillTimeMs: 1000 } }, tx: { bandwidth: { size: 5 << 20, refillTimeMs: 1000 } } },
+  metadata: { sandboxId: "sbx-1", templateId: "base", envdToken: "t0k" },
+  vsock: true,
+  balloon: true,
+  ...o,
+});
+
+describe("firecracker production path: boot and restore sequences", () => {
+  test("boot: MMDS V2 on eth0 with the metadata, rate limiters in the drive and interface bodies, vsock, per-VM drive names", () => {
+    const reqs = fc.bootRequests(prodSpec(), { ioEngine: "Async", trackDirtyPages: true }, { freePageReporting: true });
+    expect(reqs.map((r) => `${r.method} ${r.path}`)).toEqual([
+      "PUT /logger", "PUT /metrics", "PUT /machine-config", "PUT /boot-source", "PUT /drives/vda", "PUT /drives/vdb",
+      "PUT /network-interfaces/eth0", "PUT /mmds/config", "PUT /mmds", "PUT /balloon", "PUT /vsock", "PUT /entropy", "PUT /actions",
+    ]);
+    allConform(reqs);
+    const by = (p: string) => reqs.find((r) => r.path === p)!.body as any;
+    // Drives are names relative to Firecracker's working directory: what a snapshot records.
+    expect([by("/drives/vda").path_on_host, by("/drives/vdb").path_on_host]).toEqual(["drive-0", "drive-1"]);
+    expect(by("/drives/vda")).not.toHaveProperty("rate_limiter");
+    expect(by("/drives/vdb").rate_limiter).toEqual({ bandwidth: { size: 50 << 20, refill_time: 1000 }, ops: { size: 5000, refill_time: 1000, one_time_burst: 1000 } });
+    expect(by("/network-interfaces/eth0")).toMatchObject({ rx_rate_limiter: { bandwidth: { size: 10 << 20, refill_time: 1000 } }, tx_rate_limiter: { bandwidth: { size: 5 << 20, refill_time: 1000 } } });
+    expect(by("/mmds/config")).toEqual({ network_interfaces: ["eth0"], version: "V2" });
+    expect(by("/mmds")).toEqual({ sandboxId: "sbx-1", templateId: "base", envdToken: "t0k" });
+    expect(by("/vsock")).toEqual({ guest_cid: 3, uds_path: "vsock.sock" });
+    expect(by("/machine-config").track_dirty_pages).toBe(true);
+    // Under the jailer the kernel is the jail's copy.
+    const jailed = fc.bootRequests(prodSpec({ initrd: "/k/initrd" }), { jailer: { uid: 1, gid: 1, chrootBaseDir: "/srv/none" } });
+    expect(jailed.find((r) => r.path === "/boot-source")!.body).toEqual({ kernel_image_path: "/vmlinux", initrd_path: "/initrd", boot_args: "console=ttyS0" });
+    allConform(jailed);
+  });
+
+  test("boot: bad metadata, limits or MMDS without an interface are BadSpec", () => {
+    const code = (f: () => unknown) => {
+      try {
+        f();
+      } catch (e) {
+        return (e as VmmError).code;
+      }
+      return "none";
+    };
+    expect(code(() => fc.bootRequests(prodSpec({ net: undefined, netRateLimit: undefined })))).toBe("BadSpec");
+    expect(code(() => fc.bootRequests(prodSpec({ metadata: undefined, net: undefined })))).toBe("BadSpec");
+    expect(code(() => fc.bootRequests(prodSpec({ metadata: { n: 1 as never } })))).toBe("BadSpec");
+    expect(code(() => fc.bootRequests(prodSpec({ metadata: { "": "x" } })))).toBe("BadSpec");
+    expect(code(() => fc.bootRequests(prodSpec({ drives: [{ path: "/t", rateLimit: { ops: { size: -1, refillTimeMs: 1 } } }] })))).toBe("BadSpec");
+    expect(code(() => fc.bootRequests(prodSpec({ netRateLimit: { rx: { bandwidth: { size: 1.5, refillTimeMs: 1 } } } })))).toBe("BadSpec");
+    // No metadata: no MMDS at all; no vsock unless asked.
+    const plain = fc.bootRequests(prodSpec({ metadata: undefined, vsock: false }));
+    expect(plain.some((r) => r.path.startsWith("/mmds") || r.path === "/vsock")).toBe(false);
+  });
+
+  test("restore: telemetry, load paused, this VM's limits by PATCH, its MMDS data again (a snapshot keeps none), Resumed", () => {
+    const old = prodSpec();
+    const snap: SnapshotInfo = { vmm: "firecracker", dir: "/s", statePath: "/s/vmstate", memPath: "/s/mem", spec: old, createdAt: "", extra: { snapshotType: "Full", drives: ["drive-0", "drive-1"] } };
+    const spec = { ...old, id: "sbx-2", runDir: "/run/sbx-2", net: { tap: "tap9" }, metadata: { sandboxId: "sbx-2" } };
+    const drives = [{ path: "/t2", readOnly: true }, { path: "/dev/ublkb9", rateLimit: { bandwidth: { size: 0, refillTimeMs: 0 } } }];
+    const reqs = fc.restoreRequests(snap, spec, { drives, netRateLimit: { tx: { ops: { size: 100, refillTimeMs: 1000 } } } }, { statePath: "/s/vmstate", memPath: "/s/mem" }, { trackDirtyPages: true });
+    expect(reqs.map((r) => `${r.method} ${r.path}`)).toEqual([
+      "PUT /logger", "PUT /metrics", "PUT /snapshot/load", "PATCH /drives/vdb", "PATCH /network-interfaces/eth0", "PUT /mmds", "PATCH /vm",
+    ]);
+    allConform(reqs);
+    expect(reqs[2]!.body).toEqual({
+      snapshot_path: "/s/vmstate", mem_backend: { backend_type: "File", backend_path: "/s/mem" }, track_dirty_pages: true, resume_vm: false,
+      network_overrides: [{ iface_id: "eth0", host_dev_name: "tap9" }],
+    });
+    // A 0-sized bucket lifts the limit; PATCH never names a path (the drive keeps its per-VM name).
+    expect(reqs[3]!.body).toEqual({ drive_id: "vdb", rate_limiter: { bandwidth: { size: 0, refill_time: 0 } } });
+    expect(reqs[4]!.body).toEqual({ iface_id: "eth0", tx_rate_limiter: { ops: { size: 100, refill_time: 1000 } } });
+    expect(reqs[5]!.body).toEqual({ sandboxId: "sbx-2" });
+    expect(reqs[6]!.body).toEqual({ state: "Resumed" });
+    // Same TAP, no limits, no metadata: load and resume only.
+    const bare = fc.restoreRequests({ ...snap, spec: { ...old, metadata: undefined } }, { ...old, metadata: undefined }, { drives: [{ path: "/a" }, { path: "/b" }] }, { statePath: "/x", memPath: "/y" });
+    expect(bare.map((r) => r.path)).toEqual(["/logger", "/metrics", "/snapshot/load", "/vm"]);
+    expect(bare[2]!.body).not.toHaveProperty("network_overrides");
+    allConform(bare);
+  });
+
+  test("rate limits on a running VM: PATCH per drive given and for the interface", () => {
+    const reqs = fc.rateLimitRequests({ drives: [undefined, { ops: { size: 10, refillTimeMs: 100 } }], net: { rx: { bandwidth: { size: 1, refillTimeMs: 1 } } } });
+    expect(reqs.map((r) => `${r.method} ${r.path}`)).toEqual(["PATCH /drives/vdb", "PATCH /network-interfaces/eth0"]);
+    allConform(reqs);
+    expect(fc.rateLimitRequests({})).toEqual([]);
+  });
+
+  test("snapshot type: Diff only with dirty tracking, and only onto a base that still exists", () => {
+    const dir = scratchDir("fc-type");
+    const base = join(dir, "mem");
+    writeFileSync(base, "");
+    expect(fc.snapshotTypeFor(false, null)).toBe("Full");
+    expect(fc.snapshotTypeFor(false, base)).toBe("Full");
+    expect(fc.snapshotTypeFor(true, null)).toBe("Diff");
+    expect(fc.snapshotTypeFor(true, base)).toBe("Diff");
+    expect(fc.snapshotTypeFor(true, join(dir, "gone"))).toBe("Full");
+  });
+});
+
+describe("balloon statistics", () => {
+  const good = { target_pages: 65536, actual_pages: 32768, target_mib: 256, actual_mib: 128, free_memory: 1 << 28, total_memory: 1 << 29, available_memory: 300 << 20, oom_kill: 0, swap_in: 0 };
+  test("a reply of the documented shape is parsed field by field", () => {
+    expect(violations(good, "BalloonStats")).toEqual([]);
+    expect(fc.parseBalloonStats(good, 512)).toEqual({ targetPages: 65536, actualPages: 32768, targetMib: 256, actualMib: 128, freeMemory: 1 << 28, totalMemory: 1 << 29, availableMemory: 300 << 20, oomKill: 0, swapIn: 0 });
+    // Fields newer than the list are ignored; the four sizes alone are enough.
+    expect(fc.parseBalloonStats({ target_pages: 0, actual_pages: 0, target_mib: 0, actual_mib: 0, future_counter: 7 }, 512)).toEqual({ targetPages: 0, actualPages: 0, targetMib: 0, actualMib: 0 });
+  });
+  test("bad replies are Protocol errors naming the field", () => {
+    const cases: [unknown, RegExp][] = [
+      [null, /not an object/],
+      [[good], /not an object/],
+      [{ ...good, actual_mib: undefined }, /actual_mib is not a u32/],
+      [{ ...good, target_pages: "65536" }, /target_pages is not a u32/],
+      [{ ...good, actual_pages: -1 }, /actual_pages is not a u32/],
+      [{ ...good, target_pages: 2 ** 32 }, /target_pages is not a u32/],
+      [{ ...good, free_memory: 1.5 }, /free_memory is not a non-negative integer/],
+      [{ ...good, swap_out: -3 }, /swap_out/],
+      [{ ...good, actual_mib: 127 }, /actual_mib is not actual_pages \/ 256/],
+      [{ ...good, target_pages: 65536 * 4, target_mib: 1024 }, /larger than the guest's 512 MiB/],
+    ];
+    for (const [reply, msg] of cases) {
+      let err: unknown;
+      try {
+        fc.parseBalloonStats(reply, 512);
+      } catch (e) {
+        err = e;
+      }
+      expect(err).toBeInstanceOf(VmmError);
+      expect([(err as VmmError).code, (err as VmmError).message]).toEqual(["Protocol", expect.stringMatching(msg)]);
+    }
+    // Statistics cannot be switched off after boot.
+    expect(() => fc.patchBalloonStatistics({ statsPollingIntervalS: 0 })).toThrow(/stats_polling_interval_s/);
+  });
+});
+
+// ---- the driver against a fake Firecracker ---------------------------------------------------
+//
+// A stand-in for the binary, written out by the test: it serves the API on --api-sock, logs every
+// request (with its working directory) to $FAKE_FC_LOG_DIR/<id>.jsonl and mimics the upstream rules
+// these tests rely on: log and metrics files must exist, drives are opened at path_on_host relative
+// to its working directory (at PUT and again at load, from what the snapshot recorded), MMDS config
+// needs its interface, snapshot/create needs Paused and leaves a memory file of the guest's size in
+// place (a Diff writes only its dirty page over it: page 1 + the number of Diffs in its lineage),
+// load is refused after any other configuration and needs a memory file of the guest's size.
+// FAKE_FC_ROOT (set by the fake jailer) stands for the chroot: absolute paths resolve under it.
+
+const FAKE_FIRECRACKER = String.raw`
+import { appendFileSync, closeSync, existsSync, ftruncateSync, openSync, readFileSync, statSync, writeFileSync, writeSync } from "node:fs";
+import { join } from "node:path";
+const args = process.argv.slice(2);
+if (args.includes("--version")) { console.log("Firecracker v1.14.0"); process.exit(0); }
+const arg = (n) => { const i = args.indexOf(n); if (i >= 0) return args[i + 1]; const a = args.find((x) => x.startsWith(n + "=")); return a && a.slice(n.length + 1); };
+const root = process.env.FAKE_FC_ROOT || "";
+const at = (p) => (p.startsWith("/") ? root + p : join(process.cwd(), p));
+const id = arg("--id");
+const sock = at(arg("--api-sock"));
+const logFile = join(process.env.FAKE_FC_LOG_DIR, id + ".jsonl");
+const st = { started: false, paused: false, configured: false, machine: null, drives: {}, ifaces: {}, mmdsConfig: null, mmds: null, balloon: null, vsock: null, diffs: 0 };
+const MiB = 1 << 20;
+const fault = (status, m) => new Response(JSON.stringify({ fault_message: m }), { status, headers: { "content-type": "application/json" } });
+const json = (o) => new Response(JSON.stringify(o), { headers: { "content-type": "application/json" } });
+const ok = () => new Response(null, { status: 204 });
+const exists = (p) => { try { statSync(at(p)); return true; } catch { return false; } };
+const listeners = [];
+function bindVsock(p) { listeners.push(Bun.listen({ unix: at(p), socket: { data() {} } })); }
+function handle(method, path, b) {
+  const preBoot = () => (st.started ? fault(400, "pre-boot only") : null);
+  const cfg = () => { st.configured = true; };
+  if (method === "GET" && path === "/") return json({ id, state: st.paused ? "Paused" : st.started ? "Running" : "Not started", vmm_version: "1.14.0", app_name: "Firecracker" });
+  if (method === "PUT" && (path === "/logger" || path === "/metrics")) return exists(b.log_path || b.metrics_path) ? ok() : fault(400, "cannot open " + (b.log_path || b.metrics_path));
+  if (method === "PUT" && path === "/machine-config") { cfg(); st.machine = b; return preBoot() || ok(); }
+  if (method === "PUT" && path === "/boot-source") { cfg(); return preBoot() || (exists(b.kernel_image_path) ? ok() : fault(400, "no kernel at " + b.kernel_image_path)); }
+  if (method === "PUT" && path.startsWith("/drives/")) { cfg(); if (st.started) return fault(400, "pre-boot only"); if (!exists(b.path_on_host)) return fault(400, "cannot open drive " + b.path_on_host); st.drives[b.drive_id] = b; return ok(); }
+  if (method === "PATCH" && path.startsWith("/drives/")) { if (!st.started) return fault(400, "post-boot only"); const d = st.drives[b.drive_id]; if (!d) return fault(400, "no drive " + b.drive_id); Object.assign(d, b); return ok(); }
+  if (method === "PUT" && path.startsWith("/network-interfaces/")) { cfg(); st.ifaces[b.iface_id] = b; return preBoot() || ok(); }
+  if (method === "PATCH" && path.startsWith("/network-interfaces/")) { if (!st.started) return fault(400, "post-boot only"); if (!st.ifaces[b.iface_id]) return fault(400, "no iface"); Object.assign(st.ifaces[b.iface_id], b); return ok(); }
+  if (method === "PUT" && path === "/mmds/config") { cfg(); for (const n of b.network_interfaces) if (!st.ifaces[n]) return fault(400, "no interface " + n); st.mmdsConfig = b; return preBoot() || ok(); }
+  if (method === "PUT" && path === "/mmds") { st.mmds = b; return ok(); }
+  if (method === "GET" && path === "/mmds") return st.mmds ? json(st.mmds) : fault(404, "no data");
+  if (method === "PUT" && path === "/balloon") { cfg(); st.balloon = { ...b }; return preBoot() || ok(); }
+  if (method === "PATCH" && path === "/balloon") { if (!st.balloon) return fault(400, "no balloon"); st.balloon.amount_mib = b.amount_mib; return ok(); }
+  if (method === "GET" && path === "/balloon/statistics") {
+    const forced = join(process.env.FAKE_FC_LOG_DIR, "balloon-stats.json");
+    if (existsSync(forced)) return json(JSON.parse(readFileSync(forced, "utf8")));
+    const a = st.balloon.amount_mib;
+    return json({ target_pages: a * 256, actual_pages: a * 256, target_mib: a, actual_mib: a, free_memory: 1 << 26 });
+  }
+  if (method === "PUT" && path === "/vsock") { cfg(); if (st.started) return fault(400, "pre-boot only"); st.vsock = b; bindVsock(b.uds_path); return ok(); }
+  if (method === "PUT" && path === "/entropy") { cfg(); return preBoot() || ok(); }
+  if (method === "PUT" && path === "/actions") { if (b.action_type === "InstanceStart") st.started = true; return ok(); }
+  if (method === "PATCH" && path === "/vm") { if (!st.started) return fault(400, "not started"); st.paused = b.state === "Paused"; return ok(); }
+  if (method === "PUT" && path === "/snapshot/create") {
+    if (!st.paused) return fault(400, "the microVM must be paused");
+    const size = st.machine.mem_size_mib * MiB;
+    writeFileSync(at(b.snapshot_path), JSON.stringify({ machine: st.machine, drives: st.drives, ifaces: st.ifaces, mmdsConfig: st.mmdsConfig, balloon: st.balloon, vsock: st.vsock, diffs: st.diffs + (b.snapshot_type === "Diff" ? 1 : 0) }));
+    const mem = at(b.mem_file_path);
+    const fd = openSync(mem, existsSync(mem) ? "r+" : "w+");
+    if (statSync(mem).size !== size) ftruncateSync(fd, 0);
+    ftruncateSync(fd, size);
+    if (b.snapshot_type === "Diff") { st.diffs++; writeSync(fd, Buffer.from("diff:" + id), 0, 5 + id.length, st.diffs * 4096); }
+    else writeSync(fd, Buffer.from("full:" + id), 0, 5 + id.length, 0);
+    closeSync(fd);
+    return ok();
+  }
+  if (method === "PUT" && path === "/snapshot/load") {
+    if (st.configured || st.started) return fault(400, "load only on a fresh process");
+    let s;
+    try { s = JSON.parse(readFileSync(at(b.snapshot_path), "utf8")); } catch (e) { return fault(400, "cannot read " + b.snapshot_path); }
+    const mem = b.mem_backend.backend_path;
+    if (!exists(mem) || statSync(at(mem)).size < s.machine.mem_size_mib * MiB) return fault(400, "memory file " + mem + " too small or missing");
+    for (const d of Object.values(s.drives)) if (!exists(d.path_on_host)) { setTimeout(() => process.exit(1), 10); return fault(400, "cannot reopen drive " + d.path_on_host); }
+    Object.assign(st, { machine: s.machine, drives: s.drives, ifaces: s.ifaces, mmdsConfig: s.mmdsConfig, balloon: s.balloon, vsock: s.vsock, diffs: s.diffs, started: true, paused: true, mmds: null });
+    for (const o of b.network_overrides || []) st.ifaces[o.iface_id].host_dev_name = o.host_dev_name;
+    if (s.vsock) bindVsock(b.vsock_override ? b.vsock_override.uds_path : s.vsock.uds_path);
+    return ok();
+  }
+  return fault(400, "unknown endpoint " + method + " " + path);
+}
+Bun.serve({
+  unix: sock,
+  async fetch(req) {
+    const path = new URL(req.url).pathname;
+    const text = await req.text();
+    const body = text ? JSON.parse(text) : undefined;
+    const res = handle(req.method, path, body);
+    appendFileSync(logFile, JSON.stringify({ method: req.method, path, body, cwd: process.cwd(), status: res.status }) + "\n");
+    return res;
+  },
+});
+`;
+
+// The jailer's rules the driver depends on: it canonicalizes --exec-file and the chroot base, names
+// the chroot <base>/<exec_file_name>/<id>/root, copies the binary in, writes <exec_file_name>.pid
+// (create-new) and, with --daemonize or --new-pid-ns, forks the VMM off and exits 0.
+const FAKE_JAILER = String.raw`#!/bin/bash
+set -e
+echo "$@" >> "$FAKE_FC_LOG_DIR/jailer.args"
+base=/srv/jailer; fork=
+while [ $# -gt 0 ]; do case "$1" in
+  --id) id=$2; shift 2;; --exec-file) exec_file=$2; shift 2;; --chroot-base-dir) base=$2; shift 2;;
+  --uid|--gid|--netns|--cgroup-version|--cgroup|--parent-cgroup|--resource-limit) shift 2;;
+  --daemonize|--new-pid-ns) fork=1; shift;; --) shift; break;; *) echo "jailer: unknown $1" >&2; exit 1;;
+esac; done
+real=$(realpath -e "$exec_file"); name=$(basename "$real"); base=$(realpath -e "$base")
+root="$base/$name/$id/root"; mkdir -p "$root"; cp "$real" "$root/$name"
+if [ -e "$root/$name.pid" ]; then echo "jailer: $root/$name.pid exists" >&2; exit 1; fi
+cd "$root"; export FAKE_FC_ROOT="$root"
+if [ -n "$fork" ]; then setsid "./$name" --id="$id" "$@" </dev/null >/dev/null 2>&1 & echo $! > "$name.pid"; exit 0; fi
+echo $$ > "$name.pid"; exec "./$name" --id="$id" "$@"
+`;
+
+interface Logged {
+  method: string;
+  path: string;
+  body?: any;
+  cwd: string;
+  status: number;
+}
+
+/** The fake binaries in a scratch directory, and what each fake VM was sent. */
+function fakeFirecracker(label: string) {
+  const dir = scratchDir(label);
+  const logs = join(dir, "logs");
+  mkdirSync(logs);
+  writeFileSync(join(dir, "fake-fc.mjs"), FAKE_FIRECRACKER);
+  // The "binary" is a script that execs bun on the fake, keeping its pid.
+  const bin = join(dir, "firecracker-v9.9.9");
+  writeFileSync(bin, `#!/bin/sh\nFAKE_FC_LOG_DIR=${JSON.stringify(logs)} exec ${JSON.stringify(process.execPath)} ${JSON.stringify(join(dir, "fake-fc.mjs"))} "$@"\n`, { mode: 0o755 });
+  // What the node is configured with: a symlink, as /usr/bin/firecracker often is.
+  symlinkSync(bin, join(dir, "firecracker"));
+  const jailer = join(dir, "jailer");
+  writeFileSync(jailer, FAKE_JAILER.replace("#!/bin/bash\n", `#!/bin/bash\nFAKE_FC_LOG_DIR=${JSON.stringify(logs)}\n`), { mode: 0o755 });
+  return {
+    dir,
+    bin: join(dir, "firecracker"),
+    jailer,
+    sent(id: string): Logged[] {
+      const f = join(logs, `${id}.jsonl`);
+      return existsSync(f) ? readFileSync(f, "utf8").trim().split("\n").map((l) => JSON.parse(l) as Logged) : [];
+    },
+  };
+}
+
+/** A regular file of `bytes` (sparse), standing in for a blockd device or an image. */
+function blank(path: string, bytes = 1 << 20): string {
+  writeFileSync(path, "");
+  truncateSync(path, bytes);
+  return path;
+}
+
+function alive(pid: number): boolean {
+  try {
+    const s = readFileSync(`/proc/${pid}/stat`, "utf8");
+    return !"ZX".includes(s.slice(s.lastIndexOf(")") + 2, s.lastIndexOf(")") + 3));
+  } catch {
+    return false;
+  }
+}
+
+describe("FirecrackerDriver against a fake Firecracker", () => {
+  const fake = fakeFirecracker("fc-fake");
+  const kernel = blank(join(fake.dir, "vmlinux"));
+  const spec = (id: string, o: Partial<VmSpec> = {}): VmSpec => ({
+    id,
+    runDir: join(fake.dir, "run", id),
+    kernel,
+    cmdline: "console=ttyS0",
+    vcpus: 1,
+    memMiB: 4,
+    drives: [{ path: blank(join(fake.dir, `${id}-tools.img`)), readOnly: true }, { path: blank(join(fake.dir, `${id}-rootfs.img`)), rateLimit: { ops: { size: 100, refillTimeMs: 1000 } } }],
+    net: { tap: `tap-${id}`, mac: "06:00:AC:10:00:02" },
+    metadata: { sandboxId: id },
+    vsock: true,
+    balloon: true,
+    ...o,
+  });
+
+  test("boot, balloon, limits, snapshot; restore after the source VM and its devices are gone", async () => {
+    const driver = new fc.FirecrackerDriver({ binary: fake.bin });
+    const a = (await driver.boot(spec("fc-a"))) as fc.FirecrackerVm;
+    try {
+      const sent = fake.sent("fc-a");
+      expect(sent.every((r) => r.status === 204)).toBe(true);
+      allConform(sent);
+      expect(sent.map((r) => r.path)).toContain("/mmds/config");
+      // Relative names resolved in the VM's own run directory: symlinks to its devices.
+      expect(sent[0]!.cwd).toBe(a.spec.runDir);
+      expect(readlinkSync(join(a.spec.runDir, "drive-1"))).toBe(a.spec.drives[1]!.path);
+      expect(a.vsockPath).toBe(join(a.spec.runDir, "vsock.sock"));
+      expect(existsSync(a.vsockPath!)).toBe(true);
+
+      expect(await a.balloon(3)).toEqual({ actualMiB: 3, targetMiB: 3 });
+      expect((await a.balloonStatistics()).freeMemory).toBe(1 << 26);
+      await a.setRateLimits({ drives: [undefined, { ops: { size: 0, refillTimeMs: 0 } }], net: { rx: { bandwidth: { size: 1 << 20, refillTimeMs: 100 } } } });
+      await a.setMetadata({ sandboxId: "fc-a", extra: "1" });
+      const later = fake.sent("fc-a").slice(sent.length);
+      expect(later.map((r) => `${r.method} ${r.path} ${r.status}`)).toEqual([
+        "PATCH /balloon 204", "GET /balloon/statistics 200", "GET /balloon/statistics 200", "PATCH /drives/vdb 204", "PATCH /network-interfaces/eth0 204", "PUT /mmds 204",
+      ]);
+      allConform(later);
+
+      const snap = await a.snapshot(join(fake.dir, "snap-a"));
+      expect(a.state).toBe("paused");
+      expect(snap.extra).toEqual({ snapshotType: "Full", drives: ["drive-0", "drive-1"] });
+      expect(statSync(snap.memPath!).size).toBe(4 << 20);
+      expect(await readSnapshot(snap.dir)).toEqual(snap);
+    } finally {
+      await a.stop();
+    }
+    // The source VM's run directory and devices go: the restore needs neither.
+    rmSync(a.spec.runDir, { recursive: true });
+    for (const d of a.spec.drives) rmSync(d.path);
+    const snap = await readSnapshot(join(fake.dir, "snap-a"));
+    const bSpec = spec("fc-b");
+    const b = (await driver.restore(snap, { id: "fc-b", runDir: bSpec.runDir, drives: bSpec.drives, net: bSpec.net, metadata: { sandboxId: "fc-b" } })) as fc.FirecrackerVm;
+    try {
+      const sent = fake.sent("fc-b");
+      expect(sent.map((r) => `${r.method} ${r.path} ${r.status}`)).toEqual([
+        "PUT /logger 204", "PUT /metrics 204", "PUT /snapshot/load 204", "PATCH /drives/vdb 204", "PUT /mmds 204", "PATCH /vm 204",
+      ]);
+      allConform(sent);
+      expect(sent[2]!.cwd).toBe(bSpec.runDir);
+      expect(sent[2]!.body.network_overrides).toEqual([{ iface_id: "eth0", host_dev_name: "tap-fc-b" }]);
+      expect(sent[4]!.body).toEqual({ sandboxId: "fc-b" });
+      expect(b.state).toBe("running");
+      expect(existsSync(b.vsockPath!)).toBe(true);
+      // Adoption keeps what the VM needs (its launch and memory base).
+      const adopted = (await new fc.FirecrackerDriver({ binary: fake.bin }).adopt(bSpec.runDir)) as fc.FirecrackerVm;
+      expect([adopted.pid, adopted.state, adopted.vsockPath]).toEqual([b.pid, "running", b.vsockPath]);
+    } finally {
+      await b.stop();
+    }
+    expect(b.state).toBe("stopped");
+  }, 60_000);
+
+  test("dirty tracking: Diff snapshots, merged onto the memory base, so every mem is a full image", async () => {
+    const driver = new fc.FirecrackerDriver({ binary: fake.bin, trackDirtyPages: true });
+    const s = spec("fc-d1");
+    const a = (await driver.boot(s)) as fc.FirecrackerVm;
+    const s1 = await a.snapshot(join(fake.dir, "snap-d1"));
+    await a.stop();
+    // A booted VM's first Diff holds every page it wrote: resumable on its own, no base.
+    expect(s1.extra).toEqual({ snapshotType: "Diff", drives: ["drive-0", "drive-1"] });
+    const page = (f: string, n: number) => readFileSync(f).subarray(n * 4096, n * 4096 + 8).toString("latin1").replace(/\0+$/, "");
+    expect([statSync(s1.memPath!).size, page(s1.memPath!, 1)]).toEqual([4 << 20, "diff:fc-"]);
+
+    const s2spec = spec("fc-d2");
+    const b = (await driver.restore(s1, { id: "fc-d2", runDir: s2spec.runDir, drives: s2spec.drives, net: s2spec.net })) as fc.FirecrackerVm;
+    expect(fake.sent("fc-d2").find((r) => r.path === "/snapshot/load")!.body.track_dirty_pages).toBe(true);
+    const s2 = await b.snapshot(join(fake.dir, "snap-d2"));
+    // A restored VM's Diff is written into a copy of the memory it was loaded from.
+    expect(s2.extra).toEqual({ snapshotType: "Diff", drives: ["drive-0", "drive-1"], base: s1.memPath });
+    expect([page(s2.memPath!, 1), page(s2.memPath!, 2)]).toEqual(["diff:fc-", "diff:fc-"]);
+    expect(readFileSync(s1.memPath!).subarray(2 * 4096, 2 * 4096 + 8).every((x) => x === 0)).toBe(true);
+    // Its base is now s2's mem; once that is gone, the next snapshot is Full.
+    rmSync(s2.memPath!);
+    await b.resume();
+    const s3 = await b.snapshot(join(fake.dir, "snap-d3"));
+    expect(s3.extra!.snapshotType).toBe("Full");
+    // Never onto the memory it runs on.
+    const err = await b.snapshot(join(fake.dir, "snap-d3")).catch((e) => e);
+    expect([err.code, err.message]).toEqual(["BadSpec", expect.stringContaining("is the memory this VM runs on")]);
+    await b.stop();
+  }, 60_000);
+
+  test("bad restores are named errors before any process starts", async () => {
+    const driver = new fc.FirecrackerDriver({ binary: fake.bin });
+    const a = (await driver.boot(spec("fc-e"))) as fc.FirecrackerVm;
+    const snap = await a.snapshot(join(fake.dir, "snap-e"));
+    await a.stop();
+    const before = readdirSync(join(fake.dir, "logs")).join();
+    const r = spec("fc-e2");
+    const restore = (s: SnapshotInfo, o: Partial<Parameters<typeof driver.restore>[1]> = {}) =>
+      driver.restore(s, { id: "fc-e2", runDir: r.runDir, drives: r.drives, net: r.net, ...o }).then(
+        () => "restored",
+        (e: VmmError) => `${e.code}: ${e.message}`,
+      );
+    expect(await restore({ ...snap, vmm: "qemu" })).toMatch(/^BadSpec: a qemu snapshot cannot be restored by Firecracker/);
+    const short = join(fake.dir, "mem-short");
+    blank(short, 3 << 20);
+    expect(await restore({ ...snap, memPath: short })).toMatch(/^BadSpec: memory file .* has 3145728 bytes, the snapshot's guest has 4 MiB/);
+    expect(await restore(snap, { memImage: join(fake.dir, "no-such-image") })).toMatch(/^BadSpec: memory file .*no-such-image/);
+    expect(await restore({ ...snap, extra: undefined })).toMatch(/^BadSpec: .*no per-VM drive names/);
+    expect(await restore(snap, { drives: r.drives.slice(0, 1) })).toMatch(/^BadSpec: restore needs 2 drives/);
+    expect(await restore(snap, { drives: [r.drives[0]!, { ...r.drives[1]!, readOnly: true }] })).toMatch(/^BadSpec: drive 1 must be writable/);
+    expect(await restore(snap, { net: undefined })).toMatch(/^BadSpec: the snapshot's VM had a network interface/);
+    expect(await restore({ ...snap, statePath: join(fake.dir, "gone") })).toMatch(/^BadSpec: no snapshot state/);
+    expect(await restore({ ...snap, spec: { ...snap.spec, metadata: undefined } }, { metadata: { a: "b" } })).toMatch(/^BadSpec: metadata for a restore/);
+    expect(readdirSync(join(fake.dir, "logs")).join()).toBe(before);
+    expect(existsSync(r.runDir)).toBe(false);
+    // A bad statistics reply is a Protocol error, not a silent guess.
+    const forced = join(fake.dir, "logs", "balloon-stats.json");
+    writeFileSync(forced, JSON.stringify({ target_pages: 256, actual_pages: 256, target_mib: 1, actual_mib: "1" }));
+    try {
+      const b = (await driver.boot(spec("fc-e3"))) as fc.FirecrackerVm;
+      const err = await b.balloon(2).catch((e) => e);
+      expect([err.code, err.message]).toEqual(["Protocol", expect.stringContaining("actual_mib is not a u32")]);
+      await b.stop();
+    } finally {
+      rmSync(forced);
+    }
+  }, 60_000);
+
+  test("a request that gets no answer is a Timeout naming it", async () => {
+    const path = join(fake.dir, "mute.sock");
+    const server = Bun.listen({ unix: path, socket: { data() {} } });
+    try {
+      const err = (await new fc.FirecrackerApi(path).send(fc.getVersion(), 200).catch((e) => e)) as VmmError;
+      expect(err).toBeInstanceOf(VmmError);
+      expect([err.code, err.message]).toEqual(["Timeout", `firecracker GET /version on ${path}: no answer in 200 ms`]);
+    } finally {
+      server.stop(true);
+    }
+  });
+});
+
+/** Whether this process may bind-mount (root in a mount namespace that allows it): the jail's cross-filesystem drives need it. */
+function canBindMount(dir: string): boolean {
+  const src = join(dir, "bind-src");
+  const dst = join(dir, "bind-dst");
+  writeFileSync(src, "x");
+  writeFileSync(dst, "");
+  const ok = Bun.spawnSync(["mount", "--bind", src, dst], { stderr: "ignore" }).exitCode === 0;
+  if (ok) Bun.spawnSync(["umount", dst]);
+  rmSync(src);
+  rmSync(dst);
+  return ok;
+}
+
+describe("FirecrackerDriver under a (fake) jailer", () => {
+  const fake = fakeFirecracker("fc-jail");
+  const base = join(fake.dir, "jails");
+  mkdirSync(base);
+  // The configured chroot base is a symlink: the jailer canonicalizes it, and so must the driver.
+  symlinkSync(base, join(fake.dir, "jails-link"));
+  // /dev/shm is another filesystem here: what must be copied or bind-mounted into the jail.
+  const other = existsSync("/dev/shm") && statSync("/dev/shm").dev !== statSync(fake.dir).dev ? mkdtempSync("/dev/shm/fc-jail-") : undefined;
+  afterAll(() => other && rmSync(other, { recursive: true, force: true }));
+  const bind = !!other && canBindMount(fake.dir);
+  const jailer = (o: Partial<fc.JailerOptions> = {}): fc.JailerOptions => ({ binary: fake.jailer, uid: process.getuid!(), gid: process.getgid!(), chrootBaseDir: join(fake.dir, "jails-link"), daemonize: true, ...o });
+  const kernel = blank(join(other ?? fake.dir, "vmlinux"), 4096);
+  const spec = (id: string): VmSpec => ({
+    id,
+    runDir: join(fake.dir, "run", id),
+    kernel,
+    cmdline: "console=ttyS0",
+    vcpus: 1,
+    memMiB: 4,
+    drives: [{ path: blank(join(fake.dir, `${id}-tools.img`)), readOnly: true }, { path: blank(join(bind ? other! : fake.dir, `${id}-rootfs.img`)) }],
+    net: { tap: `tap-${id}` },
+    metadata: { sandboxId: id },
+    vsock: true,
+  });
+  const jailOf = (id: string) => join(base, "firecracker-v9.9.9", id);
+
+  test("exec-file canonicalized, the VMM's pid from the jail's pid file, files linked/copied/bound in, snapshots moved out, jails removed", async () => {
+    const driver = new fc.FirecrackerDriver({ binary: fake.bin, jailer: jailer() });
+    const s = spec("fj-a");
+    const a = (await driver.boot(s)) as fc.FirecrackerVm;
+    const root = join(jailOf("fj-a"), "root");
+    try {
+      // The chroot is named after the binary's real name, and the jailer got its canonical path.
+      expect(readFileSync(join(fake.dir, "logs", "jailer.args"), "utf8")).toContain(`--exec-file ${realpathSync(fake.bin)} `);
+      const pid = Number(readFileSync(join(root, "firecracker-v9.9.9.pid"), "utf8"));
+      expect(a.pid).toBe(pid);
+      expect(alive(pid)).toBe(true);
+      const sent = fake.sent("fj-a");
+      allConform(sent);
+      expect(sent.every((r) => r.status === 204 && r.cwd === root)).toBe(true);
+      expect(sent.find((r) => r.path === "/boot-source")!.body.kernel_image_path).toBe("/vmlinux");
+      expect(sent.find((r) => r.path === "/logger")!.body.log_path).toBe("/firecracker.log");
+      // Same filesystem: a hard link; another: the kernel copied, a writable drive bind-mounted.
+      expect(statSync(join(root, "drive-0")).ino).toBe(statSync(s.drives[0]!.path).ino);
+      if (other) expect(statSync(join(root, "vmlinux")).ino).not.toBe(statSync(kernel).ino);
+      if (bind) expect(fc.mountsUnder(root)).toEqual([join(root, "drive-1")]);
+      expect(a.vsockPath).toBe(join(root, "vsock.sock"));
+
+      const snap = await a.snapshot(join(fake.dir, "snap-j"));
+      const create = fake.sent("fj-a").find((r) => r.path === "/snapshot/create")!;
+      expect(create.body).toEqual({ snapshot_type: "Full", snapshot_path: "/snapshot/vmstate", mem_file_path: "/snapshot/mem" });
+      expect([snap.statePath, snap.memPath]).toEqual([join(fake.dir, "snap-j", "vmstate"), join(fake.dir, "snap-j", "mem")]);
+      expect(statSync(snap.memPath!).size).toBe(4 << 20);
+      expect(readdirSync(join(root, "snapshot"))).toEqual([]);
+
+      const r = spec("fj-b");
+      const b = (await driver.restore(snap, { id: "fj-b", runDir: r.runDir, drives: r.drives, net: r.net, metadata: { sandboxId: "fj-b" } })) as fc.FirecrackerVm;
+      const rootB = join(jailOf("fj-b"), "root");
+      try {
+        const load = fake.sent("fj-b").find((q) => q.path === "/snapshot/load")!;
+        expect([load.status, load.cwd, load.body.snapshot_path, load.body.mem_backend]).toEqual([204, rootB, "/restore/vmstate", { backend_type: "File", backend_path: "/restore/mem" }]);
+        expect(statSync(join(rootB, "restore", "mem")).ino).toBe(statSync(snap.memPath!).ino);
+        expect(alive(b.pid)).toBe(true);
+      } finally {
+        await b.stop();
+      }
+      expect(existsSync(jailOf("fj-b"))).toBe(false);
+      expect(alive(b.pid)).toBe(false);
+    } finally {
+      await a.stop();
+    }
+    expect(existsSync(jailOf("fj-a"))).toBe(false);
+    expect(fc.mountsUnder(base)).toEqual([]);
+    expect(alive(a.pid)).toBe(false);
+  }, 60_000);
+
+  test("without --daemonize the jailer execs in place: the spawned process is the VMM", async () => {
+    const driver = new fc.FirecrackerDriver({ binary: fake.bin, jailer: jailer({ daemonize: false }) });
+    const a = await driver.boot(spec("fj-c"));
+    try {
+      expect(Number(readFileSync(join(jailOf("fj-c"), "root", "firecracker-v9.9.9.pid"), "utf8"))).toBe(a.pid);
+      expect(fc.launchPlan(spec("fj-c"), { binary: fake.bin, jailer: jailer({ daemonize: false }) }).pidFile).toBeUndefined();
+      expect(fc.launchPlan(spec("fj-c"), { binary: fake.bin, jailer: jailer({ daemonize: false, newPidNs: true }) }).pidFile).toBe(join(jailOf("fj-c"), "root", "firecracker-v9.9.9.pid"));
+    } finally {
+      await a.stop();
+    }
+    expect(existsSync(jailOf("fj-c"))).toBe(false);
+  }, 60_000);
+
+  test("placing files: link on one filesystem; across, a copy for what is read once and a bind mount for devices", async () => {
+    const dir = scratchDir("fc-place");
+    const src = join(dir, "f");
+    writeFileSync(src, "data");
+    expect(await fc.placeInJail(src, join(dir, "linked"), "live")).toBe("link");
+    expect(statSync(join(dir, "linked")).ino).toBe(statSync(src).ino);
+    // A symlink is followed: the jail gets the file, not a link pointing outside it.
+    symlinkSync(src, join(dir, "sym"));
+    expect(await fc.placeInJail(join(dir, "sym"), join(dir, "via-sym"), "once")).toBe("link");
+    expect(statSync(join(dir, "via-sym")).ino).toBe(statSync(src).ino);
+    const missing = await fc.placeInJail(join(dir, "nope"), join(dir, "x"), "once").catch((e) => e);
+    expect(missing.code).toBe("StartFailed");
+    if (!other) return;
+    const far = join(other, "far");
+    writeFileSync(far, "far data");
+    expect(await fc.placeInJail(far, join(dir, "copied"), "once", { uid: process.getuid!(), gid: process.getgid!() })).toBe("copy");
+    expect(readFileSync(join(dir, "copied"), "utf8")).toBe("far data");
+    if (!bind) return;
+    const jail = join(dir, "jail");
+    mkdirSync(jail);
+    expect(await fc.placeInJail(far, join(jail, "bound"), "live")).toBe("bind");
+    writeFileSync(join(jail, "bound"), "written through");
+    expect(readFileSync(far, "utf8")).toBe("written through");
+    await fc.cleanJail(jail);
+    expect([existsSync(jail), readFileSync(far, "utf8")]).toEqual([false, "written through"]);
+  });
+});

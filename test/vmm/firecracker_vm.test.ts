@@ -2,13 +2,15 @@
 // guest kernel built by guest/kernel/build-firecracker-kernel.sh (AENV_FC_KERNEL, or the guest
 // cache). The same sandbox as sandbox_vm.test.ts: tools disk with envd as the root device, the
 // user's rootfs on blockd, the VM in a network slot; boot, pause/resume, snapshot and a restore
-// into a second slot, adoption by a second driver. Elsewhere it prints why it skipped.
+// into a second slot after the source VM's run directory and devices are gone, MMDS data, vsock,
+// rate limits, balloon statistics, Diff snapshots with dirty tracking, adoption by a second driver.
+// Elsewhere it prints why it skipped.
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { existsSync, readdirSync } from "node:fs";
 import { join } from "node:path";
 import { envdToolsDisk, guestCmdline, sealedLayer } from "../../src/template/artifacts.ts";
 import { SlotPool, type Slot } from "../../src/network/index.ts";
-import { FirecrackerDriver, firecrackerAvailable } from "../../src/vmm/firecracker.ts";
+import { FirecrackerDriver, type FirecrackerVm, firecrackerAvailable, getMmds } from "../../src/vmm/firecracker.ts";
 import type { Vmm } from "../../src/vmm/types.ts";
 import { startBlockd } from "../blockdev/harness.ts";
 import { guestFixture, rmrf, runRoot, type GuestFixture } from "./harness.ts";
@@ -54,9 +56,11 @@ describe.skipIf(!!skip)("Firecracker microVMs", async () => {
     rmrf(root);
   });
 
+  const deviceIds = new Map<string, string[]>();
   async function drives(name: string) {
     const tools = await client.call("createReadOnly", { lowers: [toolsLayer] });
     const rootfs = await client.call("create", { lowers: [fx.rootfsLayer], upperDir: join(dir, name), size: 64 << 20 });
+    deviceIds.set(name, [tools.id as string, rootfs.id as string]);
     return [{ path: tools.path as string, readOnly: true }, { path: rootfs.path as string }];
   }
   async function health(s: Slot, ms = 30_000): Promise<void> {
@@ -70,30 +74,71 @@ describe.skipIf(!!skip)("Firecracker microVMs", async () => {
     }
   }
 
-  test("boot, pause/resume, snapshot, restore into another slot", async () => {
+  test("boot with MMDS, vsock, limits and a balloon; pause/resume, snapshot, restore into another slot once the source is gone", async () => {
     const a = await pool.acquire();
     const cmdline = guestCmdline({ ip: `${a.guestIp}/${a.guestPrefixLen}`, gw: a.gatewayIp, extra: "init=/init/disk-init" });
-    const vm = await driver.boot({
+    const d = await drives("a");
+    const vm = (await driver.boot({
       id: "fc-a", runDir: join(root, "a"), kernel: fcKernel()!, cmdline, vcpus: 1, memMiB: 256,
-      drives: await drives("a"), net: { tap: a.tap, mac: a.guestMac }, netnsPath: a.netnsPath,
-    });
+      drives: [d[0]!, { ...d[1]!, rateLimit: { bandwidth: { size: 64 << 20, refillTimeMs: 1000 } } }], net: { tap: a.tap, mac: a.guestMac }, netnsPath: a.netnsPath,
+      netRateLimit: { rx: { bandwidth: { size: 32 << 20, refillTimeMs: 1000 } } }, metadata: { sandboxId: "fc-a" }, vsock: true, balloon: true,
+    })) as FirecrackerVm;
     live.add(vm);
     await health(a);
+    expect(await vm.api.send(getMmds())).toEqual({ sandboxId: "fc-a" });
+    expect(existsSync(vm.vsockPath!)).toBe(true);
+    const stats = await vm.balloonStatistics();
+    expect(stats.actualMib).toBeLessThanOrEqual(256);
+    await vm.setRateLimits({ drives: [undefined, { bandwidth: { size: 0, refillTimeMs: 0 } }] });
     await vm.pause();
     await vm.resume();
     await health(a);
     const snap = await vm.snapshot(join(root, "snap"));
+    expect(snap.extra).toMatchObject({ snapshotType: "Full", drives: ["drive-0", "drive-1"] });
     await vm.stop();
     live.delete(vm);
+    // The restore reopens per-VM drive names: neither the source's run directory nor its devices are needed.
+    rmrf(join(root, "a"));
+    for (const id of deviceIds.get("a")!) await client.call("delete", { id });
     const b = await pool.acquire();
-    const vm2 = await driver.restore(snap, { id: "fc-b", runDir: join(root, "b"), drives: await drives("b"), net: { tap: b.tap, mac: b.guestMac }, netnsPath: b.netnsPath });
+    const vm2 = (await driver.restore(snap, {
+      id: "fc-b", runDir: join(root, "b"), drives: await drives("b"), net: { tap: b.tap, mac: b.guestMac }, netnsPath: b.netnsPath, metadata: { sandboxId: "fc-b" },
+    })) as FirecrackerVm;
     live.add(vm2);
     await health(b);
+    // MMDS data is not part of a snapshot: the restore put this VM's own.
+    expect(await vm2.api.send(getMmds())).toEqual({ sandboxId: "fc-b" });
     await vm2.stop();
     live.delete(vm2);
     expect(vm2.state).toBe("stopped");
     await pool.release(a);
     await pool.release(b);
+  }, 180_000);
+
+  test("dirty tracking: a Diff snapshot of a restored VM is merged onto its memory base and restores", async () => {
+    const tracking = new FirecrackerDriver({ trackDirtyPages: true });
+    const a = await pool.acquire();
+    const cmdline = guestCmdline({ ip: `${a.guestIp}/${a.guestPrefixLen}`, gw: a.gatewayIp, extra: "init=/init/disk-init" });
+    const vm = await tracking.boot({ id: "fc-d1", runDir: join(root, "d1"), kernel: fcKernel()!, cmdline, vcpus: 1, memMiB: 256, drives: await drives("d1"), net: { tap: a.tap, mac: a.guestMac }, netnsPath: a.netnsPath });
+    live.add(vm);
+    await health(a);
+    const s1 = await vm.snapshot(join(root, "snap-d1"));
+    expect(s1.extra).toMatchObject({ snapshotType: "Diff" });
+    await vm.stop();
+    live.delete(vm);
+    const vm2 = await tracking.restore(s1, { id: "fc-d2", runDir: join(root, "d2"), drives: await drives("d2"), net: { tap: a.tap, mac: a.guestMac }, netnsPath: a.netnsPath });
+    live.add(vm2);
+    await health(a);
+    const s2 = await vm2.snapshot(join(root, "snap-d2"));
+    expect(s2.extra).toMatchObject({ snapshotType: "Diff", base: s1.memPath });
+    await vm2.stop();
+    live.delete(vm2);
+    const vm3 = await tracking.restore(s2, { id: "fc-d3", runDir: join(root, "d3"), drives: await drives("d3"), net: { tap: a.tap, mac: a.guestMac }, netnsPath: a.netnsPath });
+    live.add(vm3);
+    await health(a);
+    await vm3.stop();
+    live.delete(vm3);
+    await pool.release(a);
   }, 180_000);
 
   test("adopt: a second driver (a restarted node) takes over a running VM by its run directory", async () => {

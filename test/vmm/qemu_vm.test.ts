@@ -90,6 +90,16 @@ describe.skipIf(!!skip)("QEMU microVMs", async () => {
 
   let snap: SnapshotInfo;
   let counterPid = 0;
+  // snap's memory as a base layer, and the read-only device over it that restores map.
+  const baseLayer = join(dir, "snap1.mem.layer");
+  let memDevice: Promise<string> | undefined;
+  const memImage = () =>
+    (memDevice ??= (async () => {
+      await client.call("memoryLayer", { out: baseLayer, size: snap.spec.memMiB << 20, from: { file: snap.memPath } });
+      const d = await client.call("createReadOnly", { lowers: [baseLayer] });
+      devices.push(d.id);
+      return d.path as string;
+    })());
   // Restack renames the upper into the layer file: it must sit on the uppers' filesystem.
   const snap1Layer = join(dir, "snap1.rootfs.layer");
   const snap2Layer = join(dir, "snap2.rootfs.layer");
@@ -188,7 +198,10 @@ describe.skipIf(!!skip)("QEMU microVMs", async () => {
       const port = freePort();
       const rootfs = await rootfsDrive(client, [fx.rootfsLayer, snap1Layer], "restore1");
       const t0 = performance.now();
-      const vm = await driver.restore(snap, { id: "restore1", runDir: join(root, "restore1"), drives: [await toolsDrive(), { path: rootfs.path }], net: { user: { forwards: [{ hostPort: port, guestPort: GUEST_PORT }] } } });
+      const spec = { id: "restore1", runDir: join(root, "restore1"), drives: [await toolsDrive(), { path: rootfs.path }], net: { user: { forwards: [{ hostPort: port, guestPort: GUEST_PORT }] } } };
+      // Its VM had a balloon: its mem file, mapped private, would be punched by the balloon.
+      await expect(driver.restore(snap, spec)).rejects.toThrow(/has a balloon/);
+      const vm = await driver.restore(snap, { ...spec, memImage: await memImage() });
       live.add(vm);
       try {
         const tQemu = performance.now() - t0;
@@ -213,14 +226,15 @@ describe.skipIf(!!skip)("QEMU microVMs", async () => {
     "two restores side by side: each its own state; the memory image is never written",
     async () => {
       expect(snap).toBeDefined();
-      const md5 = () => Bun.spawnSync(["md5sum", snap.memPath!]).stdout.toString().split(" ")[0];
+      await memImage();
+      const md5 = () => Bun.spawnSync(["md5sum", snap.memPath!, baseLayer]).stdout.toString();
       const before = md5();
       const vms: { vm: Vmm; port: number }[] = [];
       try {
         for (const name of ["fork-a", "fork-b"]) {
           const port = freePort();
           const rootfs = await rootfsDrive(client, [fx.rootfsLayer, snap1Layer], name);
-          const vm = await driver.restore(snap, { id: name, runDir: join(root, name), drives: [await toolsDrive(), { path: rootfs.path }], net: { user: { forwards: [{ hostPort: port, guestPort: GUEST_PORT }] } } });
+          const vm = await driver.restore(snap, { id: name, runDir: join(root, name), drives: [await toolsDrive(), { path: rootfs.path }], net: { user: { forwards: [{ hostPort: port, guestPort: GUEST_PORT }] } }, memImage: await memImage() });
           live.add(vm);
           vms.push({ vm, port });
         }
@@ -243,36 +257,47 @@ describe.skipIf(!!skip)("QEMU microVMs", async () => {
   );
 
   test(
-    "snapshot of a restored VM (RAM in the stream) restores too",
+    "snapshot of a restored VM: device state plus its dirty pages, restored over memory layers",
     async () => {
       expect(snap).toBeDefined();
       const port = freePort();
       const rootfs = await rootfsDrive(client, [fx.rootfsLayer, snap1Layer], "gen2");
-      const vm = await driver.restore(snap, { id: "gen2", runDir: join(root, "gen2"), drives: [await toolsDrive(), { path: rootfs.path }], net: { user: { forwards: [{ hostPort: port, guestPort: GUEST_PORT }] } } });
+      const vm = await driver.restore(snap, { id: "gen2", runDir: join(root, "gen2"), drives: [await toolsDrive(), { path: rootfs.path }], net: { user: { forwards: [{ hostPort: port, guestPort: GUEST_PORT }] } }, memImage: await memImage() });
       live.add(vm);
+      const base = baseLayer;
+      const delta = join(dir, "snap2.mem.layer");
       let snap2: SnapshotInfo;
       try {
         await waitHttp(`http://127.0.0.1:${port}/health`, 45_000);
         await guestSh(port, "echo gen2 > /root/gen");
         snap2 = await vm.snapshot(join(root, "snap2"));
         await client.call("restack", { id: rootfs.id, layerPath: snap2Layer });
-        expect(snap2.memPath).toBeUndefined(); // a private (copy-on-write) RAM mapping goes into the stream
+        // A private (copy-on-write) RAM mapping: the stream is device state only, the dirty pages wait in QEMU.
+        expect(snap2.memPath).toBeUndefined();
+        expect(snap2.memoryImage).toBe(true);
+        expect(statSync(snap2.statePath).size).toBeLessThan(1 << 20);
+        expect(vm.state).toBe("snapshotted");
+        const d = snap2.delta!;
+        expect(d.pages).toBeGreaterThan(0);
+        await client.call("memoryLayer", { out: delta, size: d.size, from: { pid: d.pid, address: d.address, pagesFile: d.pagesFile } });
       } finally {
         await stop(vm);
       }
+      const mem = await client.call("createReadOnly", { lowers: [base, delta] });
+      devices.push(mem.id);
       const port3 = freePort();
       const rootfs3 = await rootfsDrive(client, [fx.rootfsLayer, snap1Layer, snap2Layer], "gen3");
-      const vm3 = await driver.restore(snap2, { id: "gen3", runDir: join(root, "gen3"), drives: [await toolsDrive(), { path: rootfs3.path }], net: { user: { forwards: [{ hostPort: port3, guestPort: GUEST_PORT }] } } });
+      const spec3 = { id: "gen3", runDir: join(root, "gen3"), drives: [await toolsDrive(), { path: rootfs3.path }], net: { user: { forwards: [{ hostPort: port3, guestPort: GUEST_PORT }] } } };
+      await expect(driver.restore(snap2, spec3)).rejects.toThrow(/memImage/);
+      const vm3 = await driver.restore(snap2, { ...spec3, memImage: mem.path });
       live.add(vm3);
       try {
         await waitHttp(`http://127.0.0.1:${port3}/health`, 45_000);
         expect((await guestSh(port3, "cat /root/gen /root/marker")).trim()).toBe("gen2\nbefore-snapshot");
         expect(await alive(port3, counterPid)).toBe(true);
-        // Restored from a stream, it got a shared RAM file of its own: its snapshot is cheap again,
-        // and without resumable the snapshot takes that file over, so the VM may not run on.
+        // Its snapshot is a delta again; without resumable the VM may not run on.
         const snap3 = await vm3.snapshot(join(root, "snap3"));
-        expect(snap3.memPath).toBeDefined();
-        expect(statSync(snap3.statePath).size).toBeLessThan(1 << 20);
+        expect(snap3.memoryImage).toBe(true);
         expect(vm3.state).toBe("snapshotted");
         await expect(vm3.resume()).rejects.toThrow(/snapshotted/);
       } finally {

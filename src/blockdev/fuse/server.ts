@@ -414,8 +414,8 @@ export class FuseDisk {
         return F.FUSE_ATTR_OUT_SIZE;
       }
       case F.FUSE_OPEN: {
-        const flags = a.getUint32(0, true);
-        if (io.readOnly && (flags & 3) !== 0) return -EROFS;
+        // A read-only device opens for writing too and refuses every write, truncate and fallocate:
+        // QEMU 7.2 opens a memory-backend-file O_RDWR even to map it private (copy-on-write).
         const direct = this.opts.directIo ?? !io.readOnly;
         F.encodeOpenOut(r.outView, 0, 1, direct ? F.FOPEN_DIRECT_IO | F.FOPEN_PARALLEL_DIRECT_WRITES : F.FOPEN_KEEP_CACHE);
         return F.FUSE_OPEN_OUT_SIZE;
@@ -426,7 +426,10 @@ export class FuseDisk {
         return io.readOnly ? 0 : io.flush();
       case F.FUSE_FALLOCATE: {
         const f = F.decodeFallocateIn(a, 0);
-        if (io.readOnly) return -EROFS;
+        // On a read-only device a hole punch is a no-op that succeeds: QEMU punches the file before it
+        // drops a private mapping's pages (its discard of guest RAM: balloon, free page reporting),
+        // and the drop alone is what frees host memory; the shared image must never change.
+        if (io.readOnly) return f.mode === (FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE) ? 0 : -EROFS;
         const mode = f.mode & ~FALLOC_FL_KEEP_SIZE;
         if (mode === 0) return f.offset + f.length <= io.size() ? 0 : -EPERM; // preallocation: nothing to do
         if (mode !== FALLOC_FL_PUNCH_HOLE && mode !== FALLOC_FL_ZERO_RANGE) return -ENOTSUP;
