@@ -1,5 +1,5 @@
 // Sandbox egress: what the domain proxy and the host table's per-slot rules cost.
-//   npx bun bench/network/run.ts [--conns 200] [--mib 64] [--runs 5] [--rounds 3] [--slots 1000]
+//   npx bun bench/network/run.ts [--conns 200] [--mib 64] [--runs 5] [--rounds 5] [--slots 1000]
 // A fake guest behind a real slot (test/network/harness.ts) talks to the test "internet"
 // (test/network/internet.ts: a namespace of this run on a veth of this run) with client.ts.
 // Rows, each against the same server in the same run:
@@ -26,7 +26,7 @@ const CONNS = arg("conns", 200);
 const MIB = arg("mib", 64);
 const RUNS = arg("runs", 5);
 const SLOTS = arg("slots", 1000);
-const ROUNDS = arg("rounds", 3);
+const ROUNDS = arg("rounds", 5);
 
 if (!canRun) {
   console.log("bench/network: needs root, /dev/net/tun, ip, nft, sysctl and conntrack; skipped");

@@ -230,6 +230,72 @@ describe.skipIf(!canRun)(slotSuite("egress by domain"), () => {
     expect(await fromGuest(guest, [{ op: "https", ip: a, port: 443, servername: "a.test" }])).toEqual([`a.test@${a}`]);
   }, 60_000);
 
+  /** Runs `code` in the guest and collects what it prints. */
+  const inGuest = (guest: string, code: string) => {
+    const p = t.keep(Bun.spawn(netnsExecArgv({ netns: guest }, [process.execPath, "-e", code]), { stdout: "pipe", stderr: "inherit" }));
+    let out = "";
+    void (async () => {
+      for await (const chunk of p.stdout) out += new TextDecoder().decode(chunk);
+    })();
+    return { output: () => out, exited: p.exited };
+  };
+
+  test("past SPLICE_AFTER bytes the kernel relay carries a connection: every byte both ways in order, each direction's end", async () => {
+    const { egress, slot, guest } = await setup();
+    const [a] = net.ips as [string];
+    await egress.apply(slot, "sbxk", parseEgressPolicy(false, { allowOut: ["a.test"] }));
+    // 8 MiB of random bytes up to /echo and back at once; the server's FIN first, the client's once it has read it.
+    // (Not a FIN before the answer ends: Bun.serve drops the rest of an answer then, even without a proxy.)
+    const code = `const c = require("node:crypto"), N = 8 << 20, data = c.randomBytes(N), got = [];
+      const s = require("node:net").connect({ host: ${JSON.stringify(a)}, port: 80 });
+      s.on("connect", () => {
+        s.write("POST /echo HTTP/1.1\\r\\nHost: a.test\\r\\nContent-Length: " + N + "\\r\\nConnection: close\\r\\n\\r\\n");
+        for (let i = 0; i < N; i += 65536) s.write(data.subarray(i, i + 65536));
+      });
+      s.on("data", (d) => got.push(d));
+      s.on("error", (e) => console.log("error " + e.code));
+      s.on("close", () => {
+        let all = Buffer.concat(got), at = all.indexOf("\\r\\n\\r\\n") + 4;
+        const head = all.subarray(0, at).toString(), parts = [];
+        if (/transfer-encoding: chunked/i.test(head)) {
+          for (;;) {
+            const eol = all.indexOf("\\r\\n", at), n = parseInt(all.subarray(at, eol).toString(), 16);
+            if (!(n > 0)) break;
+            parts.push(all.subarray(eol + 2, eol + 2 + n));
+            at = eol + 2 + n + 2;
+          }
+        } else parts.push(all.subarray(at));
+        const body = Buffer.concat(parts), sha = (b) => c.createHash("sha256").update(b).digest("hex");
+        console.log(JSON.stringify({ status: head.split(" ")[1], length: body.length, same: sha(body) === sha(data) }));
+      });`;
+    const g = inGuest(guest, code);
+    await g.exited;
+    expect(JSON.parse(g.output())).toEqual({ status: "200", length: 8 << 20, same: true });
+    await eventually(() => proxy.openConnections === 0, "the proxy lets the connection go");
+  }, 60_000);
+
+  test("a live policy change closes a connection the kernel relay carries", async () => {
+    const { egress, slot, guest } = await setup();
+    const [a] = net.ips as [string];
+    await egress.apply(slot, "sbxm", parseEgressPolicy(true, { allowOut: ["a.test"] }));
+    // 1 MiB at once (past SPLICE_AFTER), then 4 KiB every 50 ms, echoed back.
+    const code = `const s = require("node:net").connect({ host: ${JSON.stringify(a)}, port: 80 });
+      s.on("connect", () => {
+        s.write("POST /echo HTTP/1.1\\r\\nHost: a.test\\r\\nContent-Length: 104857600\\r\\n\\r\\n");
+        s.write(Buffer.alloc(1 << 20, 1));
+        setInterval(() => s.write(Buffer.alloc(4096, 2)), 50);
+      });
+      s.on("data", () => console.log("echo"));
+      s.on("error", (e) => console.log("closed " + e.code)); s.on("close", () => { console.log("closed"); process.exit(0); });`;
+    const g = inGuest(guest, code);
+    await eventually(() => proxy.splicedConnections === 1, "the kernel relay carries the connection");
+    const seen = g.output().length;
+    await eventually(() => g.output().length > seen + 20, "echoes keep coming through the kernel relay");
+    await egress.apply(slot, "sbxm", parseEgressPolicy(true, { denyOut: ["a.test"] }));
+    await eventually(() => g.output().includes("closed"), "the relayed connection is closed");
+    await eventually(() => proxy.openConnections === 0 && proxy.splicedConnections === 0, "the proxy holds nothing of it");
+  }, 60_000);
+
   test("a live policy change closes proxied connections it now refuses", async () => {
     const { egress, slot, guest } = await setup();
     const [a] = net.ips as [string];

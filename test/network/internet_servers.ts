@@ -1,6 +1,7 @@
 // The test "internet"'s servers, run inside its namespace:
 //   bun internet_servers.ts '{"ips":[...],"zone":{name:[ip]},"cert":path,"key":path}'
 // On every ip: HTTP :80 and TLS :443 answering "<host header>@<local ip>" (GET /bytes?n=N: N bytes;
+// POST /echo: the body streamed back;
 // GET /auth: the SHA-256 of the Authorization header and the X-Extra header, as JSON), a TCP echo
 // on :7. On ips[0]: a DNS server on :53 (udp) answering A records from `zone`. On ips[3]: an
 // upstream egress proxy on :1080 speaking SOCKS5 (no auth or RFC 1929) and HTTP CONNECT; each
@@ -17,6 +18,7 @@ function handler(ip: string) {
   return (req: Request) => {
     const url = new URL(req.url);
     if (url.pathname === "/bytes") return new Response(blob.subarray(0, Math.min(blob.length, Number(url.searchParams.get("n") ?? 0))));
+    if (url.pathname === "/echo") return new Response(req.body);
     if (url.pathname === "/auth") {
       const auth = req.headers.get("authorization");
       return Response.json({ auth: auth === null ? null : createHash("sha256").update(auth).digest("hex"), extra: req.headers.get("x-extra") });
