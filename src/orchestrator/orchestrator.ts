@@ -281,6 +281,11 @@ export class Orchestrator {
     mkdirSync(opts.runRoot, { recursive: true });
   }
 
+  /** Ids of the blockd devices the node holds open as memory devices (templates', warm ones, in use). */
+  memoryDeviceIds(): Set<string> {
+    return this.memDevices.ids();
+  }
+
   /** `cb(id)` runs when a sandbox's VM goes away (kill, pause, failure): the proxy cuts its streams. */
   onGone(cb: (id: string) => void): void {
     this.goneListeners.push(cb);
@@ -1285,7 +1290,7 @@ export class Orchestrator {
    */
   async recover(): Promise<{ adopted: string[]; lost: string[]; paused: string[] }> {
     const out = { adopted: [] as string[], lost: [] as string[], paused: [] as string[] };
-    const devices = await this.blockd.call<{ id: string; path: string; readOnly: boolean; refs: number; config?: { lowers?: unknown[] } }[]>("list");
+    const devices = await this.blockd.call<{ id: string; kind: string; path: string; readOnly: boolean; acquired?: boolean; refs: number; config?: { lowers?: unknown[] } }[]>("list");
     for (const r of this.store.all()) {
       const rt = r.runtime as SandboxRuntime | null;
       if (r.state === "paused") { out.paused.push(r.id); continue; }
@@ -1324,7 +1329,8 @@ export class Orchestrator {
     for (const d of devices) {
       const top = d.config?.lowers?.at(-1);
       if (!d.readOnly || held.has(d.id) || typeof top !== "string" || !/(^|\/)mem(\.layer|-layer-\d+)$/.test(top)) continue;
-      for (let i = 0; i < Math.max(1, d.refs); i++) await this.blockd.call("delete", { id: d.id }).catch(() => {});
+      if (d.acquired) await this.blockd.call("release", { id: d.id }).catch(() => {});
+      else if (d.kind === "ro") for (let i = 0; i < Math.max(1, d.refs); i++) await this.blockd.call("delete", { id: d.id }).catch(() => {});
     }
     this.collectCheckpointsLater();
     return out;
