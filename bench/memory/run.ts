@@ -15,7 +15,7 @@ import { guestCmdline } from "../../src/template/artifacts.ts";
 import { BlockdClient } from "../../src/blockdev/client.ts";
 import { QemuDriver } from "../../src/vmm/qemu.ts";
 import type { SnapshotInfo, Vmm } from "../../src/vmm/types.ts";
-import { freePort, guestFixture, guestSh, waitHttp } from "../../test/vmm/harness.ts";
+import { anonymousBytes, freePort, guestFixture, guestRun, waitHttp } from "../../test/vmm/harness.ts";
 
 const argv = process.argv.slice(2);
 const flag = (name: string, dflt: number) => {
@@ -50,13 +50,6 @@ async function drives(name: string) {
   return [{ path: tools.path as string, readOnly: true }, { path: d.path as string }];
 }
 const net = (port: number) => ({ user: { forwards: [{ hostPort: port, guestPort: GUEST_PORT }] } });
-/** A guest command run to its end (the test CGI can answer before a silent command is done). */
-const run = async (port: number, cmd: string) => {
-  const out = await guestSh(port, `${cmd}; echo @done`, 600_000);
-  if (!out.endsWith("@done\n")) throw new Error(`guest command ${cmd} did not finish: ${out}`);
-  return out.slice(0, -6).trim();
-};
-
 async function cold(memMiB: number) {
   const name = `c${n++}`;
   const port = freePort();
@@ -120,13 +113,6 @@ async function fullSnapshot(vm: Vmm): Promise<{ ms: number; mib: number }> {
 }
 
 const pss = (pid: number) => Number(/\nPss:\s+(\d+) kB/.exec(readFileSync(`/proc/${pid}/smaps_rollup`, "utf8"))![1]) / 1024;
-function anonOf(pid: number, path: string): number {
-  const smaps = readFileSync(`/proc/${pid}/smaps`, "utf8");
-  const at = smaps.indexOf(` ${path}\n`);
-  const block = smaps.slice(at, smaps.indexOf("VmFlags", at));
-  return Number(/\nAnonymous:\s+(\d+) kB/.exec(block)![1]) / 1024;
-}
-
 try {
   // ---- the base: a cold boot's RAM file as one layer ---------------------------------------------
   const c = await cold(GUEST_MIB);
@@ -141,7 +127,7 @@ try {
   const pauses: Record<string, unknown>[] = [];
   for (const mib of DIRTY_MIB) {
     const r = await restore(baseSnap, [base]);
-    await run(r.port, `dd if=/dev/urandom of=/dev/shm/dirty bs=1M count=${mib} 2>/dev/null`);
+    await guestRun(r.port, `dd if=/dev/urandom of=/dev/shm/dirty bs=1M count=${mib} 2>/dev/null`, 600_000);
     await r.vm.pause();
     const full = await fullSnapshot(r.vm);
     const p = await pause(r.vm, [base]);
@@ -163,7 +149,7 @@ try {
       await stop(r.vm);
       break;
     }
-    await run(r.port, `dd if=/dev/urandom of=/dev/shm/l${depth} bs=1M count=1 2>/dev/null`);
+    await guestRun(r.port, `dd if=/dev/urandom of=/dev/shm/l${depth} bs=1M count=1 2>/dev/null`);
     ({ layers, snap } = await pause(r.vm, layers));
   }
   results.resumeMs = stacks;
@@ -189,14 +175,14 @@ try {
 
   // ---- free page reporting ---------------------------------------------------------------------------
   const f = await restore(baseSnap, [base]);
-  const idle = anonOf(f.vm.pid, f.mem);
-  await run(f.port, "dd if=/dev/urandom of=/dev/shm/big bs=1M count=256 2>/dev/null");
-  const busy = anonOf(f.vm.pid, f.mem);
-  await run(f.port, "rm /dev/shm/big");
+  const idle = anonymousBytes(f.vm.pid, f.mem) / MiB;
+  await guestRun(f.port, "dd if=/dev/urandom of=/dev/shm/big bs=1M count=256 2>/dev/null", 600_000);
+  const busy = anonymousBytes(f.vm.pid, f.mem) / MiB;
+  await guestRun(f.port, "rm /dev/shm/big");
   let after = busy;
   for (let i = 0; i < 60 && after > idle + 32; i++) {
     await Bun.sleep(500);
-    after = anonOf(f.vm.pid, f.mem);
+    after = anonymousBytes(f.vm.pid, f.mem) / MiB;
   }
   await stop(f.vm);
   results.freePageReporting = { idleMiB: r1(idle), afterWriteMiB: r1(busy), afterFreeMiB: r1(after) };

@@ -1000,7 +1000,7 @@ export class Orchestrator {
       try {
         for (const [name, path] of Object.entries(got.paths)) await linkOrCopy(path, join(dir, name));
         const vm: SnapshotInfo = { ...meta.vm, dir, statePath: join(dir, "vmstate"), memPath: got.paths.mem ? join(dir, "mem") : undefined };
-        await Bun.write(join(dir, "snapshot.json"), JSON.stringify(vm, null, 1));
+        await writeSnapshot(vm);
         const memLayers = Array.from({ length: meta.memLayers ?? 0 }, (_, i) => join(dir, `mem-layer-${i}`));
         const cp: VmCheckpoint = {
           dir, layers: Array.from({ length: meta.layers }, (_, i) => meta.remote?.[String(i)] ?? join(dir, `layer-${i}`)), envdToken: meta.envdToken,
@@ -1128,7 +1128,7 @@ export class Orchestrator {
       }
       await this.blockd.call("memoryLayer", { out, size: d.size, from: { pid: d.pid, address: d.address, pagesFile }, zfile: this.opts.memoryZfile });
       await rm(d.pagesFile, { force: true });
-      await rm(join(snap.dir, "mem.all"), { force: true });
+      if (compact) await rm(pagesFile, { force: true });
       return compact ? [out] : [...below, out];
     }
     if (!snap.memPath) return undefined;

@@ -21,6 +21,7 @@ import {
   VmmError,
   VmProcess,
   netnsArgv,
+  writeSnapshot,
 } from "./types.ts";
 import { retryUntilListening } from "./wait.ts";
 
@@ -1080,7 +1081,7 @@ export class FirecrackerVm extends VmProcess implements Vmm {
     const extra: Record<string, unknown> = { snapshotType: type, drives: snapshotDriveNames(this.spec.drives.length) };
     if (type === "Diff" && base !== null) extra.base = base;
     const info: SnapshotInfo = { vmm: "firecracker", dir, statePath, memPath, spec: this.spec, createdAt: new Date().toISOString(), extra };
-    await Bun.write(join(dir, "snapshot.json"), JSON.stringify(info, null, 1));
+    await writeSnapshot(info);
     // Either type resets the dirty log: the next Diff holds what is written from now on, over this file.
     this.ctx.memBase = memPath;
     await writeAdoptRecord<FirecrackerAdoptRecord>(this.spec.runDir, this.pid, adoptRecordOf(this));

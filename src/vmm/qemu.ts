@@ -22,6 +22,7 @@ import {
   VmmError,
   VmProcess,
   netnsArgv,
+  writeSnapshot,
 } from "./types.ts";
 import { withTimeout } from "./wait.ts";
 import { dirtyRuns, mappingOf, PAGE_SIZE } from "./pagemap.ts";
@@ -275,7 +276,7 @@ class QemuVm extends VmProcess implements Vmm {
       createdAt: new Date().toISOString(),
       extra: { ignoreShared: sharedRam, accel: this.launch.accel, tscKhz: this.launch.tscKhz },
     };
-    await Bun.write(join(dir, "snapshot.json"), JSON.stringify(info, null, 1));
+    await writeSnapshot(info);
     return info;
   }
 
@@ -305,10 +306,11 @@ class QemuVm extends VmProcess implements Vmm {
       spec: this.spec,
       createdAt: new Date().toISOString(),
       memoryImage: true,
+      delta: { pid: this.pid, address: map.address, size, pageSize: PAGE_SIZE, pagesFile, pages: dirty },
       extra: { ignoreShared: false, accel: this.launch.accel, tscKhz: this.launch.tscKhz },
     };
-    await Bun.write(join(dir, "snapshot.json"), JSON.stringify(info, null, 1));
-    return { ...info, delta: { pid: this.pid, address: map.address, size, pageSize: PAGE_SIZE, pagesFile, pages: dirty } };
+    await writeSnapshot(info); // without its delta: that lives only as long as this process
+    return info;
   }
 
   async balloon(targetMiB: number): Promise<BalloonInfo> {

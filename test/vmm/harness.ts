@@ -90,6 +90,25 @@ export async function guestSh(port: number, command: string, timeoutMs = 10_000)
   return text;
 }
 
+/**
+ * A guest command run to its end: the test CGI can answer a command that prints nothing before
+ * the command is done (a dd still writing), so the command ends by printing a marker. Its output.
+ */
+export async function guestRun(port: number, command: string, timeoutMs = 60_000): Promise<string> {
+  const out = await guestSh(port, `${command}; echo @done`, timeoutMs);
+  if (!out.endsWith("@done\n")) throw new Error(`guest command ${JSON.stringify(command)} did not finish: ${out}`);
+  return out.slice(0, -"@done\n".length).trim();
+}
+
+/** Bytes of anonymous (copy-on-write) pages in `pid`'s mapping of `path` (/proc/<pid>/smaps). */
+export function anonymousBytes(pid: number, path: string): number {
+  const smaps = readFileSync(`/proc/${pid}/smaps`, "utf8");
+  const at = smaps.indexOf(` ${path}\n`);
+  if (at < 0) throw new Error(`process ${pid} does not map ${path}`);
+  const block = smaps.slice(at, smaps.indexOf("VmFlags", at));
+  return Number(/\nAnonymous:\s+(\d+) kB/.exec(block)![1]) * 1024;
+}
+
 export function rmrf(p: string): void {
   rmSync(p, { recursive: true, force: true });
 }

@@ -10,7 +10,7 @@ import { guestCmdline } from "../../src/template/artifacts.ts";
 import { QemuDriver } from "../../src/vmm/qemu.ts";
 import type { SnapshotInfo, Vmm } from "../../src/vmm/types.ts";
 import { startBlockd } from "../blockdev/harness.ts";
-import { freePort, guestFixture, guestSh, qemuPids, rmrf, runRoot, vmSkipReason, waitHttp, type GuestFixture } from "./harness.ts";
+import { anonymousBytes, freePort, guestFixture, guestRun, guestSh, qemuPids, rmrf, runRoot, vmSkipReason, waitHttp, type GuestFixture } from "./harness.ts";
 
 const skip = vmSkipReason();
 if (skip) console.log(`QEMU memory-layer tests skipped: ${skip}`);
@@ -46,16 +46,6 @@ describe.skipIf(!!skip)("QEMU memory layers", async () => {
     return [{ path: tools, readOnly: true }, { path: d.path as string }];
   };
   const net = (port: number) => ({ user: { forwards: [{ hostPort: port, guestPort: GUEST_PORT }] } });
-
-  /**
-   * A guest command run to its end: the test CGI can answer a command that prints nothing before
-   * the command is done (a dd still writing), so every command here ends by printing a marker.
-   */
-  async function run(port: number, command: string): Promise<string> {
-    const out = await guestSh(port, `${command}; echo @done`, 60_000);
-    expect(out.endsWith("@done\n")).toBe(true);
-    return out.slice(0, -"@done\n".length).trim();
-  }
 
   /** A read-only memory device over `layers` (blockd shares one per stack). */
   async function memDevice(layers: string[]) {
@@ -134,7 +124,7 @@ describe.skipIf(!!skip)("QEMU memory layers", async () => {
         const { vm, port } = await restore(snap, `g${gen}`, layers);
         for (let g = 1; g < gen; g++) expect((await guestSh(port, `md5sum /dev/shm/f${g} | cut -d' ' -f1`)).trim()).toBe(sums[g - 1]!);
         expect((await guestSh(port, "cat /dev/shm/marker")).trim()).toBe("cold");
-        sums.push(await run(port, `dd if=/dev/urandom of=/dev/shm/f${gen} bs=1M count=8 2>/dev/null; md5sum /dev/shm/f${gen} | cut -d' ' -f1`));
+        sums.push(await guestRun(port, `dd if=/dev/urandom of=/dev/shm/f${gen} bs=1M count=8 2>/dev/null; md5sum /dev/shm/f${gen} | cut -d' ' -f1`));
         const p = await pauseInto(vm, `p${gen}`);
         pauses.push(p);
         layers = [...layers, p.layer];
@@ -149,7 +139,7 @@ describe.skipIf(!!skip)("QEMU memory layers", async () => {
         expect(statSync(p.snap.statePath).size).toBeLessThan(256 << 10); // device state only
       }
       // A removed file's pages are reused or zeroed: still right after one more pause.
-      await run(port, "rm /dev/shm/f2; dd if=/dev/zero of=/dev/shm/z bs=1M count=4 2>/dev/null");
+      await guestRun(port, "rm /dev/shm/f2; dd if=/dev/zero of=/dev/shm/z bs=1M count=4 2>/dev/null");
       const p = await pauseInto(vm, "p4");
       const again = await restore(p.snap, "g5", [...layers, p.layer]);
       expect((await guestSh(again.port, "ls /dev/shm")).split(/\s+/).filter(Boolean).sort()).toEqual(["f1", "f3", "marker", "z"]);
@@ -195,29 +185,21 @@ describe.skipIf(!!skip)("QEMU memory layers", async () => {
     600_000,
   );
 
-  /** Bytes of anonymous (copy-on-write) pages in `pid`'s mapping of `path`. */
-  function anonOf(pid: number, path: string): number {
-    const smaps = readFileSync(`/proc/${pid}/smaps`, "utf8");
-    const at = smaps.indexOf(` ${path}\n`);
-    const block = smaps.slice(at, smaps.indexOf("VmFlags", at));
-    return Number(/\nAnonymous:\s+(\d+) kB/.exec(block)![1]) * 1024;
-  }
-
   test(
     "free page reporting gives a restored VM's freed pages back to the host; the shared image never changes",
     async () => {
       const hash = () => new Bun.CryptoHasher("sha256").update(readFileSync(base)).digest("hex");
       const before = hash();
       const { vm, port, mem } = await restore(baseSnap, "fpr", [base]);
-      const idle = anonOf(vm.pid, mem.path);
-      await run(port, "dd if=/dev/urandom of=/dev/shm/big bs=1M count=64 2>/dev/null");
-      const full = anonOf(vm.pid, mem.path);
+      const idle = anonymousBytes(vm.pid, mem.path);
+      await guestRun(port, "dd if=/dev/urandom of=/dev/shm/big bs=1M count=64 2>/dev/null");
+      const full = anonymousBytes(vm.pid, mem.path);
       expect(full - idle).toBeGreaterThanOrEqual(64 * MiB);
-      await run(port, "rm /dev/shm/big");
+      await guestRun(port, "rm /dev/shm/big");
       // The guest reports free 2 MiB blocks a couple of seconds after they are freed.
       const deadline = Date.now() + 60_000;
       let now = full;
-      while (Date.now() < deadline && (now = anonOf(vm.pid, mem.path)) > full - 48 * MiB) await Bun.sleep(500);
+      while (Date.now() < deadline && (now = anonymousBytes(vm.pid, mem.path)) > full - 48 * MiB) await Bun.sleep(500);
       console.log(`  anonymous pages of the restored VM: idle ${(idle / MiB).toFixed(1)} MiB, after 64 MiB written ${(full / MiB).toFixed(1)} MiB, after it was freed ${(now / MiB).toFixed(1)} MiB`);
       expect(now).toBeLessThanOrEqual(full - 48 * MiB);
       await vm.stop();
@@ -248,7 +230,7 @@ describe.skipIf(!!skip)("QEMU memory layers", async () => {
 
   test("a memory layer compressed as a ZFile: smaller, and the VM restored over it reads its data back", async () => {
     const { vm, port } = await restore(baseSnap, "zf", [base]);
-    const sum = await run(port, "yes 'compressible memory' | head -c 8388608 > /dev/shm/z; md5sum /dev/shm/z | cut -d' ' -f1");
+    const sum = await guestRun(port, "yes 'compressible memory' | head -c 8388608 > /dev/shm/z; md5sum /dev/shm/z | cut -d' ' -f1");
     const snap = await vm.snapshot(join(root, "zf-p"));
     const d = snap.delta!;
     const layer = join(dir, "zf.mem.layer");
@@ -257,7 +239,7 @@ describe.skipIf(!!skip)("QEMU memory layers", async () => {
     live.delete(vm);
     expect(r.bytes).toBeLessThan((r.dataPages * 4096) / 4);
     const again = await restore(snap, "zf2", [base, layer]);
-    expect(await run(again.port, "md5sum /dev/shm/z | cut -d' ' -f1")).toBe(sum);
+    expect(await guestRun(again.port, "md5sum /dev/shm/z | cut -d' ' -f1")).toBe(sum);
     await again.vm.stop();
     live.delete(again.vm);
     await expect(client.call("memoryLayer", { out: join(dir, "bad.layer"), size: d.size, from: { file: base }, zfile: "gzip" })).rejects.toThrow(/zfile/);
