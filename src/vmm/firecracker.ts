@@ -5,6 +5,7 @@ import { existsSync, readFileSync, realpathSync } from "node:fs";
 import { chown, copyFile, link, mkdir, readFile, realpath, rename, rm, stat, symlink, writeFile } from "node:fs/promises";
 import { basename, dirname, join, resolve } from "node:path";
 import { AdoptedProcess, readAdoptRecord, writeAdoptRecord } from "./adopt.ts";
+import { dirtyRuns, mappingOf, PAGE_SIZE } from "./pagemap.ts";
 import { probeKvm, sparseCopy } from "./qemu.ts";
 import {
   type BalloonInfo,
@@ -1002,6 +1003,11 @@ interface VmContext {
   launch: Launch;
   /** The full memory file this VM's memory diverged from (host path): the one it was loaded from or last snapshotted to; null: none (booted). */
   memBase: string | null;
+  /**
+   * The memory image this VM was restored on (RestoreSpec.memImage, host path): Firecracker maps it
+   * privately, so the pages the guest dirtied are the mapping's anonymous pages; null: none.
+   */
+  memImage: string | null;
 }
 
 /** Firecracker's part of the adoption record. */
@@ -1011,6 +1017,7 @@ interface FirecrackerAdoptRecord {
   consoleLog: string;
   launch?: Launch;
   memBase?: string | null;
+  memImage?: string | null;
 }
 
 export class FirecrackerVm extends VmProcess implements Vmm {
@@ -1056,6 +1063,7 @@ export class FirecrackerVm extends VmProcess implements Vmm {
     await mkdir(dir, { recursive: true });
     const statePath = join(dir, "vmstate");
     const memPath = join(dir, "mem");
+    if (this.ctx.memImage !== null) return this.deltaSnapshot(dir, statePath, memPath);
     const base = this.ctx.memBase;
     // Writing over the file this VM maps would change its memory under it.
     if (base !== null && (await sameFile(base, memPath))) throw new VmmError("BadSpec", `${memPath} is the memory this VM runs on`);
@@ -1084,6 +1092,44 @@ export class FirecrackerVm extends VmProcess implements Vmm {
     await writeSnapshot(info);
     // Either type resets the dirty log: the next Diff holds what is written from now on, over this file.
     this.ctx.memBase = memPath;
+    await writeAdoptRecord<FirecrackerAdoptRecord>(this.spec.runDir, this.pid, adoptRecordOf(this));
+    return info;
+  }
+
+  /**
+   * A VM on a memory image (memory layers): its dirtied pages are the anonymous pages of its private
+   * mapping of the image (pagemap.ts, as for QEMU), left in the paused process for the caller to
+   * write into a memory layer; the memory file snapshot/create must write goes to a scratch file
+   * that is removed. With dirty tracking that write is a Diff (the dirtied pages only), else Full.
+   */
+  private async deltaSnapshot(dir: string, statePath: string, memPath: string): Promise<SnapshotInfo> {
+    if (this._state === "running") await this.pause();
+    const size = this.spec.memMiB * 2 ** 20;
+    const type = snapshotTypeFor(!!this.ctx.opts.trackDirtyPages, null);
+    const l = this.ctx.launch;
+    const host = l.jailDir ? { state: join(l.hostDir, "snapshot/vmstate"), mem: join(l.hostDir, "snapshot/mem") } : { state: statePath, mem: `${memPath}.scratch` };
+    await mkdir(dirname(host.mem), { recursive: true });
+    if (l.owner && l.jailDir) await chown(dirname(host.mem), l.owner.uid, l.owner.gid);
+    await rm(host.state, { force: true });
+    await rm(host.mem, { force: true });
+    const inVm = l.jailDir ? { state: "/snapshot/vmstate", mem: "/snapshot/mem" } : host;
+    try {
+      await this.api.send(createSnapshot({ snapshotType: type, snapshotPath: inVm.state, memFilePath: inVm.mem }), snapshotCreateTimeoutMs(this.spec.memMiB));
+    } finally {
+      await rm(host.mem, { force: true });
+    }
+    if (l.jailDir) await moveOut(host.state, statePath);
+    const map = await mappingOf(this.pid, this.ctx.memImage!, { byInode: true });
+    if (map.length !== size) throw new VmmError("BadState", `VM ${this.id} maps ${map.length} bytes of ${this.ctx.memImage}, not ${size}`);
+    const { runs, dirty } = await dirtyRuns(this.pid, map.address, size / PAGE_SIZE);
+    const pagesFile = join(dir, "mem.pages");
+    await Bun.write(pagesFile, runs);
+    const info: SnapshotInfo = {
+      vmm: "firecracker", dir, statePath, spec: this.spec, createdAt: new Date().toISOString(), memoryImage: true,
+      delta: { pid: this.pid, address: map.address, size, pageSize: PAGE_SIZE, pagesFile, pages: dirty },
+      extra: { snapshotType: type, drives: snapshotDriveNames(this.spec.drives.length) },
+    };
+    await writeSnapshot(info); // without its delta: that lives only as long as this process
     await writeAdoptRecord<FirecrackerAdoptRecord>(this.spec.runDir, this.pid, adoptRecordOf(this));
     return info;
   }
@@ -1136,7 +1182,7 @@ export class FirecrackerVm extends VmProcess implements Vmm {
 }
 
 function adoptRecordOf(vm: FirecrackerVm): FirecrackerAdoptRecord {
-  return { spec: vm.spec, socketPath: vm.api.socketPath, consoleLog: vm.consoleLog, launch: vm.context.launch, memBase: vm.context.memBase };
+  return { spec: vm.spec, socketPath: vm.api.socketPath, consoleLog: vm.consoleLog, launch: vm.context.launch, memBase: vm.context.memBase, memImage: vm.context.memImage };
 }
 
 export class FirecrackerDriver implements VmmDriver {
@@ -1209,7 +1255,7 @@ export class FirecrackerDriver implements VmmDriver {
       if (proc.exitCode !== null || Date.now() > until) await fail(proc, `did not open ${l.sock}`);
       await Bun.sleep(2);
     }
-    await writeAdoptRecord<FirecrackerAdoptRecord>(spec.runDir, proc.pid, { spec, socketPath: l.sock, consoleLog, launch: l, memBase: null });
+    await writeAdoptRecord<FirecrackerAdoptRecord>(spec.runDir, proc.pid, { spec, socketPath: l.sock, consoleLog, launch: l, memBase: null, memImage: null });
     return { proc, api: new FirecrackerApi(l.sock), consoleLog };
   }
 
@@ -1227,7 +1273,7 @@ export class FirecrackerDriver implements VmmDriver {
   }
 
   /** Starts, then sends reqs; on any failure the VM is stopped (its jail removed) and the error thrown. */
-  private async run(spec: VmSpec, l: Launch, memBase: string | null, reqs: (vm: FirecrackerVm) => Promise<void>): Promise<FirecrackerVm> {
+  private async run(spec: VmSpec, l: Launch, memBase: string | null, reqs: (vm: FirecrackerVm) => Promise<void>, memImage: string | null = null): Promise<FirecrackerVm> {
     let started;
     try {
       started = await this.start(spec, l);
@@ -1235,7 +1281,7 @@ export class FirecrackerDriver implements VmmDriver {
       if (l.jailDir) await cleanJail(l.jailDir).catch(() => {});
       throw e;
     }
-    const vm = new FirecrackerVm(spec, started.proc, started.api, started.consoleLog, { opts: this.opts, launch: l, memBase });
+    const vm = new FirecrackerVm(spec, started.proc, started.api, started.consoleLog, { opts: this.opts, launch: l, memBase, memImage });
     try {
       await reqs(vm);
     } catch (e) {
@@ -1254,7 +1300,7 @@ export class FirecrackerDriver implements VmmDriver {
       throw new VmmError("BadState", `the VM of ${runDir} does not answer on its API socket: ${(e as Error).message}`);
     });
     const launch = rec.launch ?? { argv: [], sock: rec.socketPath, hostDir: rec.spec.runDir };
-    return new FirecrackerVm(rec.spec, proc, api, rec.consoleLog, { opts: this.opts, launch, memBase: rec.memBase ?? null }, info?.state === "Paused" ? "paused" : "running");
+    return new FirecrackerVm(rec.spec, proc, api, rec.consoleLog, { opts: this.opts, launch, memBase: rec.memBase ?? null, memImage: rec.memImage ?? null }, info?.state === "Paused" ? "paused" : "running");
   }
 
   async boot(spec: VmSpec): Promise<Vmm> {
@@ -1274,6 +1320,7 @@ export class FirecrackerDriver implements VmmDriver {
     // Every check before any process starts.
     if (snap.vmm !== "firecracker") throw new VmmError("BadSpec", `a ${snap.vmm} snapshot cannot be restored by Firecracker`);
     checkVmId(r.id);
+    if (snap.memoryImage && !r.memImage) throw new VmmError("BadSpec", `snapshot ${snap.dir} keeps its memory in layers: restore needs memImage`);
     const given = r.memImage ?? snap.memPath;
     if (!given) throw new VmmError("BadSpec", "Firecracker snapshot without a memory file or image");
     // Absolute: Firecracker's working directory is the new VM's own.
@@ -1318,6 +1365,6 @@ export class FirecrackerDriver implements VmmDriver {
     const reqs = reqsFor(files);
     return this.run(spec, l, memory, async (vm) => {
       for (const q of reqs) await vm.api.send(q, q.path === "/snapshot/load" ? SNAPSHOT_LOAD_TIMEOUT_MS : undefined);
-    });
+    }, r.memImage ? memory : null);
   }
 }

@@ -4,7 +4,7 @@
 // file mapping that is present or swapped and not a file page is an anonymous copy: the guest (or
 // the VMM on its behalf) wrote it. 1 GiB of guest is 2 MiB of pagemap, read in 256 KiB steps.
 
-import { open, readFile } from "node:fs/promises";
+import { open, readFile, stat } from "node:fs/promises";
 import { VmmError } from "./types.ts";
 
 export const PAGE_SIZE = 4096;
@@ -14,15 +14,26 @@ const PRESENT_OR_SWAPPED = 0xc000_0000; // bits 63 and 62 of the u64, in its hig
 const FILE_PAGE = 0x2000_0000; // bit 61
 
 /** The one mapping of `path` in `pid`: its start address and length. */
-export async function mappingOf(pid: number, path: string): Promise<{ address: number; length: number }> {
+export async function mappingOf(pid: number, path: string, o: { byInode?: boolean } = {}): Promise<{ address: number; length: number }> {
   const maps = await readFile(`/proc/${pid}/maps`, "utf8").catch((e) => {
     throw new VmmError("BadState", `cannot read the mappings of VMM ${pid}: ${(e as Error).message}`);
   });
+  // By inode: a jailed VMM maps the file under another name (its chroot's), the inode is the same.
+  let ident: string | undefined;
+  if (o.byInode) {
+    const st = await stat(path, { bigint: true }).catch((e) => {
+      throw new VmmError("BadState", `cannot stat ${path}: ${(e as Error).message}`);
+    });
+    const dev = st.dev;
+    const major = ((dev >> 8n) & 0xfffn) | ((dev >> 32n) & ~0xfffn);
+    const minor = (dev & 0xffn) | ((dev >> 12n) & ~0xffn);
+    ident = `${major.toString(16).padStart(2, "0")}:${minor.toString(16).padStart(2, "0")} ${st.ino}`;
+  }
   const found: { address: number; length: number }[] = [];
   for (const line of maps.split("\n")) {
     // start-end perms offset dev inode path (the path is the rest of the line)
-    const m = /^([0-9a-f]+)-([0-9a-f]+) \S+ \S+ \S+ \S+\s+(.*)$/.exec(line);
-    if (m && m[3] === path) found.push({ address: parseInt(m[1]!, 16), length: parseInt(m[2]!, 16) - parseInt(m[1]!, 16) });
+    const m = /^([0-9a-f]+)-([0-9a-f]+) \S+ \S+ (\S+ \S+)\s+(.*)$/.exec(line);
+    if (m && (ident !== undefined ? m[3] === ident : m[4] === path)) found.push({ address: parseInt(m[1]!, 16), length: parseInt(m[2]!, 16) - parseInt(m[1]!, 16) });
   }
   if (found.length !== 1) throw new VmmError("BadState", `VMM ${pid} maps ${path} ${found.length} times, not once`);
   return found[0]!;

@@ -621,7 +621,9 @@ describe("balloon statistics", () => {
 // to its working directory (at PUT and again at load, from what the snapshot recorded), MMDS config
 // needs its interface, snapshot/create needs Paused and leaves a memory file of the guest's size in
 // place (a Diff writes only its dirty page over it: page 1 + the number of Diffs in its lineage),
-// load is refused after any other configuration and needs a memory file of the guest's size.
+// load is refused after any other configuration and needs a memory file of the guest's size; a
+// loaded VM maps its memory file privately (as the File backend does) and, when resumed, writes
+// "dirty:<id>" into page 8 + the number of Diffs in its lineage of that mapping, as a guest would.
 // FAKE_FC_ROOT (set by the fake jailer) stands for the chroot: absolute paths resolve under it.
 
 const FAKE_FIRECRACKER = String.raw`
@@ -668,7 +670,12 @@ function handle(method, path, b) {
   if (method === "PUT" && path === "/vsock") { cfg(); if (st.started) return fault(400, "pre-boot only"); st.vsock = b; bindVsock(b.uds_path); return ok(); }
   if (method === "PUT" && path === "/entropy") { cfg(); return preBoot() || ok(); }
   if (method === "PUT" && path === "/actions") { if (b.action_type === "InstanceStart") st.started = true; return ok(); }
-  if (method === "PATCH" && path === "/vm") { if (!st.started) return fault(400, "not started"); st.paused = b.state === "Paused"; return ok(); }
+  if (method === "PATCH" && path === "/vm") {
+    if (!st.started) return fault(400, "not started");
+    st.paused = b.state === "Paused";
+    if (!st.paused && st.mem) { const t = "dirty:" + id; for (let i = 0; i < t.length; i++) st.mem[(8 + st.diffs) * 4096 + i] = t.charCodeAt(i); }
+    return ok();
+  }
   if (method === "PUT" && path === "/snapshot/create") {
     if (!st.paused) return fault(400, "the microVM must be paused");
     const size = st.machine.mem_size_mib * MiB;
@@ -690,6 +697,7 @@ function handle(method, path, b) {
     if (!exists(mem) || statSync(at(mem)).size < s.machine.mem_size_mib * MiB) return fault(400, "memory file " + mem + " too small or missing");
     for (const d of Object.values(s.drives)) if (!exists(d.path_on_host)) { setTimeout(() => process.exit(1), 10); return fault(400, "cannot reopen drive " + d.path_on_host); }
     Object.assign(st, { machine: s.machine, drives: s.drives, ifaces: s.ifaces, mmdsConfig: s.mmdsConfig, balloon: s.balloon, vsock: s.vsock, diffs: s.diffs, started: true, paused: true, mmds: null });
+    st.mem = Bun.mmap(at(mem), { shared: false });
     for (const o of b.network_overrides || []) st.ifaces[o.iface_id].host_dev_name = o.host_dev_name;
     if (s.vsock) bindVsock(b.vsock_override ? b.vsock_override.uds_path : s.vsock.uds_path);
     return ok();
@@ -881,6 +889,42 @@ describe("FirecrackerDriver against a fake Firecracker", () => {
     const err = await b.snapshot(join(fake.dir, "snap-d3")).catch((e) => e);
     expect([err.code, err.message]).toEqual(["BadSpec", expect.stringContaining("is the memory this VM runs on")]);
     await b.stop();
+  }, 60_000);
+
+  test("on a memory image (memory layers) a snapshot is the pages the guest dirtied, taken from the paused process", async () => {
+    const driver = new fc.FirecrackerDriver({ binary: fake.bin, trackDirtyPages: true });
+    const a = (await driver.boot(spec("fc-m1")));
+    const base = await a.snapshot(join(fake.dir, "snap-m1"));
+    await a.stop();
+    // The image a memory device would serve: the base snapshot's memory, with marks in two pages.
+    const image = join(fake.dir, "mem-image");
+    const bytes = readFileSync(base.memPath!);
+    bytes.set(Buffer.from("image:p8"), 8 * 4096);
+    bytes.set(Buffer.from("image:p20"), 20 * 4096);
+    writeFileSync(image, bytes);
+    const r = spec("fc-m2");
+    const vm = (await driver.restore(base, { id: "fc-m2", runDir: r.runDir, drives: r.drives, net: r.net, memImage: image })) as fc.FirecrackerVm;
+    try {
+      const snap = await vm.snapshot(join(fake.dir, "snap-m2"));
+      // One page written since the restore (the fake's guest wrote page 8 + 1 Diff = 9 at resume).
+      expect(snap.memoryImage).toBe(true);
+      expect(snap.memPath).toBeUndefined();
+      expect(snap.delta).toMatchObject({ pid: vm.pid, size: 4 << 20, pageSize: 4096, pages: 1 });
+      expect([...new Uint32Array(readFileSync(snap.delta!.pagesFile).buffer.slice(0))]).toEqual([9, 1]);
+      // The page's bytes as the layer writer reads them, from the paused process; the image is unchanged.
+      const mem = await Bun.file(`/proc/${vm.pid}/mem`).slice(snap.delta!.address + 9 * 4096, snap.delta!.address + 9 * 4096 + 11).text();
+      expect(mem).toBe("dirty:fc-m2");
+      expect(readFileSync(image).subarray(9 * 4096, 9 * 4096 + 5).every((x) => x === 0)).toBe(true);
+      // Firecracker's own memory file went to a scratch file, removed; the record has no delta.
+      expect(readdirSync(snap.dir).sort()).toEqual(["mem.pages", "snapshot.json", "vmstate"]);
+      expect((await readSnapshot(snap.dir)).delta).toBeUndefined();
+      expect(fake.sent("fc-m2").find((q) => q.path === "/snapshot/create")!.body.snapshot_type).toBe("Diff");
+      // Restoring it needs the image its layers make.
+      const again = await driver.restore(await readSnapshot(snap.dir), { id: "fc-m3", runDir: spec("fc-m3").runDir, drives: r.drives, net: r.net }).catch((e: VmmError) => e);
+      expect([(again as VmmError).code, (again as VmmError).message]).toEqual(["BadSpec", expect.stringContaining("restore needs memImage")]);
+    } finally {
+      await vm.stop();
+    }
   }, 60_000);
 
   test("bad restores are named errors before any process starts", async () => {
