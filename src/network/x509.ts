@@ -94,8 +94,10 @@ interface CertSpec {
 
 function certificate(s: CertSpec): string {
   const sigAlg = seq(oid(OID.ecdsaSha256));
+  // Positive and minimally encoded (DER): a first byte of 1..127, never 0 (a leading zero byte before
+  // one below 0x80 is an invalid INTEGER to BoringSSL: 1 certificate in 128 failed to load).
   const serial = randomBytes(16);
-  serial[0]! &= 0x7f;
+  serial[0] = 1 + (serial[0]! % 127);
   const extensions = s.ca
     ? [
         ext(OID.basicConstraints, true, seq(bool(true), int(0))),
