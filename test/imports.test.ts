@@ -24,7 +24,7 @@ const allowed: Record<string, string[]> = {
   // OCI layer conversion asks blockd for the devices it mounts and seals (its client only).
   "src/template": ["src/template", "src/storage", "src/blockdev/client.ts", "ffi"],
   // The node's composition root wires every part together.
-  "src/node": ["src", "ffi", "guest", "package.json"],
+  "src/node": ["src", "ffi", "guest", "p2p", "package.json"],
   // The CLI reads a local node's settings to find its API key (src/node/config.ts).
   "src/cli": ["src/cli", "src/node/config.ts", "src/storage", "src/blockdev/client.ts", "src/blockdev/protocol.ts", "ffi", "package.json"],
   // envd is compiled into the guest's tools disk on its own: nothing of the host's code.

@@ -22,6 +22,8 @@ export interface NodeRoutesOptions {
   status: () => NodeStatus;
   /** Proxied requests in flight, once the proxy exists. */
   openStreams: () => number | undefined;
+  /** Peer traffic counters, when the node has an iroh endpoint. */
+  p2p?: () => Promise<{ servedBytes: number; fetchedBytes: number; misses: number } | undefined>;
   version: string;
   /** The state directory: its filesystem is the node's disk. */
   home: string;
@@ -147,7 +149,7 @@ export function nodeRoutes(o: NodeRoutesOptions) {
     };
   };
 
-  const prometheus = (): string => {
+  const prometheus = async (): Promise<string> => {
     const by = new Map<string, number>();
     for (const r of o.store.all()) by.set(r.state, (by.get(r.state) ?? 0) + 1);
     const lines = ["# HELP aenv_sandboxes Sandboxes on this node by state.", "# TYPE aenv_sandboxes gauge"];
@@ -160,16 +162,22 @@ export function nodeRoutes(o: NodeRoutesOptions) {
     }
     const streams = o.openStreams();
     if (streams !== undefined) lines.push("# HELP aenv_proxy_open_streams Proxied requests in flight.", "# TYPE aenv_proxy_open_streams gauge", `aenv_proxy_open_streams ${streams}`);
+    const p2p = await o.p2p?.().catch(() => undefined);
+    if (p2p) {
+      lines.push("# HELP aenv_p2p_served_bytes_total Layer bytes this node served to peers.", "# TYPE aenv_p2p_served_bytes_total counter", `aenv_p2p_served_bytes_total ${p2p.servedBytes}`);
+      lines.push("# HELP aenv_p2p_fetched_bytes_total Layer bytes blockd read from peers.", "# TYPE aenv_p2p_fetched_bytes_total counter", `aenv_p2p_fetched_bytes_total ${p2p.fetchedBytes}`);
+      lines.push("# HELP aenv_p2p_fetch_misses_total Reads no peer could serve (blockd went to the origin).", "# TYPE aenv_p2p_fetch_misses_total counter", `aenv_p2p_fetch_misses_total ${p2p.misses}`);
+    }
     return lines.join("\n") + "\n";
   };
 
   const tag = { tags: ["node"] };
   return new Elysia({ name: "nodes" })
-    .get("/metrics", () => new Response(prometheus(), { headers: { "content-type": "text/plain; version=0.0.4" } }), {
-      response: { 200: t.String({ description: "Prometheus text format 0.0.4: aenv_sandboxes{state}, aenv_ready, aenv_sandbox_creates_total{result}, aenv_proxy_open_streams" }) },
+    .get("/metrics", async () => new Response(await prometheus(), { headers: { "content-type": "text/plain; version=0.0.4" } }), {
+      response: { 200: t.String({ description: "Prometheus text format 0.0.4: aenv_sandboxes{state}, aenv_ready, aenv_sandbox_creates_total{result}, aenv_proxy_open_streams, aenv_p2p_served_bytes_total, aenv_p2p_fetched_bytes_total, aenv_p2p_fetch_misses_total" }) },
       detail: {
         ...tag, summary: "Prometheus metrics (no API key)", security: [],
-        responses: { 200: { description: "Prometheus text format 0.0.4: aenv_sandboxes{state}, aenv_ready, aenv_sandbox_creates_total{result}, aenv_proxy_open_streams", content: { "text/plain": { schema: { type: "string" } } } } },
+        responses: { 200: { description: "Prometheus text format 0.0.4: aenv_sandboxes{state}, aenv_ready, aenv_sandbox_creates_total{result}, aenv_proxy_open_streams, aenv_p2p_served_bytes_total, aenv_p2p_fetched_bytes_total, aenv_p2p_fetch_misses_total", content: { "text/plain": { schema: { type: "string" } } } } },
       },
     })
     .get("/nodes", async ({ query }) => (query.clusterID !== undefined && query.clusterID !== CLUSTER_ID ? [] : [await snapshot()]), {

@@ -196,7 +196,7 @@ const NewSandbox = t.Object({
 
 /** AgentENV's NewColdSandbox: a sandbox straight from an OCI image (its template is built on first use). */
 const NewColdSandbox = t.Object({
-  image: t.String({ minLength: 1, maxLength: 512, description: "OCI image reference, e.g. docker.io/library/python:3.12-slim" }),
+  image: t.String({ minLength: 1, maxLength: 512, description: "OCI image reference, e.g. docker.io/library/python:3.12-slim, or s3://bucket/prefix[:tag] (an OCI image layout in S3)" }),
   cpuCount: t.Optional(t.Integer({ minimum: 1, maximum: 64 })),
   memoryMB: t.Optional(t.Integer({ minimum: 128, maximum: 1 << 20 })),
   diskSizeMB: t.Optional(t.Integer({ minimum: 1024, description: "refused: the image's converted disk is used (20 GiB unless the image says)" })),

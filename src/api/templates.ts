@@ -74,13 +74,14 @@ const Requested = t.Object({
 const noContent = (description: string) => t.Void({ description });
 
 const PushBody = t.Object({
-  ref: t.String({ minLength: 1, maxLength: 1024, description: "registry/repository:tag the image goes to" }),
+  ref: t.String({ minLength: 1, maxLength: 1024, description: "registry/repository:tag, or s3://bucket/prefix[:tag] (an OCI image layout, with the node's S3 settings), the image goes to" }),
   username: t.Optional(t.String({ maxLength: 1024 })),
   password: t.Optional(t.String({ maxLength: 16_384 })),
 });
 const Pushed = t.Object({
   ref: t.String(), manifestDigest: t.String(), configDigest: t.String(),
   layers: t.Array(t.Object({ digest: t.String(), size: t.Integer(), uploaded: t.Boolean({ description: "false: the registry had it (HEAD), nothing sent" }) })),
+  trace: t.Optional(t.Object({ digest: t.String(), size: t.Integer(), uploaded: t.Boolean() }, { description: "the template's boot trace blob (org.aenv.prefetch.rootfs), when it has one" })),
 }, { description: "the image pushed: its manifest and each layer's blob, base first" });
 
 export interface TemplateRouteOptions {
@@ -100,7 +101,7 @@ export function templateRoutes(getBuilder: () => TemplateBuilder, opts: Template
       params: t.Object({ templateID: t.String({ minLength: 1, maxLength: 256, description: "ID or name" }) }),
       body: PushBody,
       response: { 200: Pushed, ...bodyFails(404, 502, 504) },
-      detail: { ...tag, summary: "aenv's: push a template's rootfs layers (base first) and its env, user and workdir to a registry as an overlaybd image; blobs the registry has are not sent" },
+      detail: { ...tag, summary: "aenv's: push a template's rootfs layers (base first) and its env, user and workdir to a registry or S3 as an overlaybd image; blobs already there are not sent" },
     })
     .post("/v3/templates", ({ body, set }) => call(() => {
       const out = getBuilder().request(body);

@@ -8,13 +8,15 @@ import type { ImageConfig, UpperRef } from "../storage/image_config.ts";
 import type { ControlOp, WorkerInit } from "./device_worker.ts";
 import { FdLedger } from "./fd_ledger.ts";
 import { BlockdError } from "./protocol.ts";
+import type { PrefetchStats, Trace } from "./trace.ts";
 
 export type DeviceCall = ControlOp["op"] | "start";
 
 /**
  * How long a worker has to answer each call (ms). stats and resize are bookkeeping; start and swap
  * open an image, attach and detach an upper (and lowers under it), stop flushes and closes one,
- * restack and flush seal or sync what the upper holds, which grows with its index and the disk.
+ * restack and flush seal or sync what the upper holds, which grows with its index and the disk;
+ * the trace calls only start or end bookkeeping (a prefetch runs on after its call is answered).
  * Each stays under the client's bound of the RPC that makes it (30 s; 120 s for create, acquire,
  * restack, delete, ...: client.ts), with a cold acquire's start + swap in one RPC, so the caller
  * hears which device and call, not its own timeout.
@@ -29,6 +31,9 @@ export const DEVICE_CALL_TIMEOUT_MS: Readonly<Record<DeviceCall, number>> = {
   flush: 90_000,
   resize: 20_000,
   stats: 10_000,
+  traceStart: 10_000,
+  traceStop: 10_000,
+  prefetch: 10_000,
 };
 
 /** AENV_BLOCKD_DEVICE_TIMEOUT_MS caps every bound above; test-only, not a node setting. Unset, empty or malformed: none. */
@@ -221,6 +226,16 @@ export class DeviceHandle {
   }
   stats(): Promise<Record<string, number>> {
     return this.call({ op: "stats" });
+  }
+  traceStart(granule: number, maxEntries: number, forMs: number): Promise<{ size: number; granule: number }> {
+    return this.call({ op: "traceStart", granule, maxEntries, forMs });
+  }
+  traceStop(): Promise<Trace> {
+    return this.call({ op: "traceStop" });
+  }
+  /** Starts replaying `trace` ahead of the guest; answered at once with where it stands. */
+  prefetch(trace: Trace): Promise<PrefetchStats & { started: boolean }> {
+    return this.call({ op: "prefetch", trace });
   }
 
   /**

@@ -14,6 +14,7 @@ import { IoRangeError } from "../storage/errors.ts";
 import { IoLimiter } from "../storage/io_limiter.ts";
 import { crashThread, faultArg, hangThread } from "./fault.ts";
 import { FdLedger, closeHeldFd, heldFd, installFdLedger } from "./fd_ledger.ts";
+import { Prefetcher, type PrefetchStats, type Trace, TraceError, TraceRecorder } from "./trace.ts";
 
 declare const self: Worker;
 
@@ -44,11 +45,26 @@ export type ControlOp =
   | { op: "detach"; keep: number; upper: UpperRef }
   | { op: "resize"; size: number }
   | { op: "flush" }
+  | { op: "traceStart"; granule: number; maxEntries: number; forMs: number }
+  | { op: "traceStop" }
+  | { op: "prefetch"; trace: Trace }
   | { op: "stats" }
   | { op: "stop" };
 
 /** The device as a frontend sees it: the current image, or an empty disk while pooled. */
 class ImageIo implements DeviceIo {
+  /** A trace being recorded of the guest's first reads (traceStart..traceStop). */
+  recorder: TraceRecorder | undefined;
+  /** A trace being replayed ahead of the guest, and what the last one of this image did. */
+  prefetcher: Prefetcher | undefined;
+  lastPrefetch: PrefetchStats | undefined;
+  /** Set while either is: the read path's one extra test otherwise. */
+  private watched = false;
+  private readonly guestDone = () => {
+    const p = this.prefetcher;
+    if (p && --p.guestInFlight >= 0) p.pump();
+  };
+
   constructor(
     public image: Image | null,
     public readOnly: boolean,
@@ -58,7 +74,37 @@ class ImageIo implements DeviceIo {
   }
   read(buf: Uint8Array, offset: number): Promise<void> {
     if (!this.image) return Promise.reject(new IoRangeError("no image attached", "device", offset));
-    return this.image.read(buf, offset);
+    if (!this.watched) return this.image.read(buf, offset);
+    if (this.recorder && !this.recorder.note(offset, buf.length)) this.watch();
+    const p = this.prefetcher;
+    if (p && !p.stats.active) {
+      // It has ended: what it did stays for stats, and reads are not watched for it any more.
+      this.lastPrefetch = p.stats;
+      this.prefetcher = undefined;
+      this.watch();
+    }
+    if (!p?.stats.active) return this.image.read(buf, offset);
+    p.guestRead(offset, buf.length);
+    p.guestInFlight++;
+    const r = this.image.read(buf, offset);
+    r.then(this.guestDone, this.guestDone);
+    return r;
+  }
+  /** Recompute whether reads are watched (a recorder that ended stays, for traceStop to collect). */
+  watch(): void {
+    this.watched = !!(this.recorder && !this.recorder.ended) || !!this.prefetcher?.stats.active;
+  }
+  /** Reads through the image for prefetch: not the guest's, so neither recorded nor counted. */
+  readonly prefetchRead = (buf: Uint8Array, offset: number): Promise<void> =>
+    this.image ? this.image.read(buf, offset) : Promise.reject(new IoRangeError("no image attached", "device", offset));
+  /** Before the image closes or changes: prefetch stops (its reads settle), a recording is dropped. */
+  async unwatch(): Promise<void> {
+    this.recorder = undefined;
+    const p = this.prefetcher;
+    this.prefetcher = undefined;
+    this.lastPrefetch = undefined;
+    this.watch();
+    await p?.stop();
   }
   write(buf: Uint8Array, offset: number): Promise<void> {
     if (!this.image || this.readOnly) return Promise.reject(new IoRangeError("device is read-only", "device", offset));
@@ -91,6 +137,7 @@ async function runControl(body: ControlOp): Promise<unknown> {
       return { layerPath, config: io.image.config() };
     }
     case "swap": {
+      await io.unwatch(); // a trace is of one image
       const old = io.image;
       await heldUpper?.close();
       heldUpper = undefined;
@@ -151,9 +198,38 @@ async function runControl(body: ControlOp): Promise<unknown> {
     case "flush":
       await io.flush();
       return {};
-    case "stats":
-      return { ...(disk?.stats ?? {}), size: io.size() };
+    case "traceStart": {
+      if (!io.image) throw new IoRangeError("no image attached", init.id);
+      if (io.recorder && !io.recorder.ended) throw new TraceError(`device ${init.id} is recording a trace already`);
+      io.recorder = new TraceRecorder(io.size(), body.granule, body.maxEntries, body.forMs);
+      io.watch();
+      return { size: io.size(), granule: body.granule };
+    }
+    case "traceStop": {
+      const r = io.recorder;
+      if (!r) throw new TraceError(`device ${init.id} records no trace`);
+      io.recorder = undefined;
+      io.watch();
+      return r.trace();
+    }
+    case "prefetch": {
+      if (!io.image) throw new IoRangeError("no image attached", init.id);
+      if (body.trace.size !== io.size()) throw new TraceError(`the trace is of a ${body.trace.size}-byte device, device ${init.id} has ${io.size()} bytes`);
+      // Once per image: the pages and chunks it brought in stay until the image changes (a swap).
+      if (io.prefetcher || io.lastPrefetch) return { started: false, ...(io.prefetcher?.stats ?? io.lastPrefetch) };
+      const p = new Prefetcher(body.trace, io.prefetchRead, io.size(), (line) => console.error(`blockd: device ${init.id}: ${line}`));
+      io.prefetcher = p;
+      io.watch();
+      p.start();
+      return { started: true, ...p.stats };
+    }
+    case "stats": {
+      const pf = io.prefetcher?.stats ?? io.lastPrefetch;
+      const prefetch = pf ? { prefetchPlanned: pf.planned, prefetchFetched: pf.fetched, prefetchSkipped: pf.skipped, prefetchBytes: pf.bytes, prefetchErrors: pf.errors, prefetchActive: pf.active ? 1 : 0 } : {};
+      return { ...(disk?.stats ?? {}), size: io.size(), ...prefetch, ...(io.recorder ? { traceEntries: io.recorder.entries } : {}) };
+    }
     case "stop":
+      await io.unwatch();
       stopping = true;
       await heldUpper?.close();
       heldUpper = undefined;

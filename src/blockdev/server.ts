@@ -19,6 +19,7 @@ import { IoLimiter } from "../storage/io_limiter.ts";
 import { Image } from "../storage/image.ts";
 import { UblkControl } from "./ublk/control.ts";
 import { UblkDevice } from "./ublk/frontend.ts";
+import { TRACE_DEFAULT_MS, TRACE_GRANULE, TRACE_MAX_ENTRIES, TRACE_MAX_FILE, TRACE_MAX_MS, TraceError, checkGranule, decodeTrace, encodeTrace } from "./trace.ts";
 import { BlockdError, FrameReader, FrameWriter, PROTOCOL_VERSION, encodeFrame, type Reply, type Request } from "./protocol.ts";
 
 
@@ -956,6 +957,65 @@ export class Blockd {
     return writeMemoryLayer(p.out, p.size as number, from, p.zfile as "zstd" | "lz4" | undefined);
   }
 
+  /** Note the device's first reads from now on (trace.ts): granule, maxEntries and forMs bound it. */
+  private async traceStart(p: Record<string, unknown>) {
+    const d = this.device(p.id);
+    const granule = p.granule ?? TRACE_GRANULE;
+    const maxEntries = p.maxEntries ?? TRACE_MAX_ENTRIES;
+    const forMs = p.forMs ?? TRACE_DEFAULT_MS;
+    try {
+      checkGranule(granule as number, `"granule"`);
+    } catch (e) {
+      throw new BlockdError("BadRequest", (e as Error).message);
+    }
+    if (!Number.isInteger(maxEntries) || (maxEntries as number) < 1 || (maxEntries as number) > TRACE_MAX_ENTRIES)
+      throw new BlockdError("BadRequest", `"maxEntries" must be an integer 1..${TRACE_MAX_ENTRIES}`);
+    if (!Number.isInteger(forMs) || (forMs as number) < 1 || (forMs as number) > TRACE_MAX_MS) throw new BlockdError("BadRequest", `"forMs" must be an integer 1..${TRACE_MAX_MS}`);
+    const r = await d.handle.traceStart(granule as number, maxEntries as number, forMs as number);
+    return { id: d.rec.id, ...r };
+  }
+
+  /** The recording ends; with `out` (absolute) it is written there whole (temp file, rename), replacing what was. */
+  private async traceStop(p: Record<string, unknown>) {
+    const d = this.device(p.id);
+    if (p.out !== undefined && (typeof p.out !== "string" || !isAbsolute(p.out))) throw new BlockdError("BadRequest", `"out" must be an absolute file path`);
+    const trace = await d.handle.traceStop();
+    const bytes = encodeTrace(trace);
+    if (typeof p.out === "string") {
+      const tmp = `${p.out}.tmp-${process.pid}-${++traceWrites}`;
+      try {
+        await writeFile(tmp, bytes, { mode: 0o644 });
+        await rename(tmp, p.out);
+      } catch (e) {
+        await rm(tmp, { force: true }).catch(() => {});
+        throw e;
+      }
+    }
+    return { id: d.rec.id, out: p.out ?? null, entries: trace.entries.length, granule: trace.granule, size: trace.size, bytes: bytes.length };
+  }
+
+  /** Replay the trace file `trace` ahead of the guest (trace.ts); answered once it has started. A bad file is a TraceError. */
+  private async prefetch(p: Record<string, unknown>) {
+    const d = this.device(p.id);
+    if (typeof p.trace !== "string" || !isAbsolute(p.trace)) throw new BlockdError("BadRequest", `"trace" must be an absolute file path`);
+    const path = p.trace;
+    const f = await open(path, "r").catch((e: NodeJS.ErrnoException) => {
+      throw new BlockdError(e.code === "ENOENT" ? "NotFound" : "TraceError", `trace ${path}: ${e.message}`);
+    });
+    let bytes: Uint8Array;
+    try {
+      const { size } = await f.stat();
+      if (size > TRACE_MAX_FILE) throw new TraceError(`trace ${path}: ${size} bytes is more than a trace can be (${TRACE_MAX_FILE})`);
+      bytes = new Uint8Array(size);
+      const { bytesRead } = await f.read(bytes, 0, size, 0);
+      if (bytesRead !== size) throw new TraceError(`trace ${path}: read ${bytesRead} of ${size} bytes`);
+    } finally {
+      await f.close();
+    }
+    const trace = decodeTrace(bytes, `trace ${path}`);
+    return { id: d.rec.id, ...(await d.handle.prefetch(trace)) };
+  }
+
   private async list() {
     return [...this.devices.values()].map((d) => this.view(d.rec, d.handle.failure ? d.rec.size : d.handle.size));
   }
@@ -986,6 +1046,12 @@ export class Blockd {
         return this.memoryLayer(params);
       case "stats":
         return this.device(params.id).handle.stats();
+      case "traceStart":
+        return this.traceStart(params);
+      case "traceStop":
+        return this.traceStop(params);
+      case "prefetch":
+        return this.prefetch(params);
       case "shutdown":
         setTimeout(() => void this.shutdown(), 10);
         return { ok: true };
@@ -1090,6 +1156,9 @@ interface Conn {
   writer: FrameWriter;
   inFlight: number;
 }
+
+/** Names traceStop's temp files apart (two stops writing one out at once). */
+let traceWrites = 0;
 
 /** Requests one connection may have running at once; more are answered Busy. */
 const MAX_IN_FLIGHT = 64;

@@ -216,7 +216,7 @@ async function push(a: ParsedArgs): Promise<void> {
 export const BUILD_VERBS: Record<string, Verb> = {
   push: {
     operands: "TEMPLATE REF",
-    summary: "push a template's rootfs layers to a registry as an overlaybd image under REF (registry/repo:tag); prints REF@DIGEST",
+    summary: "push a template's rootfs layers as an overlaybd image under REF (registry/repo:tag, or s3://bucket/prefix[:tag]); prints REF@DIGEST",
     options: [
       { flag: "--username", value: "U", help: "registry user (default: the node's Docker config, else anonymous)" },
       { flag: "--password-stdin", help: "read the registry password from stdin (with --username)" },
@@ -228,13 +228,17 @@ export const BUILD_VERBS: Record<string, Verb> = {
       "the registry has are not sent again. The image's config carries the template's env, user and working",
       "directory, so `aenv pull REF` (or a sandbox from REF on another node) starts the same. A node pulls such",
       "an image lazily: its sandboxes read the layers by HTTP Range through the node's block cache.",
+      "s3://bucket/prefix is an OCI image layout (oci-layout, index.json, blobs/sha256/…) written with the",
+      "node's S3 settings (AENV_S3_ENDPOINT, AWS_REGION, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY); --username",
+      "does not apply there. Another node starts it with `aenv pull s3://…` or a sandbox from s3://….",
       "example: aenv push my-app 127.0.0.1:5000/team/my-app:1",
+      "example: aenv push my-app s3://templates/team/my-app:1",
     ].join("\n"),
     run: push,
   },
   pull: {
     operands: "IMAGE",
-    summary: "make a template of an OCI image (registry/repo:tag); the build's log streams (on a terminal the pull's progress is a bar)",
+    summary: "make a template of an OCI image (registry/repo:tag, or s3://bucket/prefix[:tag]); the build's log streams (on a terminal the pull's progress is a bar)",
     options: [
       { flag: "--start-cmd", value: "CMD", help: "started in the background in every sandbox of the template" },
       { flag: "--image-cmd", help: "the image's Entrypoint + Cmd is the start command (without it neither runs)" },

@@ -4,8 +4,10 @@
 // its checkpoint's), or a sandbox runs or resumes from, is never collected. An overlaybd image is
 // not downloaded: its layers stay in the registry as remote layers that blockd's workers read by
 // Range through the node's block cache ($AENV_HOME/block-cache, AENV_BLOCK_CACHE_MB), with the
-// registry's Authorization from a headers file the node keeps fresh (registry_auth.ts). Templates
-// are pushed back as overlaybd images (src/template/push.ts).
+// registry's Authorization from a headers file the node keeps fresh (registry_auth.ts). An
+// `s3://bucket/prefix` image is an OCI image layout in S3 (src/template/s3_layout.ts), read and
+// written with the node's S3 settings only. Templates are pushed back as overlaybd images
+// (src/template/push.ts), to a registry or to S3.
 import { mkdir, mkdtemp, rm } from "node:fs/promises";
 import { join } from "node:path";
 import type { BlockdClient } from "../blockdev/client.ts";
@@ -14,10 +16,13 @@ import type { SandboxRuntime } from "../orchestrator/orchestrator.ts";
 import type { SandboxStore } from "../orchestrator/store.ts";
 import { layerKey, type RemoteLayer, type TemplateStore } from "../orchestrator/templates.ts";
 import type { BlockCacheOptions } from "../storage/remote/block_cache.ts";
+import { type ImageLocation, isS3Location, RegistryLocation } from "../template/image_location.ts";
 import { LayerCache } from "../template/layer_cache.ts";
 import { pullImage, type PulledLayer, type PullProgress } from "../template/pull.ts";
 import { pushImage } from "../template/push.ts";
-import { parseImageRef, RegistryClient, type RegistryClientOptions } from "../template/registry.ts";
+import { parseImageRef, RegistryClient, type RegistryClientOptions, RegistryError } from "../template/registry.ts";
+import { type S3Access, S3Layout } from "../template/s3_layout.ts";
+import type { NodePeers } from "./peers.ts";
 import type { RegistryAuthFiles } from "./registry_auth.ts";
 
 /** Lazy pulls of overlaybd images: the node's block cache and the registry auth blockd reads. */
@@ -27,20 +32,34 @@ export interface NodeRemoteLayers {
   /** Fetch whole layers in the background and promote them to local files (AENV_BLOCK_CACHE_DOWNLOAD). */
   download: boolean;
   auth: RegistryAuthFiles;
+  /** Set: the node's peers, asked before each remote layer's origins (src/node/peers.ts). */
+  peers?: NodePeers;
+  /** The node's S3 settings: an S3 origin's credentials, added at each use (never in a record). */
+  s3?: S3Access;
 }
 
 /**
  * A remote layer as this node hands it to blockd, at each use: its block cache and download
- * setting as configured now, and each registry source with the headers file the node keeps fresh
- * (so a record carries no node's paths that matter: a snapshot's layers imported from another node too).
+ * setting as configured now, each registry source with the headers file the node keeps fresh, and
+ * each S3 source with the node's S3 credentials (so a record carries no node's paths that matter,
+ * and no secrets: a snapshot's layers imported from another node too).
  */
 export async function remoteLayerView(l: RemoteLayer, r: NodeRemoteLayers): Promise<RemoteLayer> {
-  const sources = await Promise.all(l.remote.sources.map(async (s) => {
-    if (s.kind !== "http") return s;
+  // Peers first: the node puts its peer facade (an http source over a unix socket) ahead of the
+  // origins at each use, so a record that kept an earlier view names its origins only once.
+  const origins = await Promise.all(l.remote.sources.filter((s) => !(s.kind === "http" && s.unix)).map(async (s) => {
+    if (s.kind === "s3") return { ...s, ...s3Credentials(r.s3) };
     const headersFile = await r.auth.fileFor(s.url);
     return headersFile ? { ...s, headersFile } : s;
   }));
-  return { ...l, remote: { ...l.remote, sources, cache: { ...r.cache }, download: r.download } };
+  const first = r.peers ? [r.peers.originFor(l.digest)] : [];
+  return { ...l, remote: { ...l.remote, sources: [...first, ...origins], cache: { ...r.cache }, download: r.download } };
+}
+
+/** The node's S3 keys as an S3 source takes them (none when unset). */
+function s3Credentials(a: S3Access | undefined): { accessKeyId?: string; secretAccessKey?: string; sessionToken?: string } {
+  if (!a?.accessKeyId || !a.secretAccessKey) return {};
+  return { accessKeyId: a.accessKeyId, secretAccessKey: a.secretAccessKey, ...(a.sessionToken ? { sessionToken: a.sessionToken } : {}) };
 }
 
 export interface NodeImagesOptions {
@@ -56,6 +75,8 @@ export interface NodeImagesOptions {
   registry?: RegistryClientOptions;
   /** Set: overlaybd images are pulled lazily (their layers stay remote). */
   remote?: NodeRemoteLayers;
+  /** The node's S3 settings, for `s3://` images (a request may not bring other credentials). */
+  s3?: S3Access;
 }
 
 /** A progress line at most this often while a layer downloads or converts. */
@@ -79,14 +100,22 @@ export function pullLine(p: PullProgress): string {
 
 export function nodeImages(o: NodeImagesOptions): { cache: LayerCache; source: ImageSource } {
   const cache = new LayerCache(o.dir, { capacityBytes: o.capacityMB * 2 ** 20, pinned: () => layersInUse(o.templates, o.sandboxes) });
+  const registryFor = (ref: string, auth: { username: string; password: string } | undefined) =>
+    new RegistryClient({ ...o.registry, ...(auth ? { credentials: { ...o.registry?.credentials, [parseImageRef(ref).registry]: auth } } : {}) });
+  /** An `s3://` layout with the node's S3 settings, else the registry repository. */
+  const locationOf = (ref: string, auth: { username: string; password: string } | undefined): ImageLocation => {
+    if (!isS3Location(ref)) return new RegistryLocation(registryFor(ref, auth), ref);
+    if (auth) throw new RegistryError("BadReference", `${ref}: an S3 image is read and written with the node's S3 settings; a request may not carry credentials for it`);
+    return S3Layout.open(ref, o.s3);
+  };
   const source: ImageSource = {
     async pull(ref, auth, log) {
-      const registry = new RegistryClient({ ...o.registry, ...(auth ? { credentials: { ...o.registry?.credentials, [parseImageRef(ref).registry]: auth } } : {}) });
+      const from = locationOf(ref, auth);
       // A line per phase and per layer done, when the downloads complete, else every PROGRESS_EVERY_MS.
       let said = 0;
       let last: PullProgress | undefined;
-      const img = await pullImage(ref, {
-        registry, cache, blockd: o.blockd,
+      const img = await pullImage(from, {
+        cache, blockd: o.blockd,
         onProgress: (p) => {
           const downloaded = p.bytesTotal > 0 && p.bytesDownloaded === p.bytesTotal && last?.bytesDownloaded !== p.bytesDownloaded;
           const step = !last || p.phase !== last.phase || p.layersDone !== last.layersDone || downloaded;
@@ -96,21 +125,31 @@ export function nodeImages(o: NodeImagesOptions): { cache: LayerCache; source: I
           log(pullLine(p));
         },
         ...(o.remote ? { remote: { cache: o.remote.cache, download: o.remote.download } } : {}),
+        log,
       });
       // blockd's reads of remote layers carry the credentials this pull was given.
-      if (auth && img.layers.some((l) => typeof l !== "string")) o.remote?.auth.remember(ref, auth);
+      if (auth && !isS3Location(ref) && img.layers.some((l) => typeof l !== "string")) o.remote?.auth.remember(ref, auth);
       const c = img.config;
       return {
         digest: img.manifestDigest, layers: img.layers, diskSizeMB: img.diskSizeMB, env: c.env, user: c.user, workdir: c.workingDir,
         entrypoint: c.entrypoint, cmd: c.cmd, exposedPorts: c.exposedPorts, labels: c.labels,
+        ...(img.rootfsTrace ? { rootfsTrace: img.rootfsTrace } : {}),
       };
     },
     async push(ref, image, auth) {
-      const registry = new RegistryClient({ ...o.registry, ...(auth ? { credentials: { ...o.registry?.credentials, [parseImageRef(ref).registry]: auth } } : {}) });
+      const to = locationOf(ref, auth);
       await mkdir(o.dir, { recursive: true });
       const work = await mkdtemp(join(o.dir, "push-"));
       try {
-        return await pushImage(ref, image.layers as PulledLayer[], image.config, { registry, workDir: work });
+        // Remote layers are copied from their origins: registries with the node's Docker config, S3 with its settings.
+        const registry = to instanceof RegistryLocation ? to.client : registryFor(ref, undefined);
+        const pushed = await pushImage(to, image.layers as PulledLayer[], image.config, { registry, s3: o.s3, workDir: work, ...(image.rootfsTrace ? { rootfsTrace: image.rootfsTrace } : {}) });
+        // Its local layer files hashed to these digests: peers may fetch them from this node.
+        o.remote?.peers?.addPushed(pushed.layers.flatMap((l, i) => {
+          const path = image.layers[i];
+          return typeof path === "string" ? [{ digest: l.digest, path, size: l.size }] : [];
+        }));
+        return pushed;
       } finally {
         await rm(work, { recursive: true, force: true });
       }

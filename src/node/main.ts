@@ -15,6 +15,7 @@ import { TemplateBuilder } from "../orchestrator/builder.ts";
 import { defaultDockerConfigPath } from "../template/registry.ts";
 import { nodeImages, remoteLayerView, type NodeRemoteLayers } from "./images.ts";
 import { RegistryAuthFiles } from "./registry_auth.ts";
+import { NodePeers, facadeSocket, parsePeers } from "./peers.ts";
 import { BlockdClient } from "../blockdev/client.ts";
 import { Egress, EgressProxy, SecretStore, SlotPool, defaultUplinks, hostNetworks, hostResolvers, loadOrCreateCa } from "../network/index.ts";
 import { Orchestrator, type SandboxRuntime } from "../orchestrator/orchestrator.ts";
@@ -37,6 +38,7 @@ let orch: Orchestrator | undefined;
 let proxy: SandboxProxy | undefined;
 let builder: TemplateBuilder | undefined;
 let failed: string | undefined;
+let peers: NodePeers | undefined;
 const notReady = () => (orch ? undefined : failed ? `start failed at ${step}: ${failed}` : `starting: ${step}`);
 
 const app = createApi({
@@ -62,6 +64,11 @@ const app = createApi({
   .use(nodeRoutes({
     store, templates, orch: () => orch, status: () => (orch ? "ready" : failed ? "unhealthy" : "connecting"),
     openStreams: () => proxy?.streams.count(), version: pkg.version, home: cfg.home,
+    p2p: async () => {
+      if (!peers) return undefined;
+      const st = await peers.stats();
+      return { servedBytes: st.endpoint.bytesServed, fetchedBytes: st.facade.bytes, misses: st.facade.misses };
+    },
   }));
 const server = serveNode(app, { hostname: cfg.host, port: cfg.port, proxy: () => proxy });
 
@@ -111,8 +118,25 @@ async function start(): Promise<void> {
   await egress.start();
   // Remote layers (lazily pulled overlaybd images): the block cache blockd's workers share, and
   // the registry auth files their reads carry, kept fresh for every remote layer in use.
+  const cache = { dir: cfg.blockCacheDir, capacity: cfg.blockCacheMB * 2 ** 20 };
+  // The node's S3 settings: the snapshot store's, s3:// images', and the credentials S3 origins get at each use.
+  const s3 = { endpoint: cfg.s3Endpoint, region: cfg.s3Region, accessKeyId: cfg.s3AccessKeyId, secretAccessKey: cfg.s3SecretAccessKey, sessionToken: cfg.s3SessionToken };
+  // Snapshots: a directory or S3; with peers, a snapshot's shared files are asked of them first.
+  const snapshots = openSnapshotStore(cfg.snapshotStore, {
+    home: cfg.home,
+    s3,
+    fromPeers: (sha256, size, dest, signal) => peers?.fetchBlob(sha256, size, dest, signal) ?? Promise.resolve(false),
+  });
+  if (cfg.p2p) {
+    progress("p2p");
+    peers = await NodePeers.start({
+      home: cfg.home, db: store.db, bindAddr: cfg.p2pBind, peers: parsePeers(cfg.p2pPeers), allow: list(cfg.p2pAllow),
+      relayUrls: list(cfg.p2pRelays), cache, socketPath: facadeSocket(cfg.runDir), blobDirs: [snapshots.blobsDir],
+    });
+    console.log(`  p2p: endpoint ${peers.worker.id} on ${peers.worker.addrs().join(", ")}, ${peers.worker.peerIds().length} peers`);
+  }
   const remote: NodeRemoteLayers = {
-    cache: { dir: cfg.blockCacheDir, capacity: cfg.blockCacheMB * 2 ** 20 }, download: cfg.blockCacheDownload,
+    cache, download: cfg.blockCacheDownload, peers, s3,
     auth: new RegistryAuthFiles({ dir: join(cfg.home, "registry-auth"), secretsDir: join(cfg.home, "secrets", "registry"), registry: { dockerConfigPath: defaultDockerConfigPath(cfg.dockerConfig) } }),
   };
   const inUse = [...templates.remoteLayers(), ...store.all().flatMap((r) => ((r.runtime as SandboxRuntime | null)?.layers ?? []).filter(isRemoteLayer))];
@@ -144,10 +168,7 @@ async function start(): Promise<void> {
     // The base image maps the hostname `sandbox` in /etc/hosts (sudo looks its host up).
     cmdline: (s) => guestCmdline({ ip: `${s.guestIp}/${s.guestPrefixLen}`, gw: s.gatewayIp, hostname: "sandbox", damonReclaim: kernel.damonReclaim }),
   }, { home: cfg.home, runRoot: join(cfg.runDir, "vms"), defaultTimeoutS: cfg.defaultTimeoutS, maxSandboxes: cfg.maxSandboxes, preparedDevices: cfg.devicePool, balloonPressurePct: cfg.balloonPressurePct, memoryLayersMax: cfg.memoryLayersMax, memoryZfile: cfg.memoryZfile || undefined,
-    snapshots: openSnapshotStore(cfg.snapshotStore, {
-      home: cfg.home,
-      s3: { endpoint: cfg.s3Endpoint, region: cfg.s3Region, accessKeyId: cfg.s3AccessKeyId, secretAccessKey: cfg.s3SecretAccessKey, sessionToken: cfg.s3SessionToken },
-    }), egress, caBundle: egressCa.certPem, remoteLayer: (l) => remoteLayerView(l, remote) });
+    snapshots, egress, caBundle: egressCa.certPem, remoteLayer: (l) => remoteLayerView(l, remote) });
   const base = templates.resolve("base")!;
   if (!base.checkpoint) {
     progress("template base: boot and checkpoint");
@@ -164,7 +185,7 @@ async function start(): Promise<void> {
   // fromImage parents: pulled and converted into the node's layer cache (src/node/images.ts).
   const { source: images } = nodeImages({
     dir: join(cfg.home, "image-layers"), capacityMB: cfg.layerCacheMB, templates, sandboxes: store, blockd,
-    registry: { dockerConfigPath: defaultDockerConfigPath(cfg.dockerConfig) }, remote,
+    registry: { dockerConfigPath: defaultDockerConfigPath(cfg.dockerConfig) }, remote, s3,
   });
   builder = new TemplateBuilder(o, store.db, {
     filesDir: join(cfg.home, "template-files"), stepsDir: join(cfg.home, "template-steps"),
@@ -187,7 +208,7 @@ for (const sig of ["SIGINT", "SIGTERM"] as const) {
     server.stop();
     // What operations left for after their answers (a pause's slot and device) is finished, and
     // build VMs are given back, for at most 10 s; what is left then is found by the next start.
-    await Promise.race([Promise.all([orch?.settledCleanups(), builds]), Bun.sleep(10_000)]);
+    await Promise.race([Promise.all([orch?.settledCleanups(), builds, peers?.close()]), Bun.sleep(10_000)]);
     store.close();
     process.exit(0);
   });

@@ -12,6 +12,7 @@ import { mkdir, open, readdir, rename, rm, stat } from "node:fs/promises";
 import { join, posix } from "node:path";
 import { runProcess, uploadFile, type ProcessSpec } from "./envd_process.ts";
 import { StepCache } from "./step_cache.ts";
+import { BOOT_TRACE } from "./start_traces.ts";
 import { Orchestrator, OrchestratorError, type BuildVm } from "./orchestrator.ts";
 import { layerKey, type TemplateConfig, type TemplateLayer, type TemplateRecord } from "./templates.ts";
 
@@ -77,6 +78,8 @@ export interface PulledImage {
   layers: TemplateLayer[];
   diskSizeMB: number;
   env: Record<string, string>;
+  /** A lazy pull's boot trace (the image's, recorded where it was made): its build VM's rootfs replays it. */
+  rootfsTrace?: Uint8Array;
   user?: string;
   workdir?: string;
   /** The config's Entrypoint and Cmd (run only with the build's imageCmd), ExposedPorts (`8080/tcp`) and Labels. */
@@ -103,12 +106,14 @@ export interface PushResult {
   manifestDigest: string;
   configDigest: string;
   layers: { digest: string; size: number; uploaded: boolean }[];
+  /** The boot trace's blob, when the image carries one. */
+  trace?: { digest: string; size: number; uploaded: boolean };
 }
 
 export interface ImageSource {
   pull(ref: string, auth: { username: string; password: string } | undefined, log: (message: string) => void, signal: AbortSignal): Promise<PulledImage>;
   /** A template's layers (base first) and run config to `ref` as an overlaybd image. */
-  push?(ref: string, image: { layers: TemplateLayer[]; config: PushedConfig }, auth: { username: string; password: string } | undefined): Promise<PushResult>;
+  push?(ref: string, image: { layers: TemplateLayer[]; config: PushedConfig; rootfsTrace?: string }, auth: { username: string; password: string } | undefined): Promise<PushResult>;
 }
 
 export interface BuilderOptions {
@@ -574,7 +579,7 @@ export class TemplateBuilder {
         hits++;
       }
       b.log("info", `Booting the build VM (${stack.length} layers)`);
-      vm = await this.orch.startBuildVm(stack, parent.size);
+      vm = await this.orch.startBuildVm(stack, parent.size, parent.rootfsTrace);
       const shell = await loginShell(vm);
       for (const p of plan.slice(hits)) {
         if (abort.signal.aborted) throw abort.signal.reason;
@@ -617,7 +622,7 @@ export class TemplateBuilder {
   }
 
   /** The parent's clean layer stack, VM size and run-time state. */
-  private async parent(b: Build, spec: BuildSpec, signal: AbortSignal): Promise<{ root: string; layers: TemplateLayer[]; size: { cpuCount: number; memoryMB: number; diskSizeMB: number }; state: StepState; envdVersion: string; command: ImageCommand }> {
+  private async parent(b: Build, spec: BuildSpec, signal: AbortSignal): Promise<{ root: string; layers: TemplateLayer[]; size: { cpuCount: number; memoryMB: number; diskSizeMB: number }; state: StepState; envdVersion: string; command: ImageCommand; rootfsTrace?: Uint8Array }> {
     const req = this.requests.get(b.templateId)!;
     const stateOf = (c: { env?: Record<string, string>; user?: string; workdir?: string } | null | undefined, labels: Record<string, string> = {}, exposed: string[] = []): StepState => {
       const user = c?.user || "user";
@@ -648,6 +653,7 @@ export class TemplateBuilder {
       state: stateOf({ env: img.env, user: img.user || "root", workdir: img.workdir || "/" }, { ...img.labels }, [...(img.exposedPorts ?? [])]),
       envdVersion: base?.envdVersion ?? "0.6.13",
       command: { entrypoint: img.entrypoint ?? [], cmd: img.cmd ?? [] },
+      ...(img.rootfsTrace ? { rootfsTrace: img.rootfsTrace } : {}),
     };
   }
 
@@ -802,7 +808,9 @@ export class TemplateBuilder {
       ...(c?.exposed ? { exposed: c.exposed } : {}), ...(c?.labels ? { labels: c.labels } : {}),
     };
     try {
-      return await this.o.images.push(to, { layers: t.layers, config }, auth);
+      // The boot trace recorded where the template was made goes with it (start_traces.ts BOOT_TRACE).
+      const rootfsTrace = t.checkpoint ? join(t.checkpoint.dir, BOOT_TRACE) : undefined;
+      return await this.o.images.push(to, { layers: t.layers, config, ...(rootfsTrace ? { rootfsTrace } : {}) }, auth);
     } catch (e) {
       const status = (e as { status?: unknown }).status;
       if (typeof status !== "number") throw e;

@@ -16,6 +16,7 @@ import { MemoryDevices } from "./memory_devices.ts";
 import { SandboxStore, publicState, type SandboxRecord, type SandboxState } from "./store.ts";
 import { TemplateStore, isRemoteLayer, localLayers, type RemoteLayer, type TemplateLayer, type TemplateRecord, type VmCheckpoint } from "./templates.ts";
 import { PhaseClock, TimingLog } from "./timings.ts";
+import { BOOT_TRACE, MEMORY_TRACE, ROOTFS_TRACE, StartTraces, beginBootTrace, endBootTrace } from "./start_traces.ts";
 
 /** An orchestrator failure with the HTTP status the API answers it with. */
 export class OrchestratorError extends Error {
@@ -71,6 +72,8 @@ export interface OrchestratorOptions {
   caBundle?: string;
   /** A remote layer as blockd gets it at each use (the node's block cache, its registry auth file); none: as recorded. */
   remoteLayer?: (l: RemoteLayer) => Promise<RemoteLayer>;
+  /** How long after envd answered a checkpoint's first start goes on recording its prefetch traces (default TRACE_WINDOW_MS). */
+  traceWindowMs?: number;
 }
 
 /** The fields of `network` that PUT /sandboxes/{id}/network replaces; the others (inbound) stay. */
@@ -144,6 +147,8 @@ export const MEMORY_LAYERS_MAX = 32;
 
 /** Devices prepared ahead for a fork's children, at most (blockd's bound per stack). */
 export const FORK_PREPARED_MAX = 16;
+/** The most recently paused sandboxes whose whole stack blockd keeps open on a device for their resume. */
+export const RESUME_READY_MAX = 4;
 
 /** Bounds of the API's inputs that reach the orchestrator (extensionParamsBytes: customExtensionParams as JSON). */
 export const LIMITS = { metadataPairs: 64, envVars: 256, keyBytes: 256, valueBytes: 8192, timeoutS: 86_400 * 30, forkCount: 100, extensionParamsBytes: 16_384 };
@@ -182,6 +187,8 @@ interface BootHeld {
   vm?: Vmm;
   /** The rootfs device, once acquired. */
   devices: string[];
+  /** The rootfs device records the boot (start_traces.ts BOOT_TRACE), written at the checkpoint. */
+  tracing?: boolean;
 }
 
 /** A template build's VM (Orchestrator.startBuildVm). Its envd has no token: only the node reaches it. */
@@ -265,6 +272,7 @@ export class Orchestrator {
   readonly creates = { successes: 0, fails: 0 };
   private closed = false;
   private readonly memDevices: MemoryDevices;
+  private readonly traces: StartTraces;
 
   constructor(
     readonly store: SandboxStore,
@@ -277,6 +285,7 @@ export class Orchestrator {
   ) {
     this.envdTimeoutMs = opts.envdReadyTimeoutMs ?? 120_000;
     this.memDevices = new MemoryDevices(blockd);
+    this.traces = new StartTraces(blockd, opts.traceWindowMs);
     for (const d of ["sandboxes", "checkpoints"]) mkdirSync(join(opts.home, d), { recursive: true });
     mkdirSync(opts.runRoot, { recursive: true });
   }
@@ -409,7 +418,7 @@ export class Orchestrator {
         const clock = new PhaseClock();
         const cp = tpl.checkpoint ?? (tpl.kind === "snapshot" ? await this.materializeSnapshot(tpl) : await this.prepareTemplate(tpl));
         clock.lap("template");
-        const runtime = await this.startFrom(rec, cp, clock);
+        const runtime = await this.startFrom(rec, cp, clock, { traced: true });
         const done = this.store.transition(rec.id, ["creating"], "running", { runtime, endAt: Date.now() + (o.timeoutS ?? this.opts.defaultTimeoutS) * 1000 });
         if (!done) throw new OrchestratorError(409, `sandbox ${rec.id} changed state while it was created`);
         clock.lap("record");
@@ -441,6 +450,7 @@ export class Orchestrator {
       try {
         const vm = await this.coldBoot(id, tpl.layers, tpl, held);
         const snap = await vm.snapshot(cpDir, { resumable: false });
+        if (held.tracing) await endBootTrace(this.blockd, held.devices[0]!, join(cpDir, BOOT_TRACE));
         const layer = join(cpDir, "rootfs.layer");
         await this.blockd.call("restack", { id: held.devices[0], layerPath: layer });
         const cp: VmCheckpoint = { dir: cpDir, layers: [...tpl.layers, layer], envdToken: null, memLayers: await this.memoryLayers(snap, undefined) };
@@ -463,11 +473,21 @@ export class Orchestrator {
    * A VM cold-booted from `layers` (tools disk, rootfs with a fresh upper, a slot) until envd
    * answers; what it took is recorded in `held` as it is taken, for giveBackBoot.
    */
-  private async coldBoot(id: string, layers: TemplateLayer[], size: VmSize, held: BootHeld): Promise<Vmm> {
+  private async coldBoot(id: string, layers: TemplateLayer[], size: VmSize, held: BootHeld, pulledTrace?: Uint8Array): Promise<Vmm> {
     held.slot = await this.slots.acquire();
     const slot = held.slot;
     const upperDir = join(this.opts.home, "sandboxes", id, "upper");
     const { drives } = await this.devices(held.devices, layers, upperDir, size.diskSizeMB);
+    // Its boot is recorded (the template's boot trace); a pulled image's trace is replayed where a layer is remote.
+    let replay: string | undefined;
+    if (pulledTrace && layers.some(isRemoteLayer)) {
+      replay = join(this.opts.home, "sandboxes", id, "pulled.trace");
+      await Bun.write(replay, pulledTrace).catch((e) => {
+        console.error(`orchestrator: writing ${replay}: ${(e as Error).message}`);
+        replay = undefined;
+      });
+    }
+    held.tracing = await beginBootTrace(this.blockd, held.devices[0]!, replay);
     const vm = await this.driver.boot({
       id, runDir: join(this.opts.runRoot, id), kernel: this.guest.kernel, initrd: this.guest.initrd,
       cmdline: this.guest.cmdline(slot), vcpus: size.cpuCount, memMiB: size.memoryMB, drives,
@@ -496,15 +516,16 @@ export class Orchestrator {
   /**
    * A VM for a template build, cold-booted from a clean layer stack (a restore would bring back a
    * page cache that does not match layers added by cached steps). The builder runs steps through
-   * its envd, seals the rootfs upper after each step and checkpoints it when ready.
+   * its envd, seals the rootfs upper after each step and checkpoints it when ready. `pulledTrace`:
+   * the pulled image's boot trace, replayed on the rootfs before the VM starts (remote layers only).
    */
-  async startBuildVm(layers: TemplateLayer[], size: VmSize): Promise<BuildVm> {
+  async startBuildVm(layers: TemplateLayer[], size: VmSize, pulledTrace?: Uint8Array): Promise<BuildVm> {
     if (this.closed) throw new OrchestratorError(503, "the node is shutting down");
     const id = `bld${randomId(12)}`;
     const held: BootHeld = { devices: [] };
     let vm: Vmm;
     try {
-      vm = await this.coldBoot(id, layers, size, held);
+      vm = await this.coldBoot(id, layers, size, held, pulledTrace);
     } catch (e) {
       await this.giveBackBoot(id, held);
       throw asOrchestratorError(e, "booting the build VM");
@@ -526,6 +547,7 @@ export class Orchestrator {
         this.buildCheckpoints.add(dir);
         try {
           const snap = await vm.snapshot(dir, { resumable: false });
+          if (held.tracing) await endBootTrace(this.blockd, device, join(dir, BOOT_TRACE));
           const layer = join(dir, "rootfs.layer");
           await this.blockd.call("restack", { id: device, layerPath: layer });
           return { dir, layers: [...stack, layer], envdToken: null, memLayers: await this.memoryLayers(snap, undefined) };
@@ -601,13 +623,42 @@ export class Orchestrator {
     }).catch(failed);
   }
 
+  /** Paused sandboxes with a device prepared for their resume, oldest first (at most RESUME_READY_MAX). */
+  private readonly resumeReady = new Map<string, { cp: VmCheckpoint; diskSizeMB: number }>();
+
+  /**
+   * A device with the paused stack's lowers open, for one acquire (its resume): blockd's target
+   * ends with it. The oldest past RESUME_READY_MAX is retired. Best effort, as prepareDevices.
+   */
+  private readyForResume(id: string, cp: VmCheckpoint, diskSizeMB: number): Promise<void> {
+    this.resumeReady.delete(id);
+    this.resumeReady.set(id, { cp, diskSizeMB });
+    while (this.resumeReady.size > RESUME_READY_MAX) this.unreadyForResume(this.resumeReady.keys().next().value!);
+    // Answered once the device is ready: a resume waits for the pause's cleanup, so it then finds it.
+    return this.lowers(cp.layers)
+      .then((lowers) => this.blockd.call("prepare", { lowers, size: diskSizeMB * 1024 * 1024, count: 1, acquires: 1 }))
+      .then(() => {}, (e: Error) => console.error(`orchestrator: a device for the resume of ${id}: ${e.message}`));
+  }
+
+  private unreadyForResume(id: string): void {
+    const r = this.resumeReady.get(id);
+    if (!r) return;
+    this.resumeReady.delete(id);
+    this.lowers(r.cp.layers)
+      .then((lowers) => this.blockd.call("prepare", { lowers, size: r.diskSizeMB * 1024 * 1024, count: 0 }))
+      .catch((e: Error) => console.error(`orchestrator: retiring the resume device of ${id}: ${e.message}`));
+  }
+
   /** At node start: devices ready for every template that has a checkpoint. */
   warmUp(): void {
     for (const t of this.templates.list("template")) if (t.checkpoint) this.prepareDevices(t.checkpoint, t.diskSizeMB);
   }
 
-  /** A VM for `rec` restored from `cp` in a fresh slot with a fresh upper, envd initialised. */
-  private async startFrom(rec: SandboxRecord, cp: VmCheckpoint, clock = new PhaseClock()): Promise<SandboxRuntime> {
+  /**
+   * A VM for `rec` restored from `cp` in a fresh slot with a fresh upper, envd initialised.
+   * `traced`: a template's or snapshot's checkpoint, whose starts record and replay prefetch traces (start_traces.ts).
+   */
+  private async startFrom(rec: SandboxRecord, cp: VmCheckpoint, clock = new PhaseClock(), o: { traced?: boolean } = {}): Promise<SandboxRuntime> {
     const devices: string[] = [];
     const upperDir = join(this.opts.home, "sandboxes", rec.id, `upper-${randomId(6)}`);
     const rt: SandboxRuntime = {
@@ -643,6 +694,11 @@ export class Orchestrator {
       }
       const snap = await reading;
       const memImage = await memory;
+      // The checkpoint's traces replayed ahead of the guest (rootfs: where a layer is remote), or recorded at its first start here.
+      const traced = !o.traced ? () => {} : await this.traces.begin(cp.dir, [
+        ...(rt.rootfsDevice ? [{ id: rt.rootfsDevice, file: ROOTFS_TRACE, replay: cp.layers.some(isRemoteLayer) }] : []),
+        ...(rt.memDevice ? [{ id: rt.memDevice, file: MEMORY_TRACE, replay: true, shared: true }] : []),
+      ]);
       clock.lap("devices");
       const vm = await this.driver.restore(snap, {
         id: rec.id, runDir: rt.runDir!, drives, net: { tap: rt.slot.tap, mac: rt.slot.guestMac }, netnsPath: rt.slot.netnsPath, memImage,
@@ -654,6 +710,7 @@ export class Orchestrator {
       clock.lap("record");
       const url = `http://${rt.slot.nsIp}:${ENVD_PORT}`;
       await waitEnvdReady(url, this.envdTimeoutMs, () => vm.state !== "stopped");
+      traced();
       clock.lap("guest");
       // A built or pulled template's env, user and working directory; the request's env wins.
       const config = this.templates.resolve(rec.templateId)?.config;
@@ -738,6 +795,7 @@ export class Orchestrator {
           await this.release(id, rt);
           // Its resume will want its own memory stack: opened now, kept while it is among the last left.
           if (cp.memLayers) this.memDevices.warm(cp.memLayers);
+          await this.readyForResume(id, cp, rec.diskSizeMB);
           await rm(join(this.opts.home, "sandboxes", id), { recursive: true, force: true });
           // A paused sandbox's memory lives on disk, not in the host's page cache.
           for (const f of ["mem", "mem.layer", "vmstate"]) await dropCache(join(cp.dir, f));
@@ -785,6 +843,8 @@ export class Orchestrator {
       try {
         const clock = new PhaseClock();
         const started = await this.startFrom(now, cp, clock);
+        // Its prepared device served the acquire (which ended that target) or came too late: retired either way.
+        this.unreadyForResume(id);
         const until = Date.now() + timeoutS * 1000;
         const end = o.extendOnly ? Math.max(this.store.get(id)?.endAt ?? 0, until) : until;
         const out = this.store.transition(id, ["resuming"], "running", { runtime: started, endAt: end })!;
@@ -1196,6 +1256,7 @@ export class Orchestrator {
       if (rt.upperDir) await rm(rt.upperDir, { recursive: true, force: true });
       // A paused sandbox's memory device, kept open for its resume, is not wanted any more.
       if (!o.keepPaused && rt.paused?.memLayers) this.memDevices.forget(rt.paused.memLayers);
+      if (!o.keepPaused) this.unreadyForResume(id);
     }
     if (!o.keepPaused) {
       this.samples.delete(id);
@@ -1366,6 +1427,7 @@ export class Orchestrator {
   close(): void {
     this.closed = true;
     if (this.reaper) clearTimeout(this.reaper);
+    this.traces.close();
   }
 
   /** Test and shutdown helper: kill every sandbox. */

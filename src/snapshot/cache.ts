@@ -18,6 +18,12 @@ import type { Materialized, SnapshotRecord, StoredFile } from "./store.ts";
 /** Writes the stored bytes of file `name` into `w` (the cache checks length and sha256). */
 export type Fetch = (name: string, file: StoredFile, w: SparseWriter, dl: Deadline) => Promise<void>;
 
+/**
+ * Brings a shared file from the node's peers to `dest`, verified against its sha256 (hex) before
+ * it appears there; false when no peer could (the store is asked then). Set by the node.
+ */
+export type BlobFromPeers = (sha256: string, size: number, dest: string, signal: AbortSignal) => Promise<boolean>;
+
 export interface CacheOptions {
   root: string;
   /** Bound on the bytes the cache holds on disk (allocated blocks, so holes cost nothing). */
@@ -26,6 +32,8 @@ export interface CacheOptions {
   holdMs?: number;
   /** Downloads of distinct snapshots at once. */
   maxDownloads?: number;
+  /** Shared files (layers, memory layers) are asked of the peers before the store. */
+  fromPeers?: BlobFromPeers;
 }
 
 export class SnapshotCache {
@@ -41,6 +49,8 @@ export class SnapshotCache {
   private roomTurn: Promise<void> = Promise.resolve();
   /** Bytes fetched from the store since start (tests read that a second get fetched none). */
   fetchedBytes = 0;
+  /** Bytes of shared files that came from peers instead. */
+  peerBytes = 0;
 
   constructor(private readonly o: CacheOptions) {
     if (!o.root.startsWith("/")) throw new SnapshotStoreError("BadConfig", `snapshot cache directory must be absolute, got ${JSON.stringify(o.root)}`);
@@ -50,6 +60,11 @@ export class SnapshotCache {
     this.tmp = join(o.root, "tmp");
     this.holdMs = o.holdMs ?? 600_000;
     this.maxDownloads = o.maxDownloads ?? 16;
+  }
+
+  /** Shared files by sha256 (hex), each verified when it arrived. */
+  get blobsDir(): string {
+    return this.blobs;
   }
 
   /** The record's files at local paths: the cached entry, or one fetched now. */
@@ -134,7 +149,14 @@ export class SnapshotCache {
   }
 
   private async linkBlob(name: string, file: StoredFile, dest: string, fetch: Fetch, dl: Deadline): Promise<void> {
-    await linkBlob(join(this.blobs, file.sha256!), this.tmp, dest, (tmp) => this.download(name, file, tmp, fetch, dl));
+    await linkBlob(join(this.blobs, file.sha256!), this.tmp, dest, async (tmp) => {
+      const peers = this.o.fromPeers;
+      if (peers && (await peers(file.sha256!, file.size, tmp, AbortSignal.timeout(Math.max(1, dl.leftMs))).catch(() => false))) {
+        this.peerBytes += file.size;
+        return;
+      }
+      await this.download(name, file, tmp, fetch, dl);
+    });
   }
 
   /**

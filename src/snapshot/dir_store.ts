@@ -41,6 +41,10 @@ export class DirSnapshotStore implements SnapshotStore {
     this.tmp = join(root, "tmp");
   }
 
+  get blobsDir(): string {
+    return this.blobs;
+  }
+
   get location(): string {
     return this.root;
   }

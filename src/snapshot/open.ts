@@ -3,7 +3,7 @@
 // from the caller (the node's s3_* settings, docs/node.md).
 import { S3Client } from "bun";
 import { join } from "node:path";
-import { SnapshotCache } from "./cache.ts";
+import { type BlobFromPeers, SnapshotCache } from "./cache.ts";
 import { DEFAULT_LIMITS, type StoreLimits } from "./deadline.ts";
 import { DirSnapshotStore } from "./dir_store.ts";
 import { SnapshotStoreError } from "./errors.ts";
@@ -19,6 +19,8 @@ export interface OpenOptions {
   cacheDir?: string;
   cacheBytes?: number;
   limits?: StoreLimits;
+  /** S3 only: shared files are asked of the node's peers first. */
+  fromPeers?: BlobFromPeers;
 }
 
 /** Empty strings count as unset: the node's settings default to "". */
@@ -64,6 +66,6 @@ export function openSnapshotStore(setting: string | undefined, o: OpenOptions): 
     // Without an endpoint: AWS itself, in the region.
     endpoint: endpoint ?? `https://s3.${region}.amazonaws.com`,
   });
-  const cache = new SnapshotCache({ root: o.cacheDir ?? join(o.home, "snapshot-cache"), maxBytes: o.cacheBytes ?? DEFAULT_CACHE_BYTES });
+  const cache = new SnapshotCache({ root: o.cacheDir ?? join(o.home, "snapshot-cache"), maxBytes: o.cacheBytes ?? DEFAULT_CACHE_BYTES, fromPeers: o.fromPeers });
   return new S3SnapshotStore(client, bucket, prefix, cache, limits);
 }

@@ -60,6 +60,10 @@ export class S3SnapshotStore implements SnapshotStore {
     if (prefix !== "" && !prefix.endsWith("/")) throw new SnapshotStoreError("BadConfig", `S3 prefix must end in '/', got ${JSON.stringify(prefix)}`);
   }
 
+  get blobsDir(): string {
+    return this.cache.blobsDir;
+  }
+
   get location(): string {
     return `s3://${this.bucket}/${this.prefix}`;
   }

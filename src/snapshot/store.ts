@@ -51,6 +51,8 @@ export interface Materialized {
 
 export interface SnapshotStore {
   readonly kind: "dir" | "s3";
+  /** A local folder of shared files named by their sha256 (hex): what this node may serve to its peers. */
+  readonly blobsDir: string;
   /** Where it is (a directory or `s3://bucket/prefix`), for logs. */
   readonly location: string;
   /** Stores `files` and `meta` under `id`; visible only once complete. Exists when `id` is taken. */

@@ -4,6 +4,9 @@
 // layer i; overlaybd-native layers are used as they are (digest verified, opened as a layer, no
 // conversion), the disk their virtual size. With `remote`, overlaybd-native layers are not
 // downloaded at all: they become remote refs that blockd's workers read by Range (a lazy pull).
+// The image comes from a registry (a reference and `registry`) or any ImageLocation (an OCI
+// image layout in S3). A lazy pull of an image whose manifest names a boot trace brings its bytes
+// along (prefetch_trace.ts): the build VM over the remote layers replays it.
 
 import { rm } from "node:fs/promises";
 import { join } from "node:path";
@@ -11,29 +14,30 @@ import type { BlockdClient } from "../blockdev/client.ts";
 import { convertLayer, DEFAULT_DISK_BYTES, emptyExt4Layer, initCache, type ConvertContext, type ConvertedLayer } from "./convert.ts";
 import { ConvertError } from "./convert_error.ts";
 import { chainId, type LayerCache } from "./layer_cache.ts";
-import { type Descriptor, type ImageRef, type OciImageConfig, type RegistryClient, RegistryError, type ResolvedImage } from "./registry.ts";
+import { type ImageLocation, RegistryLocation } from "./image_location.ts";
+import { type Descriptor, formatImageRef, type ImageRef, type LocatedImage, type OciImageConfig, parsePlatform, type RegistryClient, RegistryError } from "./registry.ts";
 import { openLayerFile, unwrap } from "../storage/open_layer.ts";
 import { RemoteReadError } from "../storage/remote/errors.ts";
 import { ReadOnlyLayer } from "../storage/lsmt/readonly_layer.ts";
 import { BlockCache, type BlockCacheOptions } from "../storage/remote/block_cache.ts";
-import { RegistryRangeSource } from "../storage/remote/http_source.ts";
 import { RemoteFile } from "../storage/remote/remote_file.ts";
 import type { LayerDigest } from "../storage/remote/source.ts";
 import type { RemoteLayerSpec } from "../storage/remote/spec.ts";
+import { fetchTrace, traceDescriptor } from "./prefetch_trace.ts";
 
-/** A layer left in the registry: blockd's workers read it by HTTP Range through the block cache. */
+/** A layer left at its origin (a registry blob, an S3 object): blockd's workers read it by range through the block cache. */
 export interface RemoteLayerRef {
   digest: LayerDigest;
   size: number;
   remote: RemoteLayerSpec;
 }
 
-/** A pulled layer: a sealed layer file's path, or a layer left in the registry. */
+/** A pulled layer: a sealed layer file's path, or a layer left at its origin. */
 export type PulledLayer = string | RemoteLayerRef;
 
 /**
  * Lazy pulls of overlaybd-native images (docs/templates.md, Pulling). The refs carry no registry
- * auth: the node adds its headers file at each use (src/node/images.ts remoteLayerView).
+ * auth and no S3 credentials: the node adds its own at each use (src/node/images.ts remoteLayerView).
  */
 export interface RemotePullOptions {
   /** The node's block cache (the folder blockd's workers share). */
@@ -73,8 +77,8 @@ export interface ImageRunConfig {
 }
 
 export interface PulledImage {
-  /** The image pinned to its manifest digest. */
-  ref: ImageRef;
+  /** The image pinned to its manifest digest: `registry/repo:tag@sha256:…`, `s3://bucket/prefix@sha256:…`. */
+  ref: string;
   manifestDigest: string;
   /** Sealed overlaybd layer files, lowest first (the empty ext4 layer first for converted images); remote refs for a lazy pull. */
   layers: PulledLayer[];
@@ -85,10 +89,13 @@ export interface PulledImage {
   /** Layers this pull converted (or took as native blobs), and layers it found in the cache. */
   converted: number;
   cached: number;
+  /** A lazy pull's boot trace (AETRACE1 bytes, at most 1 MiB), when the manifest names one that could be read. */
+  rootfsTrace?: Uint8Array;
 }
 
 export interface PullOptions {
-  registry: RegistryClient;
+  /** The registry a reference is pulled from (unused when the image is given as an ImageLocation). */
+  registry?: RegistryClient;
   cache: LayerCache;
   blockd: BlockdClient;
   /** Virtual disk size of a converted image [20480 MiB]; the sandbox's disk. */
@@ -96,14 +103,16 @@ export interface PullOptions {
   /** [linux/amd64] */
   platform?: string;
   onProgress?: (p: PullProgress) => void;
-  /** Set: an overlaybd-native image is not downloaded, its layers stay in the registry (remote refs). */
+  /** Set: an overlaybd-native image is not downloaded, its layers stay at their origin (remote refs). */
   remote?: RemotePullOptions;
+  /** What the pull leaves out and goes on without (a bad prefetch trace) [console.error]. */
+  log?: (message: string) => void;
 }
 
 /** Without `remote` every layer is a local file. */
-export function pullImage(ref: string | ImageRef, opts: PullOptions & { remote?: undefined }): Promise<PulledImage & { layers: string[] }>;
-export function pullImage(ref: string | ImageRef, opts: PullOptions): Promise<PulledImage>;
-export async function pullImage(ref: string | ImageRef, opts: PullOptions): Promise<PulledImage> {
+export function pullImage(ref: string | ImageRef | ImageLocation, opts: PullOptions & { remote?: undefined }): Promise<PulledImage & { layers: string[] }>;
+export function pullImage(ref: string | ImageRef | ImageLocation, opts: PullOptions): Promise<PulledImage>;
+export async function pullImage(ref: string | ImageRef | ImageLocation, opts: PullOptions): Promise<PulledImage> {
   const started = performance.now();
   const diskBytes = opts.diskSizeMB !== undefined ? opts.diskSizeMB * 2 ** 20 : DEFAULT_DISK_BYTES;
   const p: PullProgress = { phase: "resolving", layersDone: 0, layersTotal: 0, layersCached: 0, bytesDownloaded: 0, bytesTotal: 0, bytesPerSecond: 0, bytesApplied: 0, elapsedMs: 0 };
@@ -115,7 +124,8 @@ export async function pullImage(ref: string | ImageRef, opts: PullOptions): Prom
     } catch {} // a progress callback's failure is the caller's
   };
   say();
-  const image = await opts.registry.resolve(ref, opts.platform ? { platform: opts.platform } : {});
+  const from = locationOf(ref, opts.registry);
+  const image: Pulled = { ...(await from.resolve(parsePlatform(opts.platform ?? "linux/amd64"))), from };
   const descs = image.layers;
   if (!image.overlaybdNative && image.config.diffIds.length !== descs.length) {
     throw new ConvertError("CorruptLayer", `image config lists ${image.config.diffIds.length} diff_ids for ${descs.length} layers`);
@@ -141,7 +151,21 @@ export async function pullImage(ref: string | ImageRef, opts: PullOptions): Prom
   }
 }
 
-async function pullLayers(image: ResolvedImage, chains: string[], bottom: ConvertedLayer | undefined, diskBytes: number, ctx: ConvertContext, opts: PullOptions, p: PullProgress, say: () => void): Promise<PulledImage> {
+/** A resolved image and where its blobs are. */
+type Pulled = LocatedImage & { from: ImageLocation };
+
+function locationOf(ref: string | ImageRef | ImageLocation, registry: RegistryClient | undefined): ImageLocation {
+  if (typeof ref === "object" && "resolve" in ref) return ref;
+  if (!registry) throw new RegistryError("BadReference", `${typeof ref === "string" ? ref : formatImageRef(ref)}: a registry reference needs a registry client`);
+  return new RegistryLocation(registry, ref);
+}
+
+/** The pinned name a pulled image answers with. */
+function pinnedName(image: Pulled): string {
+  return `${image.from.name.replace(/@sha256:[0-9a-f]{64}$/, "")}@${image.manifestDigest}`;
+}
+
+async function pullLayers(image: Pulled, chains: string[], bottom: ConvertedLayer | undefined, diskBytes: number, ctx: ConvertContext, opts: PullOptions, p: PullProgress, say: () => void): Promise<PulledImage> {
   const descs = image.layers;
   const needed = await Promise.all(chains.map(async (c) => !(await Bun.file(opts.cache.layerPath(c)).exists())));
   p.phase = "layers";
@@ -157,7 +181,7 @@ async function pullLayers(image: ResolvedImage, chains: string[], bottom: Conver
     if (!f) {
       const d: Descriptor = descs[i]!;
       let last = 0;
-      f = opts.registry.fetchBlob(image.ref, d, join(work, `${i}.blob`), {
+      f = image.from.fetchBlob(d, join(work, `${i}.blob`), {
         onProgress: (bytes) => {
           p.bytesDownloaded += bytes - last;
           last = bytes;
@@ -210,7 +234,7 @@ async function pullLayers(image: ResolvedImage, chains: string[], bottom: Conver
   p.phase = "done";
   say();
   return {
-    ref: image.ref,
+    ref: pinnedName(image),
     manifestDigest: image.manifestDigest,
     layers: stack.map((l) => l.path),
     config: runConfig(image.config),
@@ -222,26 +246,24 @@ async function pullLayers(image: ResolvedImage, chains: string[], bottom: Conver
 }
 
 /**
- * A lazy pull: each layer becomes a remote ref (its registry blob by Range, the node's block cache)
+ * A lazy pull: each layer becomes a remote ref (its blob at the origin by range, the node's block cache)
  * and nothing is downloaded whole. Each blob's header and index are read here through the same
  * cache folder: it must open as an overlaybd layer (else CorruptLayer), and the chunks read are in
  * the cache for blockd's workers after. The disk is the layers' largest virtual size.
  */
-async function remoteLayers(image: ResolvedImage, opts: PullOptions, r: RemotePullOptions, p: PullProgress, say: () => void): Promise<PulledImage> {
+async function remoteLayers(image: Pulled, opts: PullOptions, r: RemotePullOptions, p: PullProgress, say: () => void): Promise<PulledImage> {
   const descs = image.layers;
   p.phase = "layers";
   p.layersTotal = descs.length;
   say();
   const cache = await BlockCache.shared(r.cache);
+  // The trace's round trips run beside the layers' header reads.
+  const tracing = pulledTrace(image, opts).catch((e) => void console.error(`pull: prefetch trace: ${(e as Error).message}`));
   const layers: RemoteLayerRef[] = [];
   let virtualBytes = 0;
   for (const [i, d] of descs.entries()) {
     const digest = d.digest as LayerDigest;
-    const url = opts.registry.blobUrl(image.ref, digest);
-    // This process's own reads carry the client's Authorization (a token lasts well past them).
-    const auth = await opts.registry.pullAuthorization(image.ref, digest);
-    const headers: Record<string, string> = auth.value ? { authorization: auth.value } : {};
-    const source = new RegistryRangeSource({ url, headers: () => headers });
+    const { origin, source } = await image.from.blobOrigin(digest);
     let file: RemoteFile;
     try {
       file = RemoteFile.open({ digest, size: d.size, sources: [source], cache });
@@ -249,16 +271,35 @@ async function remoteLayers(image: ResolvedImage, opts: PullOptions, r: RemotePu
       throw new ConvertError("CorruptLayer", `layer ${i}: ${(e as Error).message}`, undefined, d.digest);
     }
     virtualBytes = Math.max(virtualBytes, await remoteVirtualSize(file, d.digest));
-    layers.push({ digest, size: d.size, remote: { sources: [{ kind: "http", url }], cache: { ...r.cache }, ...(r.download === false ? { download: false } : {}) } });
+    layers.push({ digest, size: d.size, remote: { sources: [origin], cache: { ...r.cache }, ...(r.download === false ? { download: false } : {}) } });
     p.layersDone = i + 1;
     say();
   }
+  const rootfsTrace = await tracing;
   p.phase = "done";
   say();
   return {
-    ref: image.ref, manifestDigest: image.manifestDigest, layers, config: runConfig(image.config),
+    ref: pinnedName(image), manifestDigest: image.manifestDigest, layers, config: runConfig(image.config),
     diskSizeMB: Math.ceil(virtualBytes / 2 ** 20), overlaybdNative: true, converted: 0, cached: 0,
+    ...(rootfsTrace ? { rootfsTrace } : {}),
   };
+}
+
+/** The boot trace the manifest names, or undefined: one that cannot be read or is no trace is logged, never a failed pull. */
+async function pulledTrace(image: Pulled, opts: PullOptions): Promise<Uint8Array | undefined> {
+  const log = (m: string) => {
+    try {
+      (opts.log ?? ((x: string) => console.error(`pull: ${x}`)))(m);
+    } catch {} // the caller's
+  };
+  const desc = traceDescriptor(image.annotations, log);
+  if (!desc) return undefined;
+  const work = await opts.cache.workDir();
+  try {
+    return await fetchTrace(image.from, desc, work, log);
+  } finally {
+    await rm(work, { recursive: true, force: true }).catch(() => {});
+  }
 }
 
 /** A remote blob's virtual size once it opens as an overlaybd layer; CorruptLayer when it does not, Unreachable when it cannot be read. */

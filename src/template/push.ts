@@ -1,20 +1,24 @@
-// pushImage: a template's rootfs layers (sealed overlaybd layer files, base first) to a registry as
-// an overlaybd image, laid out as accelerated-container-image pushes one and as pullImage reads
+// pushImage: a template's rootfs layers (sealed overlaybd layer files, base first) to a registry or
+// an OCI image layout in S3 (any ImageLocation) as an overlaybd image, laid out as accelerated-container-image pushes one and as pullImage reads
 // one back without converting: one blob per layer (the OCI tar media type, annotations blob-digest
 // = the blob's own digest, blob-size, blob-fs-type ext4), a config whose diff_ids are the blobs'
 // digests and whose run config is the template's Env, WorkingDir, User (and Entrypoint, Cmd,
-// ExposedPorts, Labels when it has them), and the manifest under the reference. A blob the
-// repository has already (HEAD) is not sent again. A layer that is itself remote is sent from the
-// block cache's promoted copy when there is one, else copied from its registry through a file.
+// ExposedPorts, Labels when it has them), and the manifest under the reference (in S3: index.json,
+// last). A blob the location has already (HEAD) is not sent again. A layer that is itself remote is
+// sent from the block cache's promoted copy when there is one, else copied from its origin (a
+// registry blob, an S3 object) through a verified file. A boot trace (`rootfsTrace`, prefetch_trace.ts)
+// goes up as one more blob named by two manifest annotations; without one the manifest is as before.
 
 import { rm } from "node:fs/promises";
 import { existsSync } from "node:fs";
 import { join } from "node:path";
+import { type ImageLocation, RegistryLocation } from "./image_location.ts";
 import { RegistryError } from "./registry/errors.ts";
 import { MEDIA, OVERLAYBD_ANNOTATION, type Descriptor } from "./registry/manifest.ts";
-import { parseImageRef } from "./registry/reference.ts";
 import type { RegistryClient } from "./registry/client.ts";
+import { type S3Access, S3Layout } from "./s3_layout.ts";
 import type { PulledLayer, RemoteLayerRef } from "./pull.ts";
+import { PREFETCH_ROOTFS_ANNOTATION, PREFETCH_ROOTFS_SIZE_ANNOTATION, PREFETCH_TRACE_MEDIA, traceForPush } from "./prefetch_trace.ts";
 
 /** The image's run config (OCI config fields). */
 export interface PushConfig {
@@ -28,16 +32,21 @@ export interface PushConfig {
 }
 
 export interface PushOptions {
-  registry: RegistryClient;
+  /** The registry a reference is pushed to, and that remote layers with registry origins are copied from. */
+  registry?: RegistryClient;
+  /** S3 settings remote layers with S3 origins are copied with (the layout's keys). */
+  s3?: S3Access;
   /** Where copies of remote layers are made (removed after). */
   workDir: string;
   onProgress?: (message: string) => void;
+  /** The template's boot trace file: pushed with the image when it is there and a trace of at most 1 MiB. */
+  rootfsTrace?: string;
 }
 
 export interface PushedLayer {
   digest: string;
   size: number;
-  /** false: the repository had the blob (HEAD), nothing was sent. */
+  /** false: the location had the blob (HEAD), nothing was sent. */
   uploaded: boolean;
 }
 
@@ -46,6 +55,8 @@ export interface PushedTemplate {
   manifestDigest: string;
   configDigest: string;
   layers: PushedLayer[];
+  /** The boot trace's blob, when the image carries one. */
+  trace?: PushedLayer;
 }
 
 /** overlaybd stacks at most 255 lowers (8-bit tags). */
@@ -62,19 +73,32 @@ async function digestOf(path: string): Promise<{ digest: string; size: number }>
   return { digest: `sha256:${hasher.digest("hex")}`, size };
 }
 
-/** The repository a remote layer's http source reads from (`…/v2/<name>/blobs/<digest>`). */
-function sourceOf(l: RemoteLayerRef): { ref: string; url: string } {
+/**
+ * Where a remote layer can be copied from: a registry blob (`…/v2/<name>/blobs/<digest>`, with
+ * opts.registry) or an S3 layout's blob (`<prefix>/blobs/sha256/<hex>`, with opts.s3). Peers are
+ * not asked (a push copies from an origin).
+ */
+function originOf(l: RemoteLayerRef, opts: PushOptions): ImageLocation {
   for (const s of l.remote.sources) {
-    if (s.kind !== "http") continue;
-    const u = new URL(s.url);
-    const m = /^\/v2\/(.+)\/blobs\/(sha256:[0-9a-f]{64})$/.exec(u.pathname);
-    if (m && m[2] === l.digest) return { ref: `${u.host}/${m[1]}@${l.digest}`, url: s.url };
+    if (s.kind === "http" && !s.unix && opts.registry) {
+      const u = new URL(s.url);
+      const m = /^\/v2\/(.+)\/blobs\/(sha256:[0-9a-f]{64})$/.exec(u.pathname);
+      if (m && m[2] === l.digest) return new RegistryLocation(opts.registry, `${u.host}/${m[1]}@${l.digest}`);
+    }
+    if (s.kind === "s3" && opts.s3) {
+      const m = /^(?:(.*)\/)?blobs\/sha256\/([0-9a-f]{64})$/.exec(s.key);
+      if (m && `sha256:${m[2]}` === l.digest) {
+        return new S3Layout({ bucket: s.bucket, prefix: m[1] ?? "" }, { ...opts.s3, endpoint: s.endpoint ?? opts.s3.endpoint, region: s.region ?? opts.s3.region });
+      }
+    }
   }
-  throw new RegistryError("NotFound", `remote layer ${l.digest} names no registry blob to copy from`);
+  throw new RegistryError("NotFound", `remote layer ${l.digest} names no registry blob or S3 layout blob to copy from`);
 }
 
-export async function pushImage(refIn: string, layers: PulledLayer[], config: PushConfig, opts: PushOptions): Promise<PushedTemplate> {
-  const ref = parseImageRef(refIn);
+export async function pushImage(to: string | ImageLocation, layers: PulledLayer[], config: PushConfig, opts: PushOptions): Promise<PushedTemplate> {
+  const refIn = typeof to === "string" ? to : to.name;
+  if (typeof to === "string" && !opts.registry) throw new RegistryError("BadReference", `${to}: a registry reference needs a registry client`);
+  const dest = typeof to === "string" ? new RegistryLocation(opts.registry!, to) : to;
   if (layers.length === 0) throw new RegistryError("BadReference", `a template with no layers cannot be pushed to ${refIn}`);
   if (layers.length > MAX_PUSH_LAYERS) throw new RegistryError("TooLarge", `${layers.length} layers: an overlaybd image holds at most ${MAX_PUSH_LAYERS}`);
   const say = (m: string) => {
@@ -96,17 +120,16 @@ export async function pushImage(refIn: string, layers: PulledLayer[], config: Pu
       const promoted = join(l.remote.cache.dir, "layers", l.digest.slice(7));
       if (existsSync(promoted)) path = promoted;
     }
-    const uploaded = !(await opts.registry.hasBlob(ref, known.digest, "pull,push"));
+    const uploaded = !(await dest.hasBlob(known.digest, known.size));
     try {
       if (uploaded) {
         if (!path) {
-          // A remote layer the cache does not hold whole: copied from its registry, verified, then sent.
-          const src = sourceOf(l as RemoteLayerRef);
+          // A remote layer the cache does not hold whole: copied from its origin, verified, then sent.
           copy = join(opts.workDir, `layer-${i}.blob`);
-          await opts.registry.fetchBlob(src.ref, { mediaType: MEDIA.ociLayerTar, ...known }, copy);
+          await originOf(l as RemoteLayerRef, opts).fetchBlob({ mediaType: MEDIA.ociLayerTar, ...known }, copy);
           path = copy;
         }
-        await opts.registry.pushBlob(ref, path, { mediaType: MEDIA.ociLayerTar, known });
+        await dest.putBlob(path, { mediaType: MEDIA.ociLayerTar, known });
       }
     } finally {
       if (copy) await rm(copy, { force: true });
@@ -134,9 +157,19 @@ export async function pushImage(refIn: string, layers: PulledLayer[], config: Pu
     rootfs: { type: "layers", diff_ids: descs.map((d) => d.digest) },
     history: descs.map(() => ({ created_by: "aenv push" })),
   };
-  const cfg = await opts.registry.pushBlob(ref, new TextEncoder().encode(JSON.stringify(imageConfig)), { mediaType: MEDIA.ociConfig });
-  const manifest = { schemaVersion: 2, mediaType: MEDIA.ociManifest, config: { mediaType: MEDIA.ociConfig, digest: cfg.digest, size: cfg.size }, layers: descs };
-  const m = await opts.registry.pushManifest(ref, manifest, MEDIA.ociManifest);
+  const cfg = await dest.putBlob(new TextEncoder().encode(JSON.stringify(imageConfig)), { mediaType: MEDIA.ociConfig });
+  const manifest: Record<string, unknown> = { schemaVersion: 2, mediaType: MEDIA.ociManifest, config: { mediaType: MEDIA.ociConfig, digest: cfg.digest, size: cfg.size }, layers: descs };
+  let trace: PushedLayer | undefined;
+  const traceBytes = await traceForPush(opts.rootfsTrace, say);
+  if (traceBytes) {
+    const digest = `sha256:${new Bun.CryptoHasher("sha256").update(traceBytes).digest("hex")}`;
+    const uploaded = !(await dest.hasBlob(digest, traceBytes.length));
+    if (uploaded) await dest.putBlob(traceBytes, { mediaType: PREFETCH_TRACE_MEDIA, known: { digest, size: traceBytes.length } });
+    trace = { digest, size: traceBytes.length, uploaded };
+    manifest.annotations = { [PREFETCH_ROOTFS_ANNOTATION]: digest, [PREFETCH_ROOTFS_SIZE_ANNOTATION]: String(traceBytes.length) };
+    say(`push prefetch trace ${digest} (${traceBytes.length} bytes): ${uploaded ? "uploaded" : "already there"}`);
+  }
+  const m = await dest.putManifest(manifest, MEDIA.ociManifest);
   say(`push done: ${refIn} is ${m.digest}`);
-  return { ref: refIn, manifestDigest: m.digest, configDigest: cfg.digest, layers: pushed };
+  return { ref: refIn, manifestDigest: m.digest, configDigest: cfg.digest, layers: pushed, ...(trace ? { trace } : {}) };
 }

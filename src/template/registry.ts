@@ -28,5 +28,5 @@ export {
   selectPlatform,
 } from "./registry/manifest.ts";
 export { type FetchBlobOptions, type FetchedBlob } from "./registry/blob_fetch.ts";
-export { DEFAULT_CHUNK_SIZE, type ManifestBytes, RegistryClient, type RegistryClientOptions, type ResolvedImage } from "./registry/client.ts";
+export { DEFAULT_CHUNK_SIZE, type LocatedImage, type ManifestBytes, type ManifestReader, RegistryClient, type RegistryClientOptions, type ResolvedImage, resolveManifests } from "./registry/client.ts";
 export { DEFAULT_RETRY_BASE_MS, DEFAULT_TIMEOUT_MS, DEFAULT_TRIES } from "./registry/transport.ts";

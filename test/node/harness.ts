@@ -93,20 +93,27 @@ export async function startNode(env: Record<string, string | undefined>, readyMs
   };
   void pump(proc.stdout as ReadableStream<Uint8Array>);
   void pump(proc.stderr as ReadableStream<Uint8Array>);
-  await until(() => base !== "" || proc.exitCode !== null, 60_000, "the node prints where it listens");
-  if (!base) throw new Error(`node exited: ${log.join("\n")}`);
-  // /health: 503 with the step while starting, 200 once sandboxes can be created.
-  const first = await fetch(`${base}/health`);
-  expect([200, 503]).toContain(first.status);
-  await until(async () => {
-    if (proc.exitCode !== null) throw new Error(`node exited: ${log.slice(-30).join("\n")}`);
-    const r = await fetch(`${base}/health`).catch(() => undefined);
-    if (r?.status === 503) {
-      const body = (await r.json()) as { message: string };
-      if (body.message.startsWith("start failed")) throw new Error(body.message);
-    }
-    return r?.status === 200;
-  }, readyMs, "node /health 200");
+  try {
+    await until(() => base !== "" || proc.exitCode !== null, 60_000, "the node prints where it listens");
+    if (!base) throw new Error(`node exited: ${log.join("\n")}`);
+    // /health: 503 with the step while starting, 200 once sandboxes can be created.
+    const first = await fetch(`${base}/health`);
+    expect([200, 503]).toContain(first.status);
+    await until(async () => {
+      if (proc.exitCode !== null) throw new Error(`node exited: ${log.slice(-30).join("\n")}`);
+      const r = await fetch(`${base}/health`).catch(() => undefined);
+      if (r?.status === 503) {
+        const body = (await r.json()) as { message: string };
+        if (body.message.startsWith("start failed")) throw new Error(body.message);
+      }
+      return r?.status === 200;
+    }, readyMs, "node /health 200");
+  } catch (e) {
+    // A node that never got ready is not the caller's to stop: it goes here (its blockd and slots go with the caller's stopNode).
+    proc.kill("SIGKILL");
+    await proc.exited;
+    throw e;
+  }
   return { proc, base, log };
 }
 

@@ -4,11 +4,16 @@
 // POST /sandboxes-cold. B pulls it lazily: its layers stay in the registry, blockd's workers read
 // them by HTTP Range through B's block cache, so the bytes the registry served (its access log)
 // are fewer than the layers; a second sandbox on B is served from the cache (no more bytes).
+// Node C has A as its only peer: it starts the pushed template, then, with the registry stopped,
+// reads a file no start read, every chunk of it from A over iroh.
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { randomBytes } from "node:crypto";
 import { chmodSync, existsSync, mkdirSync, readdirSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { Sandbox } from "e2b";
+import { SecretKey } from "@number0/iroh";
+import { loadOrCreateSecretKey } from "../../p2p/index.ts";
+import { PREFETCH_ROOTFS_ANNOTATION } from "../../src/template/prefetch_trace.ts";
 import { RegistryClient } from "../../src/template/registry.ts";
 import { scratchDir } from "../helpers/tmp.ts";
 import { BUSYBOX_CONFIG, blobBytesServed, busyboxRoot, pushImage, registrySkipReason, registrySuite } from "../template/registry_harness.ts";
@@ -17,6 +22,7 @@ import { FIRST_START_MS, nodeSetup, nodeSkipReason, startNode, stopNode, type No
 const skip = nodeSkipReason() ?? registrySkipReason();
 const KEY_A = "e2b_" + "a1".repeat(20);
 const KEY_B = "e2b_" + "b2".repeat(20);
+const KEY_C = "e2b_" + "c3".repeat(20);
 const BUILD_MS = 10 * 60_000;
 const MiB = 2 ** 20;
 /** A file no sandbox reads: the layers are this much larger than what a boot and a command read. */
@@ -25,9 +31,16 @@ const AENV = join(import.meta.dir, "../../src/cli/aenv.ts");
 
 describe.skipIf(!!skip)("a template pushed by one node, started lazily by another", () => {
   if (skip) return void test.skip(skip!, () => {});
-  const setupA = nodeSetup("rma", 236, KEY_A);
+  // A's endpoint on a fixed loopback port; C asks A (its only peer), A lets C in.
+  const p2pPort = 20_000 + Math.floor(Math.random() * 30_000);
+  const setupA = nodeSetup("rma", 236, KEY_A, { AENV_P2P_BIND: `127.0.0.1:${p2pPort}` });
   // B fetches only what is read (no background download), so the registry's bytes show the lazy reads.
-  const setupB = nodeSetup("rmb", 237, KEY_B, { AENV_BLOCK_CACHE_DOWNLOAD: "0" });
+  const setupB = nodeSetup("rmb", 237, KEY_B, { AENV_BLOCK_CACHE_DOWNLOAD: "0", AENV_P2P: "0" });
+  const setupC = nodeSetup("rmc", 238, KEY_C, { AENV_BLOCK_CACHE_DOWNLOAD: "0", AENV_P2P_BIND: "127.0.0.1:0" });
+  const idOf = async (home: string) => SecretKey.fromBytes(await loadOrCreateSecretKey(home)).public().toString();
+  let c: NodeProc | undefined;
+  let pushedRef = "";
+  let filler: Uint8Array;
   const registry = registrySuite("remote-node-registry", { accessLog: true });
   let a: NodeProc;
   let b: NodeProc;
@@ -41,11 +54,14 @@ describe.skipIf(!!skip)("a template pushed by one node, started lazily by anothe
   };
 
   beforeAll(async () => {
+    setupA.env.AENV_P2P_ALLOW = await idOf(setupC.home);
+    setupC.env.AENV_P2P_PEERS = `${await idOf(setupA.home)}@127.0.0.1:${p2pPort}`;
     // One after the other: each boots its base template once on 2 shared cores.
     a = await startNode(setupA.env, FIRST_START_MS);
     b = await startNode(setupB.env, FIRST_START_MS);
   }, 2 * FIRST_START_MS + 60_000);
   afterAll(async () => {
+    if (c) await stopNode(c, setupC);
     await stopNode(b, setupB);
     await stopNode(a, setupA);
   }, 360_000);
@@ -58,7 +74,8 @@ describe.skipIf(!!skip)("a template pushed by one node, started lazily by anothe
     chmodSync(join(root, "bin/bash"), 0o755);
     writeFileSync(join(root, "etc/motd"), "made on node A\n");
     mkdirSync(join(root, "data"));
-    writeFileSync(join(root, "data/filler"), randomBytes(FILLER_MIB * MiB));
+    filler = randomBytes(FILLER_MIB * MiB);
+    writeFileSync(join(root, "data/filler"), filler);
     const image = `${reg.host}/remote/busybox:1`;
     await pushImage(client, image, { layers: [root], config: BUSYBOX_CONFIG, compression: "none" });
 
@@ -67,7 +84,7 @@ describe.skipIf(!!skip)("a template pushed by one node, started lazily by anothe
     expect(made.status).toBe(201);
     const { sandboxID: first, templateID } = (await made.json()) as { sandboxID: string; templateID: string };
     await Sandbox.kill(first, sdk(a, KEY_A));
-    const pushedRef = `${reg.host}/remote/pushed:1`;
+    pushedRef = `${reg.host}/remote/pushed:1`;
     const pushed = await aenv(["push", templateID, pushedRef]);
     expect({ code: pushed.code, err: pushed.err }).toMatchObject({ code: 0 });
     expect(pushed.out).toMatch(new RegExp(`^${pushedRef.replace(/[.:/]/g, "\\$&")}@sha256:[0-9a-f]{64}\\n$`));
@@ -75,11 +92,14 @@ describe.skipIf(!!skip)("a template pushed by one node, started lazily by anothe
     // Pushed again: every blob is in the registry already (HEAD), nothing is sent.
     const again = await aenv(["push", templateID, pushedRef, "--json"]);
     expect(again.code).toBe(0);
-    const answer = JSON.parse(again.out) as { manifestDigest: string; layers: { digest: string; size: number; uploaded: boolean }[] };
+    const answer = JSON.parse(again.out) as { manifestDigest: string; layers: { digest: string; size: number; uploaded: boolean }[]; trace?: { digest: string; size: number; uploaded: boolean } };
     expect(answer.layers.map((l) => l.uploaded)).toEqual(answer.layers.map(() => false));
+    // The boot trace A recorded while it made the template went with it, named by the manifest.
+    expect(answer.trace?.uploaded).toBe(false);
     expect(pushed.out.trim().endsWith(answer.manifestDigest)).toBe(true);
     const img = await client.resolve(pushedRef);
     expect(img.overlaybdNative).toBe(true);
+    expect(img.annotations?.[PREFETCH_ROOTFS_ANNOTATION]).toBe(answer.trace!.digest);
     // Base first: the empty ext4 layer, then the image's files.
     expect(img.layers.map((l) => l.digest)).toEqual(answer.layers.map((l) => l.digest));
     expect(img.config).toMatchObject({ WorkingDir: "/work", User: "root" });
@@ -105,7 +125,9 @@ describe.skipIf(!!skip)("a template pushed by one node, started lazily by anothe
     // Nothing was downloaded whole: no layer file in B's image cache, chunks in its block cache.
     const bLayers = join(setupB.home, "image-layers", "layers");
     expect(existsSync(bLayers) ? readdirSync(bLayers) : []).toEqual([]);
-    expect(readdirSync(join(setupB.home, "block-cache", "chunks")).length).toBeGreaterThan(0);
+    expect(readdirSync(join(setupB.home, "block-cache", "sparse")).length).toBeGreaterThan(0);
+    // B replayed A's trace on its build VM and recorded its own boot: the template's checkpoint has it.
+    expect(readdirSync(join(setupB.home, "checkpoints")).some((d) => existsSync(join(setupB.home, "checkpoints", d, "boot.trace")))).toBe(true);
 
     // A second sandbox on B: a restore of the same template, its reads served by the block cache.
     const second = await post(b, KEY_B, "/sandboxes-cold", { image: pushedRef });
@@ -145,4 +167,24 @@ describe.skipIf(!!skip)("a template pushed by one node, started lazily by anothe
     expect(((await bad.json()) as { message: string }).message).toContain("not a reference");
     expect((await post(b, KEY_B, "/templates/no-such-template/push", { ref: copyRef })).status).toBe(404);
   }, 3 * BUILD_MS);
+
+  test("C, with A as its only peer, starts the pushed template and reads a file no start read from A while the registry is stopped", async () => {
+    expect(pushedRef).not.toBe("");
+    const { reg } = registry();
+    c = await startNode(setupC.env, FIRST_START_MS);
+    expect(c.log.join("\n")).toMatch(/p2p: endpoint [0-9a-f]{64} on .*, 1 peers/);
+    const made = await post(c, KEY_C, "/sandboxes-cold", { image: pushedRef });
+    expect(made.status).toBe(201);
+    const { sandboxID } = (await made.json()) as { sandboxID: string };
+    // The origin goes away: every chunk C has not read yet can come only from A.
+    await reg.stop();
+    const sbx = await Sandbox.connect(sandboxID, sdk(c, KEY_C));
+    const r = await sbx.commands.run("md5sum /data/filler; cat /etc/motd", { timeoutMs: 300_000 });
+    expect(r.stdout).toBe(`${new Bun.CryptoHasher("md5").update(filler).digest("hex")}  /data/filler\nmade on node A\n`);
+    // Counted on both ends: at least the file's bytes crossed from A to C over iroh.
+    const metric = async (n: NodeProc, name: string) => Number(new RegExp(`^${name} (\\d+)$`, "m").exec(await (await fetch(`${n.base}/metrics`)).text())?.[1]);
+    expect(await metric(c, "aenv_p2p_fetched_bytes_total")).toBeGreaterThanOrEqual(FILLER_MIB * MiB);
+    expect(await metric(a, "aenv_p2p_served_bytes_total")).toBeGreaterThanOrEqual(FILLER_MIB * MiB);
+    await Sandbox.kill(sandboxID, sdk(c, KEY_C));
+  }, 2 * BUILD_MS);
 });

@@ -7,8 +7,32 @@ export interface TestS3 {
   stop(): Promise<void>;
 }
 
-export async function startS3Server(dir: string, timeoutMs = 30_000): Promise<TestS3> {
-  const proc = Bun.spawn([process.execPath, join(import.meta.dir, "s3rver_main.ts"), dir], { stdout: "pipe", stderr: "inherit" });
+export interface S3ServerOptions {
+  /** Buckets besides `snapshots`. */
+  buckets?: string[];
+  /** A file each request appends a JSON line to: {method, path, status, bytes} (requestLog reads it). */
+  log?: string;
+}
+
+export interface S3Request {
+  method: string;
+  /** `/bucket/key` */
+  path: string;
+  status: number;
+  /** The body a GET answered with (0 for other methods and errors). */
+  bytes: number;
+}
+
+/** The requests a server started with `log` has answered so far. */
+export async function requestLog(path: string): Promise<S3Request[]> {
+  const f = Bun.file(path);
+  if (!(await f.exists())) return [];
+  return (await f.text()).split("\n").filter(Boolean).map((l) => JSON.parse(l) as S3Request);
+}
+
+export async function startS3Server(dir: string, timeoutMs = 30_000, opts: S3ServerOptions = {}): Promise<TestS3> {
+  const env = { ...process.env, ...(opts.buckets?.length ? { S3RVER_BUCKETS: opts.buckets.join(",") } : {}), ...(opts.log ? { S3RVER_LOG: opts.log } : {}) };
+  const proc = Bun.spawn([process.execPath, join(import.meta.dir, "s3rver_main.ts"), dir], { stdout: "pipe", stderr: "inherit", env });
   const reader = proc.stdout.getReader();
   let text = "";
   const deadline = Date.now() + timeoutMs;

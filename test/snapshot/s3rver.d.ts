@@ -10,7 +10,7 @@ declare module "s3rver" {
   export default class S3rver {
     constructor(opts: S3rverOptions);
     /** Koa's middleware list: a fault injector goes first. */
-    middleware: ((ctx: { method: string; path: string; status: number; body: unknown }, next: () => Promise<void>) => Promise<void>)[];
+    middleware: ((ctx: { method: string; path: string; status: number; body: unknown; response: { length?: number } }, next: () => Promise<void>) => Promise<void>)[];
     run(): Promise<{ address: string; port: number }>;
     close(): Promise<void>;
   }

@@ -3,7 +3,9 @@
 // a lazy pull leaves its layers in the registry (remote refs) and reads only their headers and
 // indexes; blockd's workers open the refs through RemoteFile and the block cache and fetch only
 // what is read, and a second device finds the first one's chunks on disk; behind Bearer tokens,
-// blockd reads only with the headers file the node keeps fresh (RegistryAuthFiles).
+// blockd reads only with the headers file the node keeps fresh (RegistryAuthFiles); a boot trace
+// pushed with the image comes back with a lazy pull and replays on a device over the remote layer,
+// and a trace that is bad, too large or missing is left out with a log line, never a failed pull.
 import { afterAll, describe, expect, test } from "bun:test";
 import { randomBytes } from "node:crypto";
 import { existsSync, mkdirSync, statSync, writeFileSync } from "node:fs";
@@ -13,6 +15,7 @@ import { RegistryAuthFiles } from "../../src/node/registry_auth.ts";
 import { LayerCache } from "../../src/template/layer_cache.ts";
 import { pullImage, type RemoteLayerRef } from "../../src/template/pull.ts";
 import { pushImage } from "../../src/template/push.ts";
+import { MAX_PREFETCH_TRACE_BYTES, PREFETCH_ROOTFS_ANNOTATION, PREFETCH_ROOTFS_SIZE_ANNOTATION } from "../../src/template/prefetch_trace.ts";
 import { MEDIA, OVERLAYBD_ANNOTATION, RegistryClient } from "../../src/template/registry.ts";
 import { haveFuse, startBlockd } from "../blockdev/harness.ts";
 import { scratchDir } from "../helpers/tmp.ts";
@@ -69,6 +72,8 @@ describe.skipIf(!!skip)("templates in a registry, lazily (layer level)", async (
       annotations: { [OVERLAYBD_ANNOTATION.blobDigest]: pushed.layers[0]!.digest, [OVERLAYBD_ANNOTATION.blobSize]: String(pushed.layers[0]!.size), [OVERLAYBD_ANNOTATION.fsType]: "ext4" },
     });
     expect(r.config).toMatchObject({ Env: ["FOO=bar", "PATH=/bin"], WorkingDir: "/work", User: "root", diffIds: [pushed.layers[0]!.digest] });
+    expect(r.annotations).toBeUndefined(); // no trace: the manifest has no annotations
+    expect(pushed.trace).toBeUndefined();
 
     // The same layers under another tag: HEAD finds every blob, no upload starts.
     const uploadsBefore = reg.accessLog().filter((e) => e.method === "POST" && e.path.includes("/blobs/uploads/")).length;
@@ -88,6 +93,7 @@ describe.skipIf(!!skip)("templates in a registry, lazily (layer level)", async (
     const l = pulled.layers[0] as RemoteLayerRef;
     expect(l.digest).toMatch(/^sha256:[0-9a-f]{64}$/);
     expect(l).toMatchObject({ size: statSync(layer).size, remote: { sources: [{ kind: "http", url: client.blobUrl(ref, l.digest) }], cache: { dir: cacheDir }, download: false } });
+    expect(pulled.rootfsTrace).toBeUndefined();
     const size = l.size;
     const afterPull = await blobBytesServed(reg, [l.digest]);
     expect(afterPull).toBeGreaterThan(0);
@@ -124,8 +130,10 @@ describe.skipIf(!!skip)("templates in a registry, lazily (layer level)", async (
     while (!existsSync(promoted) && Date.now() < until) await Bun.sleep(100);
     expect(existsSync(promoted)).toBe(true);
     expect(`sha256:${new Bun.CryptoHasher("sha256").update(await Bun.file(promoted).bytes()).digest("hex")}`).toBe(l.digest);
-    // The chunks are dropped once promoted: the layer is one local file.
-    expect(existsSync(join(cacheDir, "chunks", `${l.digest.slice(7)}-${1 << 20}`))).toBe(false);
+    // The cache's names go once promoted (the promoted file is their data, linked): the layer is one local file.
+    const cached = join(cacheDir, "sparse", `${l.digest.slice(7)}-${1 << 20}`);
+    while ((existsSync(`${cached}.data`) || existsSync(`${cached}.map`)) && Date.now() < until) await Bun.sleep(50);
+    expect([existsSync(`${cached}.data`), existsSync(`${cached}.map`)]).toEqual([false, false]);
     const fetched = (await blobBytesServed(reg, [l.digest])) - before;
     expect(fetched).toBeGreaterThanOrEqual(l.size - 2 * MiB); // the pull's chunks (header, index) were not fetched again
     expect(fetched).toBeLessThanOrEqual(l.size);
@@ -174,4 +182,81 @@ describe.skipIf(!!skip)("templates in a registry, lazily (layer level)", async (
       tokens.stop();
     }
   }, 120_000);
+
+  test("a boot trace pushed with the image: a blob named by the manifest's annotations, handed on by a lazy pull and replayed over the remote layer; a bad one is logged and left out", async () => {
+    // A real trace: a device over the local layer records a read of /data/medium.
+    const traceFile = join(dir, "boot.trace");
+    const local = await blockd.call<{ id: string; path: string }>("createReadOnly", { lowers: [layer] });
+    await blockd.call("traceStart", { id: local.id });
+    expect(await catFile(local.path, "/data/medium")).toBe(medium);
+    const stopped = await blockd.call<{ entries: number; bytes: number }>("traceStop", { id: local.id, out: traceFile });
+    await blockd.call("delete", { id: local.id });
+    expect(stopped.entries).toBeGreaterThan(0);
+    const traceBytes = await Bun.file(traceFile).bytes();
+    const traceDigest = `sha256:${new Bun.CryptoHasher("sha256").update(traceBytes).digest("hex")}`;
+
+    const ref = `${reg.host}/remote/traced:1`;
+    const said: string[] = [];
+    const pushed = await pushImage(ref, [layer], config, { registry: client, workDir: dir, rootfsTrace: traceFile, onProgress: (m) => said.push(m) });
+    expect(pushed.trace).toEqual({ digest: traceDigest, size: traceBytes.length, uploaded: true });
+    expect(said.some((m) => m.startsWith(`push prefetch trace ${traceDigest}`))).toBe(true);
+    const r = await client.resolve(ref);
+    expect(r.annotations).toEqual({ [PREFETCH_ROOTFS_ANNOTATION]: traceDigest, [PREFETCH_ROOTFS_SIZE_ANNOTATION]: String(traceBytes.length) });
+    expect(r.layers.map((d) => d.digest)).toEqual(pushed.layers.map((d) => d.digest)); // the trace is no layer
+    expect(await client.hasBlob(ref, traceDigest)).toBe(true);
+    const untraced = (await client.resolve(`${reg.host}/remote/tpl:1`)).manifestDigest;
+    expect(pushed.manifestDigest).not.toBe(untraced);
+    // Pushed again: the trace blob is there (HEAD), nothing is sent, the same manifest.
+    const again = await pushImage(ref, [layer], config, { registry: client, workDir: dir, rootfsTrace: traceFile });
+    expect(again.trace?.uploaded).toBe(false);
+    expect(again.manifestDigest).toBe(pushed.manifestDigest);
+    // A missing trace file and one over the bound leave the image exactly as without one.
+    expect((await pushImage(`${reg.host}/remote/tpl:3`, [layer], config, { registry: client, workDir: dir, rootfsTrace: join(dir, "none.trace") })).manifestDigest).toBe(untraced);
+    const huge = join(dir, "huge.trace");
+    writeFileSync(huge, Buffer.concat([Buffer.from("AETRACE1"), Buffer.alloc(MAX_PREFETCH_TRACE_BYTES)]));
+    const hugeSaid: string[] = [];
+    const hugePush = await pushImage(`${reg.host}/remote/tpl:4`, [layer], config, { registry: client, workDir: dir, rootfsTrace: huge, onProgress: (m) => hugeSaid.push(m) });
+    expect(hugePush.manifestDigest).toBe(untraced);
+    expect(hugeSaid.some((m) => m.includes("left out") && m.includes(String(MAX_PREFETCH_TRACE_BYTES)))).toBe(true);
+
+    // A lazy pull hands the trace on; blockd replays it on a device over the remote layer.
+    const logs: string[] = [];
+    const pull = (tag: string, cache: string) =>
+      pullImage(`${reg.host}/remote/traced:${tag}`, { registry: client, cache: new LayerCache(join(dir, "layers")), blockd, log: (m) => logs.push(m), remote: { cache: { dir: join(dir, cache), capacity: 1024 * MiB }, download: false } });
+    const pulled = await pull("1", "trace-cache");
+    expect(pulled.rootfsTrace).toEqual(traceBytes);
+    expect(logs).toEqual([]);
+    const replayed = join(dir, "pulled.trace");
+    await Bun.write(replayed, pulled.rootfsTrace!);
+    const before = await blobBytesServed(reg, [pushed.layers[0]!.digest]);
+    const dev = await blockd.call<{ id: string; path: string }>("createReadOnly", { lowers: pulled.layers });
+    const pf = await blockd.call<{ started: boolean; planned: number }>("prefetch", { id: dev.id, trace: replayed });
+    expect(pf.started).toBe(true);
+    expect(pf.planned).toBeGreaterThan(0);
+    // The replay brings /data/medium's chunks: reading it after asks the registry for little more.
+    const until = Date.now() + 30_000;
+    while (Date.now() < until && (await blockd.call<{ prefetchActive?: number }>("stats", { id: dev.id })).prefetchActive) await Bun.sleep(50);
+    const afterPrefetch = await blobBytesServed(reg, [pushed.layers[0]!.digest]);
+    expect(afterPrefetch - before).toBeGreaterThanOrEqual(3 * MiB);
+    expect(await catFile(dev.path, "/data/medium")).toBe(medium);
+    expect((await blobBytesServed(reg, [pushed.layers[0]!.digest])) - afterPrefetch).toBeLessThanOrEqual(MiB);
+    await blockd.call("delete", { id: dev.id });
+
+    // Manifests naming a bad trace: the pull succeeds without one, and says why.
+    const manifest = JSON.parse(new TextDecoder().decode((await client.getManifest(ref)).bytes)) as { annotations: Record<string, string> };
+    const notTrace = await client.pushBlob(ref, new TextEncoder().encode("this is no trace at all, just some bytes"), {});
+    const cases: [string, Record<string, string>, string][] = [
+      ["bad", { [PREFETCH_ROOTFS_ANNOTATION]: notTrace.digest, [PREFETCH_ROOTFS_SIZE_ANNOTATION]: String(notTrace.size) }, "not an AETRACE1 trace"],
+      ["big", { [PREFETCH_ROOTFS_ANNOTATION]: traceDigest, [PREFETCH_ROOTFS_SIZE_ANNOTATION]: String(2 * MAX_PREFETCH_TRACE_BYTES) }, "prefetch trace ignored: annotations"],
+      ["gone", { [PREFETCH_ROOTFS_ANNOTATION]: `sha256:${"0".repeat(64)}`, [PREFETCH_ROOTFS_SIZE_ANNOTATION]: "64" }, "ignored"],
+      ["short", { [PREFETCH_ROOTFS_ANNOTATION]: traceDigest, [PREFETCH_ROOTFS_SIZE_ANNOTATION]: String(traceBytes.length - 1) }, "ignored"],
+    ];
+    for (const [tag, annotations, message] of cases) {
+      await client.pushManifest(`${reg.host}/remote/traced:${tag}`, { ...manifest, annotations }, MEDIA.ociManifest);
+      logs.length = 0;
+      const p = await pull(tag, `trace-cache-${tag}`);
+      expect({ tag, trace: p.rootfsTrace, layers: p.layers.length }).toEqual({ tag, trace: undefined, layers: 1 });
+      expect({ tag, logs: logs.filter((m) => m.includes(message)).length }).toEqual({ tag, logs: 1 });
+    }
+  }, 180_000);
 });

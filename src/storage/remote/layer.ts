@@ -22,11 +22,7 @@ export interface RemoteLayerHandle {
   download?: boolean;
 }
 
-/** Sources tried before a layer's own (peers); set by the node's composition, per thread. */
-export type SourceProvider = (digest: LayerDigest) => ChunkSource[];
-
 const known = new Map<string, RemoteLayerHandle>();
-let firstSources: SourceProvider | undefined;
 
 /** Make `remote:<digest>` openable in this thread. */
 export function registerRemoteLayer(h: RemoteLayerHandle): string {
@@ -39,17 +35,13 @@ export function unregisterRemoteLayer(digest: string): void {
   known.delete(digest);
 }
 
-/** Sources asked before every remote layer's origins (helper for peers); undefined clears it. */
-export function setFirstSources(p: SourceProvider | undefined): void {
-  firstSources = p;
-}
-
 export function originSource(s: OriginSpec): ChunkSource {
   if (s.kind === "http") {
     const headers = s.headers;
-    if (!s.headersFile) return new RegistryRangeSource({ url: s.url, headers: headers ? () => headers : undefined });
+    const unix = s.unix ? { unix: s.unix } : {};
+    if (!s.headersFile) return new RegistryRangeSource({ url: s.url, headers: headers ? () => headers : undefined, ...unix });
     const fromFile = fileHeaders(s.headersFile);
-    return new RegistryRangeSource({ url: s.url, headers: async (signal) => ({ ...headers, ...(await fromFile(signal)) }), retryUnauthorized: true });
+    return new RegistryRangeSource({ url: s.url, headers: async (signal) => ({ ...headers, ...(await fromFile(signal)) }), retryUnauthorized: true, ...unix });
   }
   const { kind: _, ...o } = s;
   return new S3RangeSource(o);
@@ -69,7 +61,7 @@ export function openRemoteFile(path: string, opts: { remoteIo?: IoLimiter; onDow
   const f = RemoteFile.open({
     digest: h.digest,
     size: h.size,
-    sources: [...(firstSources?.(h.digest) ?? []), ...h.sources],
+    sources: h.sources,
     cache: h.cache,
     limiter: opts.remoteIo,
     chunkSize: h.chunkSize,

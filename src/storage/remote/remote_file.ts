@@ -1,40 +1,52 @@
 // RemoteFile: a layer that lives elsewhere, read through the one random-access file interface.
 // Rules:
-// - A read is split into aligned chunks (default 1 MiB). Each chunk comes from the BlockCache,
-//   else from the sources in order: each source is tried up to `tries` times with exponential
-//   backoff (non-retryable failures move on at once), each try under `timeoutMs`, each holding
-//   one permit of the node-wide IoLimiter. An answer of the wrong length is a failure.
+// - A read is split into aligned chunks (default 1 MiB). A chunk present in the BlockCache is one
+//   pread of the layer's cache file, checked against the chunk's shared word after (block_cache.ts).
+//   Missing chunks of one read go out as one ranged request per run of at most RUN_MAX_BYTES, to
+//   the sources in order: each source is tried up to `tries` times with exponential backoff
+//   (non-retryable failures move on at once), each try under `timeoutMs`, each holding one permit
+//   of the node-wide IoLimiter. An answer of the wrong length is a failure.
+// - Sequential reads (one starting where one of the last SEQ_TRACK reads ended) read ahead: runs of
+//   RUN_MAX_BYTES up to READAHEAD_BYTES past the read, the next ones asked when reads reach the
+//   first chunk of the last run asked, at background priority (this file's foreground fetches
+//   first). Only with a cache (where the bytes land).
 // - When every source failed the read rejects with RemoteReadError: the caller gets EIO, never
 //   wrong or missing bytes, and nothing is cached.
 // - Two reads of the same missing chunk share one fetch.
 // - With `chunkDigests` (sha256 per chunk) every fetched chunk is checked before use; without,
 //   bytes are as good as the source's transport until the whole layer is verified at promotion.
-// - download() fills the whole layer at low priority (foreground fetches go first), then joins
-//   the chunks and checks the layer's sha256: on a match the layer becomes a local file and reads
+// - download() fills the whole layer at low priority (foreground fetches go first), then verifies
+//   the layer's sha256: on a match the layer's cache file becomes the promoted local file and reads
 //   go there; on a mismatch its chunks are dropped and this file fails every later read.
 // - Several threads or processes may open one layer over one cache folder (blockd's device
-//   workers): a chunk or a promoted layer another one wrote is found on disk at a miss, not fetched.
+//   workers): they share its cache file and words, so a chunk one fetched is a hit for all.
 
 import type { ReadableFile } from "../file.ts";
 import { IoLimiter } from "../io_limiter.ts";
 import { LocalFile } from "../local_file.ts";
 import { existsSync } from "node:fs";
-import type { BlockCache } from "./block_cache.ts";
+import { type BlockCache, type CachedLayer, isReadable } from "./block_cache.ts";
 import { type SourceAttempt, RemoteReadError, RemoteSpecError } from "./errors.ts";
 import { type ChunkSource, type LayerDigest, SourceError } from "./source.ts";
 import { DEFAULT_CHUNK_SIZE, checkRemoteShape } from "./spec.ts";
 import { trackRemote } from "./pending.ts";
 
-/** Tries per source for one chunk. */
+/** Tries per source for one request. */
 export const DEFAULT_TRIES = 3;
 /** Backoff before try n (n ≥ 1) is base·2^(n-1), capped at BACKOFF_MAX_MS. */
 export const BACKOFF_BASE_MS = 100;
 export const BACKOFF_MAX_MS = 2_000;
 export const DEFAULT_TIMEOUT_MS = 30_000;
-/** Chunk fetches the background download keeps in flight. */
+/** Requests the background download keeps in flight. */
 export const DOWNLOAD_PARALLEL = 4;
-/** Cache writes of fetched chunks in flight per file; past this a fetch waits for one to land. */
-const MAX_PENDING_WRITES = 16;
+/** The most one ranged request asks: adjacent missing chunks share a request up to this (a registry's ~3 ms per request amortized). */
+export const RUN_MAX_BYTES = 8 << 20;
+/** How far past a sequential read the readahead keeps requests going. */
+export const READAHEAD_BYTES = 64 << 20;
+/** Read ends remembered to tell a sequential read (one starting where one of them ended). */
+const SEQ_TRACK = 4;
+/** Fetched bytes waiting to land in the cache per file; past this a fetch waits for one to land. */
+const MAX_PENDING_WRITE_BYTES = 64 << 20;
 
 export interface RemoteFileOptions {
   digest: LayerDigest;
@@ -50,13 +62,18 @@ export interface RemoteFileOptions {
   chunkSize?: number;
   /** sha256 (hex) of each chunk, in order: every fetched chunk is checked against it. */
   chunkDigests?: string[];
+  /** How far sequential reads read ahead (default READAHEAD_BYTES; 0: never). */
+  readaheadBytes?: number;
   tries?: number;
   timeoutMs?: number;
   backoffBaseMs?: number;
 }
 
-interface InFlight {
+/** One ranged request: chunks first..first+count-1. */
+interface Run {
+  first: number;
   bytes: Promise<Uint8Array>;
+  /** Settles once the bytes are in the cache (or the write failed: a refetch later, never a failed read). */
   landed: Promise<void>;
 }
 
@@ -64,8 +81,12 @@ export interface RemoteFileStats {
   /** Bytes received from sources (answers that were used). */
   bytesFetched: number;
   chunksFetched: number;
-  /** Chunks read from the cache. */
+  /** Ranged requests answered. */
+  requests: number;
+  /** Chunk reads served from the cache. */
   cacheHits: number;
+  /** Cache preads thrown away because the chunk was evicted or refilled under them. */
+  raced: number;
   /** Failed tries per source name. */
   failures: Record<string, number>;
 }
@@ -74,23 +95,36 @@ export class RemoteFile implements ReadableFile {
   readonly name: string;
   readonly digest: LayerDigest;
   readonly chunkSize: number;
-  readonly stats: RemoteFileStats = { bytesFetched: 0, chunksFetched: 0, cacheHits: 0, failures: {} };
+  readonly stats: RemoteFileStats = { bytesFetched: 0, chunksFetched: 0, requests: 0, cacheHits: 0, raced: 0, failures: {} };
   private readonly limiter: IoLimiter;
-  private readonly inflight = new Map<number, InFlight>();
-  private pendingWrites = 0;
+  private readonly count: number;
+  private readonly inflight = new Map<number, Run>();
+  private pendingWriteBytes = 0;
   private writeLanded: (() => void)[] = [];
   private fgWaiting = 0;
   private fgIdle: (() => void)[] = [];
   private local: LocalFile | undefined;
+  /** This layer's cache files, once opened. */
+  private layer: CachedLayer | undefined;
+  private layerOpen: Promise<CachedLayer | undefined> | undefined;
   private failed: Error | undefined;
   private downloading: Promise<string> | undefined;
   private closed = false;
+  private readonly seqEnds = new Array<number>(SEQ_TRACK).fill(-1);
+  private seqAt = 0;
+  /** First chunk the readahead has not asked for yet. */
+  private raNext = 0;
+  /** Chunks that start a readahead run: reaching one asks for the next run. */
+  private raMark: Uint8Array | undefined;
 
   private constructor(private readonly opts: RemoteFileOptions) {
     checkRemoteShape(opts.digest, opts.size, opts.chunkSize, opts.chunkDigests, `remote:${opts.digest}`);
     this.digest = opts.digest;
     this.name = `remote:${opts.digest}`;
     this.chunkSize = opts.chunkSize ?? DEFAULT_CHUNK_SIZE;
+    this.count = Math.ceil(opts.size / this.chunkSize);
+    if (opts.readaheadBytes !== undefined && !(Number.isSafeInteger(opts.readaheadBytes) && opts.readaheadBytes >= 0))
+      throw new RemoteSpecError(`readaheadBytes must be a byte count ≥ 0, got ${opts.readaheadBytes}`, this.name);
     this.limiter = opts.limiter ?? IoLimiter.create(8);
   }
 
@@ -99,7 +133,32 @@ export class RemoteFile implements ReadableFile {
     const f = new RemoteFile(opts);
     const p = opts.cache?.promotedPath(opts.digest);
     if (p && existsSync(p)) f.local = LocalFile.open(p);
+    else if (opts.cache) void f.openLayer();
     return f;
+  }
+
+  /** The cache files (undefined without a cache, or when they cannot be opened: then nothing is kept). */
+  private openLayer(): Promise<CachedLayer | undefined> {
+    const cache = this.opts.cache;
+    if (!cache || this.closed) return Promise.resolve(undefined);
+    if (this.layer && !this.layer.retired && !this.layer.closed) return Promise.resolve(this.layer);
+    this.layerOpen ??= trackRemote(
+      cache.layer(this.digest, this.opts.size, this.chunkSize).then(
+        (l) => {
+          const old = this.layer;
+          l.refs++;
+          this.layer = l;
+          this.raMark ??= new Uint8Array(this.count);
+          if (old && old !== l) void cache.unref(old);
+          return l;
+        },
+        (e: Error) => {
+          console.error(`remote layer ${this.digest}: block cache unusable, reading uncached: ${e.message}`);
+          return undefined;
+        },
+      ).finally(() => (this.layerOpen = undefined)),
+    );
+    return this.layerOpen;
   }
 
   size(): number {
@@ -111,12 +170,57 @@ export class RemoteFile implements ReadableFile {
     return this.local?.name;
   }
 
-  async pread(buf: Uint8Array, offset: number): Promise<number> {
+  pread(buf: Uint8Array, offset: number): Promise<number> {
+    if (this.failed) return Promise.reject(this.failed);
+    if (this.local) return this.local.pread(buf, offset);
+    // Fast path: the whole read in one present chunk, one pread of the cache file.
+    const l = this.layer;
+    if (l !== undefined && offset >= 0) {
+      const n = Math.min(buf.length, this.opts.size - offset);
+      const i = Math.floor(offset / this.chunkSize);
+      if (n > 0 && offset + n <= (i + 1) * this.chunkSize && isReadable(l.words[i]!) && this.raMark![i] === 0) return this.preadCached(l, i, n === buf.length ? buf : buf.subarray(0, n), offset);
+    }
+    return this.preadSlow(buf, offset);
+  }
+
+  private async preadCached(l: CachedLayer, i: number, dst: Uint8Array, offset: number): Promise<number> {
+    const w = l.words[i]!;
+    l.pins[i]!++;
+    l.lastUse[i] = ++l.cache.tick;
+    let got: number;
+    try {
+      got = await l.data.pread(dst, offset);
+    } catch (e) {
+      if (!l.closed) throw e;
+      got = -1; // the cache closed under the read: fetched instead
+    } finally {
+      l.pins[i]!--;
+    }
+    // Evicted or refilled under the pread (another thread or process): fetched again.
+    if (got !== dst.length || Atomics.load(l.words, i) !== w) {
+      this.stats.raced++;
+      return this.preadSlow(dst, offset);
+    }
+    this.stats.cacheHits++;
+    return got;
+  }
+
+  private async preadSlow(buf: Uint8Array, offset: number): Promise<number> {
     if (this.failed) throw this.failed;
+    if (this.opts.cache && (!this.layer || this.layer.retired || this.layer.closed) && !this.local) {
+      // Promoted by another thread or process (a device worker beside this one): its file from now on.
+      const promoted = this.opts.cache.promotedPath(this.digest);
+      if (this.layer?.retired && existsSync(promoted)) this.local = LocalFile.open(promoted);
+      else await this.openLayer();
+    }
     if (this.local) return this.local.pread(buf, offset);
     const n = Math.max(0, Math.min(buf.length, this.opts.size - offset));
     if (n === 0) return 0;
     const cs = this.chunkSize;
+    const first = Math.floor(offset / cs);
+    const last = Math.floor((offset + n - 1) / cs);
+    this.request(first, last + 1, true);
+    this.readahead(offset, offset + n, first, last);
     const parts: Promise<void>[] = [];
     for (let at = offset; at < offset + n; ) {
       const index = Math.floor(at / cs);
@@ -128,70 +232,103 @@ export class RemoteFile implements ReadableFile {
     return n;
   }
 
-  private async readPiece(index: number, inChunk: number, dst: Uint8Array): Promise<void> {
-    const cache = this.opts.cache;
-    const pinned = cache?.pin(this.digest, this.chunkSize, index);
-    if (pinned) {
-      try {
-        const got = await pinned.file.pread(dst, inChunk);
-        if (got === dst.length) {
-          this.stats.cacheHits++;
-          return;
-        }
-      } finally {
-        pinned.release();
+  /** Sequential reads keep requests going READAHEAD_BYTES ahead, in runs of RUN_MAX_BYTES. */
+  private readahead(start: number, end: number, first: number, last: number): void {
+    const seq = this.seqEnds.includes(start);
+    this.seqEnds[this.seqAt] = end;
+    this.seqAt = (this.seqAt + 1) % SEQ_TRACK;
+    const mark = this.raMark;
+    if (!mark || !this.layer) return;
+    let hit = false;
+    for (let i = first; i <= last; i++) if (mark[i]) (mark[i] = 0), (hit = true);
+    if (!seq && !hit) return;
+    const cs = this.chunkSize;
+    const ahead = Math.ceil((this.opts.readaheadBytes ?? READAHEAD_BYTES) / cs);
+    if (ahead === 0) return;
+    const run = Math.max(1, Math.floor(RUN_MAX_BYTES / cs));
+    if (this.raNext <= last || this.raNext > last + 1 + ahead + run) this.raNext = last + 1;
+    while (this.raNext < Math.min(this.count, last + 1 + ahead)) {
+      const e = Math.min(this.count, this.raNext + run);
+      mark[this.raNext] = 1;
+      this.request(this.raNext, e, false);
+      this.raNext = e;
+    }
+  }
+
+  /** Start requests for the chunks of [a, b) that are neither cached nor in flight, adjacent ones together. */
+  private request(a: number, b: number, foreground: boolean): Run[] {
+    const l = this.layer;
+    const maxRun = Math.max(1, Math.floor(RUN_MAX_BYTES / this.chunkSize));
+    const out: Run[] = [];
+    for (let i = a; i < b; ) {
+      if (this.inflight.has(i) || (l && l.has(i))) {
+        i++;
+        continue;
       }
+      let e = i + 1;
+      while (e < b && e - i < maxRun && !this.inflight.has(e) && !(l && l.has(e))) e++;
+      out.push(this.startRun(i, e - i, foreground));
+      i = e;
     }
-    // Promoted by another thread or process (a device worker beside this one): its file from now on.
-    const promoted = cache && !this.local ? cache.promotedPath(this.digest) : undefined;
-    if (promoted && existsSync(promoted)) this.local ??= LocalFile.open(promoted);
-    if (this.local) {
-      if ((await this.local.pread(dst, index * this.chunkSize + inChunk)) === dst.length) return;
-      throw new RemoteReadError(this.digest, index * this.chunkSize + inChunk, dst.length, [{ source: this.local.name, error: "short read of the promoted layer" }]);
+    return out;
+  }
+
+  private async readPiece(index: number, inChunk: number, dst: Uint8Array): Promise<void> {
+    const at = index * this.chunkSize + inChunk;
+    for (let tries = 0; ; tries++) {
+      const l = this.layer;
+      if (l && !this.inflight.has(index) && (await l.read(index, dst, at))) {
+        this.stats.cacheHits++;
+        return;
+      }
+      if (this.local) {
+        if ((await this.local.pread(dst, at)) === dst.length) return;
+        throw new RemoteReadError(this.digest, at, dst.length, [{ source: this.local.name, error: "short read of the promoted layer" }]);
+      }
+      const run = this.inflight.get(index) ?? (l && l.has(index) && tries < 2 ? undefined : this.startRun(index, 1, true));
+      if (!run) continue; // became present meanwhile
+      const bytes = await run.bytes;
+      const from = (index - run.first) * this.chunkSize + inChunk;
+      dst.set(bytes.subarray(from, from + dst.length));
+      return;
     }
-    const bytes = await this.chunk(index, true).bytes;
-    dst.set(bytes.subarray(inChunk, inChunk + dst.length));
   }
 
   private chunkLength(index: number): number {
     return Math.min(this.chunkSize, this.opts.size - index * this.chunkSize);
   }
 
-  /**
-   * A chunk's bytes, fetched once however many reads want it; `landed` settles once it is in
-   * the cache (or the write failed: a full or broken disk costs a refetch, never a failed read).
-   */
-  private chunk(index: number, foreground: boolean): InFlight {
-    let f = this.inflight.get(index);
-    if (f) return f;
-    const bytes = this.fetchChunk(index, foreground);
+  /** Fetch chunks first..first+count-1 in one request; kept in flight until they land in the cache. */
+  private startRun(first: number, count: number, foreground: boolean): Run {
+    const bytes = this.fetchRun(first, count, foreground);
     const landed = trackRemote(bytes.then(
       async (b) => {
-        const cache = this.opts.cache;
-        if (!cache) return;
-        this.pendingWrites++;
+        const l = this.layer;
+        if (!l) return;
+        this.pendingWriteBytes += b.length;
         try {
-          await cache.put(this.digest, this.chunkSize, index, b);
+          await l.fill(first, b);
         } catch {
           // refetched next time
         } finally {
-          this.pendingWrites--;
+          this.pendingWriteBytes -= b.length;
           for (const w of this.writeLanded.splice(0)) w();
         }
       },
       () => {},
     ));
-    // Kept in flight until it lands in the cache, so a read in between does not fetch again.
-    f = { bytes, landed };
-    this.inflight.set(index, f);
-    void landed.then(() => this.inflight.delete(index));
-    return f;
+    const run: Run = { first, bytes, landed };
+    for (let k = 0; k < count; k++) this.inflight.set(first + k, run);
+    void landed.then(() => {
+      for (let k = 0; k < count; k++) if (this.inflight.get(first + k) === run) this.inflight.delete(first + k);
+    });
+    return run;
   }
 
-  private async fetchChunk(index: number, foreground: boolean): Promise<Uint8Array> {
-    while (this.pendingWrites >= MAX_PENDING_WRITES) await new Promise<void>((r) => this.writeLanded.push(r));
-    const offset = index * this.chunkSize;
-    const length = this.chunkLength(index);
+  private async fetchRun(first: number, count: number, foreground: boolean): Promise<Uint8Array> {
+    while (this.pendingWriteBytes >= MAX_PENDING_WRITE_BYTES) await new Promise<void>((r) => this.writeLanded.push(r));
+    const offset = first * this.chunkSize;
+    const length = Math.min(count * this.chunkSize, this.opts.size - offset);
     const attempts: SourceAttempt[] = [];
     const tries = this.opts.tries ?? DEFAULT_TRIES;
     const base = this.opts.backoffBaseMs ?? BACKOFF_BASE_MS;
@@ -201,13 +338,18 @@ export class RemoteFile implements ReadableFile {
         if (this.closed) throw new RemoteReadError(this.digest, offset, length, [...attempts, { source: "-", error: "file closed" }]);
         try {
           const bytes = await this.tryOnce(source, offset, length, foreground);
-          const want = this.opts.chunkDigests?.[index];
-          if (want) {
-            const got = new Bun.CryptoHasher("sha256").update(bytes).digest("hex");
-            if (got !== want) throw new SourceError(`chunk ${index} hashes to ${got.slice(0, 12)}…, expected ${want.slice(0, 12)}…`, false);
+          const digests = this.opts.chunkDigests;
+          if (digests) {
+            for (let k = 0; k < count; k++) {
+              const want = digests[first + k];
+              const piece = bytes.subarray(k * this.chunkSize, k * this.chunkSize + this.chunkLength(first + k));
+              const got = new Bun.CryptoHasher("sha256").update(piece).digest("hex");
+              if (want && got !== want) throw new SourceError(`chunk ${first + k} hashes to ${got.slice(0, 12)}…, expected ${want.slice(0, 12)}…`, false);
+            }
           }
           this.stats.bytesFetched += bytes.length;
-          this.stats.chunksFetched++;
+          this.stats.chunksFetched += count;
+          this.stats.requests++;
           return bytes;
         } catch (e) {
           this.stats.failures[source.name] = (this.stats.failures[source.name] ?? 0) + 1;
@@ -267,32 +409,34 @@ export class RemoteFile implements ReadableFile {
     if (!cache) throw new RemoteSpecError("a download needs a block cache to promote into", this.name);
     if (this.opts.size > cache.lowBytes)
       throw new RemoteSpecError(`the layer (${this.opts.size} bytes) does not fit under the cache's low watermark (${cache.lowBytes} bytes)`, this.name);
-    const count = Math.ceil(this.opts.size / this.chunkSize);
+    const run = Math.max(1, Math.floor(RUN_MAX_BYTES / this.chunkSize));
     // Chunks evicted while the layer fills are fetched again; three passes, then give up.
     for (let pass = 0; pass < 3; pass++) {
-      const held = new Set(cache.held(this.digest, this.chunkSize));
-      const missing: number[] = [];
-      for (let i = 0; i < count; i++) if (!held.has(i)) missing.push(i);
+      const l = await this.openLayer();
+      if (!l) throw new RemoteSpecError("the block cache cannot hold this layer", this.name);
+      if (this.local) return this.local.name;
       let next = 0;
       const worker = async () => {
-        while (next < missing.length && !this.closed) {
-          const i = missing[next++]!;
-          // Written meanwhile by another thread or process sharing the cache: not fetched again.
-          const have = cache.pin(this.digest, this.chunkSize, i);
-          if (have) {
-            have.release();
-            continue;
+        while (next < this.count && !this.closed) {
+          const a = next;
+          next = Math.min(this.count, next + run);
+          // Present already (another thread or process sharing the cache wrote it): not fetched again.
+          for (const r of this.request(a, next, false)) {
+            await r.bytes;
+            await r.landed;
           }
-          const f = this.chunk(i, false);
-          await f.bytes;
-          await f.landed;
         }
       };
       await Promise.all(Array.from({ length: DOWNLOAD_PARALLEL }, worker));
+      await this.settled();
       if (this.closed) throw new RemoteSpecError("closed during download", this.name);
+      if (existsSync(cache.promotedPath(this.digest))) {
+        this.local = LocalFile.open(cache.promotedPath(this.digest));
+        return this.local.name;
+      }
       let path: string | undefined;
       try {
-        path = await cache.promote(this.digest, this.chunkSize, this.opts.size);
+        path = await l.promote(cache.promotedPath(this.digest));
       } catch (e) {
         this.failed = e as Error;
         throw e;
@@ -311,14 +455,18 @@ export class RemoteFile implements ReadableFile {
 
   /** Every fetch started so far has landed in the cache (or failed). */
   async settled(): Promise<void> {
-    while (this.inflight.size) await Promise.all([...this.inflight.values()].map((f) => f.landed));
+    while (this.inflight.size) await Promise.all([...new Set(this.inflight.values())].map((f) => f.landed));
   }
 
   /** Stops the download after its fetches in flight; waits for their cache writes. */
   async close(): Promise<void> {
     this.closed = true;
     await this.downloading?.catch(() => {});
+    await this.layerOpen;
     await this.settled();
     await this.local?.close();
+    const l = this.layer;
+    this.layer = undefined;
+    if (l) await this.opts.cache!.unref(l);
   }
 }

@@ -31,6 +31,8 @@ export type OriginSpec =
        * while one is named, 401 and 403 count as retryable (the next try may carry a new token).
        */
       headersFile?: string;
+      /** An absolute unix socket path the request goes to instead of the URL's host (the node's peer facade). */
+      unix?: string;
     }
   | ({ kind: "s3" } & S3RangeSourceOptions);
 
@@ -72,7 +74,9 @@ export function parseRemoteSpec(raw: unknown, digest: unknown, size: unknown, wh
         throw new RemoteSpecError(`${where}.remote.sources[${i}].headers must map names to strings`);
       if (o.headersFile !== undefined && (typeof o.headersFile !== "string" || !isAbsolute(o.headersFile)))
         throw new RemoteSpecError(`${where}.remote.sources[${i}].headersFile must be an absolute path`);
-      return { kind: "http", url: o.url, headers: o.headers as Record<string, string> | undefined, ...(o.headersFile ? { headersFile: o.headersFile as string } : {}) };
+      if (o.unix !== undefined && (typeof o.unix !== "string" || !isAbsolute(o.unix)))
+        throw new RemoteSpecError(`${where}.remote.sources[${i}].unix must be an absolute path`);
+      return { kind: "http", url: o.url, headers: o.headers as Record<string, string> | undefined, ...(o.headersFile ? { headersFile: o.headersFile as string } : {}), ...(o.unix ? { unix: o.unix as string } : {}) };
     }
     if (o?.kind === "s3") {
       if (typeof o.bucket !== "string" || !o.bucket || typeof o.key !== "string" || !o.key)

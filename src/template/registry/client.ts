@@ -29,9 +29,13 @@ export interface RegistryClientOptions extends TransportOptions {
 
 export const DEFAULT_CHUNK_SIZE = 16 << 20;
 
-export interface ResolvedImage {
+export interface ResolvedImage extends LocatedImage {
   /** The image pinned to its platform manifest's digest (the tag kept when one was given). */
   ref: ImageRef;
+}
+
+/** An image's platform manifest, config and layers, wherever it was read from (a registry, an OCI image layout). */
+export interface LocatedImage {
   manifestDigest: string;
   mediaType: string;
   /** The index the manifest was chosen from, when the reference named one. */
@@ -42,12 +46,57 @@ export interface ResolvedImage {
   layers: Descriptor[];
   /** Every layer is an overlaybd blob (used as it is); false: every layer is a tar to convert. */
   overlaybdNative: boolean;
+  /** The platform manifest's annotations, when it has any. */
+  annotations?: Record<string, string>;
 }
 
 export interface ManifestBytes {
   bytes: Uint8Array;
   mediaType: string | null;
   digest: string;
+}
+
+/** How resolveManifests reads what a manifest names: a manifest by its descriptor (digest checked), a config's bytes (bounded, digest checked). */
+export interface ManifestReader {
+  manifest(d: Descriptor): Promise<ManifestBytes>;
+  config(d: Descriptor): Promise<Uint8Array>;
+}
+
+/**
+ * The image for a platform from its first manifest: an index is followed to the platform's
+ * manifest (at most MAX_INDEX_DEPTH indexes deep), the config is read and checked, the layers
+ * classified. `where` names the image in errors.
+ */
+export async function resolveManifests(first: ManifestBytes, read: ManifestReader, platform: Platform, where: string): Promise<LocatedImage> {
+  let m = first;
+  let indexDigest: string | undefined;
+  for (let depth = 0; ; depth++) {
+    const parsed = parseManifest(m.bytes, m.mediaType, where);
+    if (parsed.kind === "index") {
+      if (depth >= MAX_INDEX_DEPTH) throw new RegistryError("Protocol", `${where}: indexes nested deeper than ${MAX_INDEX_DEPTH}`);
+      const pick = selectPlatform(parsed.manifests, platform);
+      if (!pick) {
+        const offered = parsed.manifests.filter((d) => d.platform).map((d) => formatPlatform(d.platform!));
+        throw new RegistryError("NotFound", `${where}: no ${formatPlatform(platform)} image in its index (it has ${offered.join(", ") || "no platforms"})`);
+      }
+      indexDigest ??= m.digest;
+      m = await read.manifest(pick);
+      continue;
+    }
+    const cfgType = parsed.config.mediaType;
+    if (cfgType !== MEDIA.ociConfig && cfgType !== MEDIA.dockerConfig) {
+      throw new RegistryError("UnsupportedMediaType", `${where}: config media type ${cfgType} is not an image config (an artifact, not a container image)`);
+    }
+    const overlaybdNative = classifyLayers(parsed, where);
+    const config = parseImageConfig(await read.config(parsed.config), `${where} config ${parsed.config.digest}`);
+    if (config.architecture && config.os && (config.os !== platform.os || config.architecture !== platform.architecture)) {
+      throw new RegistryError("NotFound", `${where}: is ${config.os}/${config.architecture}, not ${formatPlatform(platform)}`);
+    }
+    const out: LocatedImage = { manifestDigest: m.digest, mediaType: parsed.mediaType, platform, config, configDigest: parsed.config.digest, layers: parsed.layers, overlaybdNative };
+    if (indexDigest) out.indexDigest = indexDigest;
+    if (parsed.annotations) out.annotations = parsed.annotations;
+    return out;
+  }
 }
 
 const sha256Hex = (b: Uint8Array | string) => new Bun.CryptoHasher("sha256").update(b).digest("hex");
@@ -98,48 +147,12 @@ export class RegistryClient {
   async resolve(refIn: ImageRef | string, opts: { platform?: string | Platform } = {}): Promise<ResolvedImage> {
     const ref = asRef(refIn);
     const platform = parsePlatform(opts.platform ?? "linux/amd64");
-    const name = formatImageRef(ref);
-    let current = ref;
-    let indexDigest: string | undefined;
-    for (let depth = 0; ; depth++) {
-      const m = await this.getManifest(current);
-      const where = `image ${name}`;
-      const parsed = parseManifest(m.bytes, m.mediaType, where);
-      if (parsed.kind === "index") {
-        if (depth >= MAX_INDEX_DEPTH) throw new RegistryError("Protocol", `${where}: indexes nested deeper than ${MAX_INDEX_DEPTH}`);
-        const pick = selectPlatform(parsed.manifests, platform);
-        if (!pick) {
-          const offered = parsed.manifests.filter((d) => d.platform).map((d) => formatPlatform(d.platform!));
-          throw new RegistryError("NotFound", `${where}: no ${formatPlatform(platform)} image in its index (it has ${offered.join(", ") || "no platforms"})`);
-        }
-        indexDigest ??= m.digest;
-        current = withReference(ref, pick.digest);
-        continue;
-      }
-      const cfgType = parsed.config.mediaType;
-      if (cfgType !== MEDIA.ociConfig && cfgType !== MEDIA.dockerConfig) {
-        throw new RegistryError("UnsupportedMediaType", `${where}: config media type ${cfgType} is not an image config (an artifact, not a container image)`);
-      }
-      const overlaybdNative = classifyLayers(parsed, where);
-      const configBytes = await this.readBlob(current, parsed.config, MAX_CONFIG_BYTES);
-      const config = parseImageConfig(configBytes, `${where} config ${parsed.config.digest}`);
-      if (config.architecture && config.os && (config.os !== platform.os || config.architecture !== platform.architecture)) {
-        throw new RegistryError("NotFound", `${where}: is ${config.os}/${config.architecture}, not ${formatPlatform(platform)}`);
-      }
-      const pinned: ImageRef = { ...ref, digest: m.digest };
-      const out: ResolvedImage = {
-        ref: pinned,
-        manifestDigest: m.digest,
-        mediaType: parsed.mediaType,
-        platform,
-        config,
-        configDigest: parsed.config.digest,
-        layers: parsed.layers,
-        overlaybdNative,
-      };
-      if (indexDigest) out.indexDigest = indexDigest;
-      return out;
-    }
+    const first = await this.getManifest(ref);
+    const img = await resolveManifests(first, {
+      manifest: (d) => this.getManifest(withReference(ref, d.digest)),
+      config: (d) => this.readBlob(ref, d, MAX_CONFIG_BYTES),
+    }, platform, `image ${formatImageRef(ref)}`);
+    return { ref: { ...ref, digest: img.manifestDigest }, ...img };
   }
 
   /** A small blob's bytes (a config), at most maxBytes, digest checked. */

@@ -11,7 +11,8 @@ export type RegistryErrorCode =
   | "Unreachable"
   | "Timeout"
   | "TooLarge"
-  | "Protocol";
+  | "Protocol"
+  | "NoCredentials";
 
 /** The status the API returns for each code: the caller's fault is 4xx, the registry's is 502/504. */
 export const REGISTRY_ERROR_STATUS: Record<RegistryErrorCode, number> = {
@@ -25,6 +26,7 @@ export const REGISTRY_ERROR_STATUS: Record<RegistryErrorCode, number> = {
   Timeout: 504,
   TooLarge: 502,
   Protocol: 502,
+  NoCredentials: 400,
 };
 
 export class RegistryError extends Error {

@@ -1,0 +1,152 @@
+// Prefetch traces of a checkpoint's starts (docs/snapshots.md, Prefetch traces): the first start of
+// a checkpoint on this node records the order of its devices' first reads (blockd `traceStart` /
+// `traceStop`) into the checkpoint's folder; later starts hand those files to blockd (`prefetch`),
+// which reads the ranges ahead of the guest. Everything here is best effort: a failure is logged,
+// never a failed start. A template's cold boot records `boot.trace` the same way, from before the VM
+// starts to its checkpoint; that one travels with the template's image (src/template/prefetch_trace.ts)
+// and is replayed on a build VM of the pulled image.
+
+import { stat } from "node:fs/promises";
+import { join } from "node:path";
+import type { BlockdClient } from "../blockdev/client.ts";
+
+/** In a checkpoint's folder: the rootfs device's trace, and the memory device's. */
+export const ROOTFS_TRACE = "rootfs.trace";
+export const MEMORY_TRACE = "memory.trace";
+/** In a template's checkpoint folder: its rootfs device's first reads from before the cold boot to the checkpoint. */
+export const BOOT_TRACE = "boot.trace";
+/** A boot's recording lasts at most blockd's bound, 10 minutes: a longer build's later steps add nothing. */
+const BOOT_TRACE_MS = 600_000;
+/** A recording ends this long after envd answered: the first command of a sandbox usually runs in it. */
+export const TRACE_WINDOW_MS = 5_000;
+/** A recording whose VM never got envd to answer is dropped after this (blockd's own bound is 120 s). */
+const TRACE_ABANDON_MS = 110_000;
+/** Recordings under way on this node, at most (each holds a timer; more starts simply record nothing). */
+const MAX_RECORDING = 64;
+/** Recordings of one trace file tried at most this often (each costs a start one awaited RPC; a sandbox gone within the window leaves none). */
+const MAX_ATTEMPTS = 3;
+/** Trace files known to exist (a checkpoint's files never change) and (device, trace) pairs replayed, each bounded. */
+const MAX_KNOWN = 4096;
+
+export interface TracedDevice {
+  /** The blockd device the VM reads. */
+  id: string;
+  /** Its trace's file name in the checkpoint folder (ROOTFS_TRACE, MEMORY_TRACE). */
+  file: string;
+  /** Whether an existing trace is replayed on it (blockd replays one once per device image). */
+  replay: boolean;
+  /** A device shared by many VMs (a memory device): asked to replay a trace once, not at each start. */
+  shared?: boolean;
+}
+
+export class StartTraces {
+  /** Trace files being recorded, by path: one recording per file at a time. */
+  private readonly recording = new Map<string, Timer>();
+  /** Paths seen on disk: a later start needs no stat (a create's hot path costs no file system round trip). */
+  private readonly known = new Set<string>();
+  /** `device trace` pairs asked to replay: a shared memory device replays its trace once, not per VM. */
+  private readonly replayed = new Set<string>();
+  /** Recordings started per trace file (bounded as `known`). */
+  private readonly attempts = new Map<string, number>();
+
+  constructor(
+    private readonly blockd: BlockdClient,
+    private readonly windowMs = TRACE_WINDOW_MS,
+  ) {}
+
+  /**
+   * Before the VM runs: each device replays its trace when the folder has one, else records one.
+   * Returns what to call once envd answered (the recordings end `windowMs` later).
+   */
+  async begin(dir: string, devices: TracedDevice[]): Promise<() => void> {
+    const started: { id: string; path: string }[] = [];
+    await Promise.all(
+      devices.map(async (d) => {
+        const path = join(dir, d.file);
+        if (this.recording.has(path)) return;
+        if (this.known.has(path) || (await exists(path))) {
+          remember(this.known, path);
+          const pair = `${d.id} ${path}`;
+          if (d.replay && !(d.shared && this.replayed.has(pair))) {
+            if (d.shared) remember(this.replayed, pair);
+            this.blockd.call("prefetch", { id: d.id, trace: path }).catch((e) => log(`prefetch of ${path} on ${d.id}`, e));
+          }
+          return;
+        }
+        const tried = this.attempts.get(path) ?? 0;
+        if (this.recording.size >= MAX_RECORDING || tried >= MAX_ATTEMPTS) return;
+        this.attempts.set(path, tried + 1);
+        if (this.attempts.size > MAX_KNOWN) this.attempts.delete(this.attempts.keys().next().value!);
+        this.recording.set(path, setTimeout(() => this.end(d.id, path, false), TRACE_ABANDON_MS));
+        try {
+          await this.blockd.call("traceStart", { id: d.id });
+          started.push({ id: d.id, path });
+        } catch (e) {
+          this.clear(path);
+          log(`recording ${path} on ${d.id}`, e);
+        }
+      }),
+    );
+    return () => {
+      for (const { id, path } of started) {
+        if (!this.recording.has(path)) continue;
+        clearTimeout(this.recording.get(path));
+        this.recording.set(path, setTimeout(() => this.end(id, path, true), this.windowMs));
+      }
+    };
+  }
+
+  /** The recording on `id` ends; kept: written to `path`. A device given back since has none (logged). */
+  private end(id: string, path: string, keep: boolean): void {
+    this.blockd
+      .call("traceStop", keep ? { id, out: path } : { id })
+      .then(() => keep && remember(this.known, path))
+      .catch((e) => log(`ending the recording of ${path} on ${id}`, e))
+      .finally(() => this.clear(path));
+  }
+
+  private clear(path: string): void {
+    clearTimeout(this.recording.get(path));
+    this.recording.delete(path);
+  }
+
+  /** Timers of recordings under way go (the node is closing); their devices drop them when given back. */
+  close(): void {
+    for (const t of this.recording.values()) clearTimeout(t);
+    this.recording.clear();
+  }
+}
+
+/**
+ * Before a cold boot: `replay` (a trace file) is handed to the rootfs device, and a recording of the
+ * boot starts. Answers whether it is recording (endBootTrace then writes it). Failures are logged.
+ */
+export async function beginBootTrace(blockd: BlockdClient, device: string, replay?: string): Promise<boolean> {
+  if (replay) await blockd.call("prefetch", { id: device, trace: replay }).catch((e) => log(`prefetch of ${replay} on ${device}`, e));
+  return blockd.call("traceStart", { id: device, forMs: BOOT_TRACE_MS }).then(
+    () => true,
+    (e) => (log(`recording the boot of ${device}`, e), false),
+  );
+}
+
+/** At the checkpoint: the boot's recording is written to `out`; a failure is logged (the template has no trace). */
+export async function endBootTrace(blockd: BlockdClient, device: string, out: string): Promise<void> {
+  await blockd.call("traceStop", { id: device, out }).catch((e) => log(`writing the boot trace ${out} of ${device}`, e));
+}
+
+/** Adds `v`, dropping the oldest entry past MAX_KNOWN. */
+function remember(set: Set<string>, v: string): void {
+  set.add(v);
+  if (set.size > MAX_KNOWN) set.delete(set.values().next().value!);
+}
+
+function log(what: string, e: unknown): void {
+  console.error(`orchestrator: ${what}: ${(e as Error).message}`);
+}
+
+async function exists(path: string): Promise<boolean> {
+  return stat(path).then(
+    () => true,
+    () => false,
+  );
+}
