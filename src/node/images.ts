@@ -46,8 +46,8 @@ export interface NodeRemoteLayers {
  */
 export async function remoteLayerView(l: RemoteLayer, r: NodeRemoteLayers): Promise<RemoteLayer> {
   // Peers first: the node puts its peer facade (an http source over a unix socket) ahead of the
-  // origins at each use, so a record that kept an earlier view names its origins only once.
-  const origins = await Promise.all(l.remote.sources.filter((s) => !(s.kind === "http" && s.unix)).map(async (s) => {
+  // origins at each use; records name origins only (views go to blockd, never into a record).
+  const origins = await Promise.all(l.remote.sources.map(async (s) => {
     if (s.kind === "s3") return { ...s, ...s3Credentials(r.s3) };
     const headersFile = await r.auth.fileFor(s.url);
     return headersFile ? { ...s, headersFile } : s;

@@ -8,6 +8,7 @@ import { readFile, rm, stat } from "node:fs/promises";
 import { join } from "node:path";
 import type { ImageLocation } from "./image_location.ts";
 import type { Descriptor } from "./registry/manifest.ts";
+import { isLayerDigest } from "../storage/remote/source.ts";
 
 /** The trace blob's media type (ours). */
 export const PREFETCH_TRACE_MEDIA = "application/vnd.aenv.prefetch-trace.v1";
@@ -22,8 +23,6 @@ const TRACE_MAGIC = "AETRACE1";
 const MIN_TRACE_BYTES = 28;
 /** A pull waits at most this long for the trace blob (its transport retries inside it). */
 export const TRACE_FETCH_MS = 15_000;
-
-const DIGEST = /^sha256:[0-9a-f]{64}$/;
 
 function looksLikeTrace(b: Uint8Array): boolean {
   return b.length >= MIN_TRACE_BYTES && b.length <= MAX_PREFETCH_TRACE_BYTES && new TextDecoder().decode(b.subarray(0, 8)) === TRACE_MAGIC;
@@ -51,7 +50,7 @@ export function traceDescriptor(annotations: Record<string, string> | undefined,
   const digest = annotations?.[PREFETCH_ROOTFS_ANNOTATION];
   if (digest === undefined) return undefined;
   const size = Number(annotations?.[PREFETCH_ROOTFS_SIZE_ANNOTATION]);
-  if (!DIGEST.test(digest) || !Number.isSafeInteger(size) || size < MIN_TRACE_BYTES || size > MAX_PREFETCH_TRACE_BYTES) {
+  if (!isLayerDigest(digest) || !Number.isSafeInteger(size) || size < MIN_TRACE_BYTES || size > MAX_PREFETCH_TRACE_BYTES) {
     say(`prefetch trace ignored: annotations ${PREFETCH_ROOTFS_ANNOTATION}=${digest.slice(0, 80)}, ${PREFETCH_ROOTFS_SIZE_ANNOTATION}=${annotations?.[PREFETCH_ROOTFS_SIZE_ANNOTATION]?.slice(0, 20)} (a sha256 digest and 28..${MAX_PREFETCH_TRACE_BYTES} bytes)`);
     return undefined;
   }

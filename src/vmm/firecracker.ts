@@ -1070,17 +1070,11 @@ export class FirecrackerVm extends VmProcess implements Vmm {
     if (this._state === "running") await this.pause();
     const type = snapshotTypeFor(!!this.ctx.opts.trackDirtyPages, base);
     const l = this.ctx.launch;
-    const host = l.jailDir ? { state: join(l.hostDir, "snapshot/vmstate"), mem: join(l.hostDir, "snapshot/mem") } : { state: statePath, mem: memPath };
-    await mkdir(dirname(host.mem), { recursive: true });
-    if (l.owner && l.jailDir) await chown(dirname(host.mem), l.owner.uid, l.owner.gid);
-    // Fresh files: Firecracker writes into an existing memory file of the right size in place, under any VM that maps it.
-    await rm(host.state, { force: true });
-    await rm(host.mem, { force: true });
+    const { host, inVm } = await this.snapshotFiles(statePath, memPath);
     if (type === "Diff" && base !== null) {
       await sparseCopy(base, host.mem);
       if (l.owner && l.jailDir) await chown(host.mem, l.owner.uid, l.owner.gid);
     }
-    const inVm = l.jailDir ? { state: "/snapshot/vmstate", mem: "/snapshot/mem" } : host;
     await this.api.send(createSnapshot({ snapshotType: type, snapshotPath: inVm.state, memFilePath: inVm.mem }), snapshotCreateTimeoutMs(this.spec.memMiB));
     if (l.jailDir) {
       await moveOut(host.state, statePath);
@@ -1097,6 +1091,21 @@ export class FirecrackerVm extends VmProcess implements Vmm {
   }
 
   /**
+   * Where snapshot/create writes (host paths, and the same as the VMM names them): the given paths,
+   * or under the jail's /snapshot/ (moved out after). Both files are made fresh: Firecracker writes
+   * into an existing memory file of the right size in place, under any VM that maps it.
+   */
+  private async snapshotFiles(statePath: string, memPath: string): Promise<{ host: { state: string; mem: string }; inVm: { state: string; mem: string } }> {
+    const l = this.ctx.launch;
+    const host = l.jailDir ? { state: join(l.hostDir, "snapshot/vmstate"), mem: join(l.hostDir, "snapshot/mem") } : { state: statePath, mem: memPath };
+    await mkdir(dirname(host.mem), { recursive: true });
+    if (l.owner && l.jailDir) await chown(dirname(host.mem), l.owner.uid, l.owner.gid);
+    await rm(host.state, { force: true });
+    await rm(host.mem, { force: true });
+    return { host, inVm: l.jailDir ? { state: "/snapshot/vmstate", mem: "/snapshot/mem" } : host };
+  }
+
+  /**
    * A VM on a memory image (memory layers): its dirtied pages are the anonymous pages of its private
    * mapping of the image (pagemap.ts, as for QEMU), left in the paused process for the caller to
    * write into a memory layer; the memory file snapshot/create must write goes to a scratch file
@@ -1107,12 +1116,7 @@ export class FirecrackerVm extends VmProcess implements Vmm {
     const size = this.spec.memMiB * 2 ** 20;
     const type = snapshotTypeFor(!!this.ctx.opts.trackDirtyPages, null);
     const l = this.ctx.launch;
-    const host = l.jailDir ? { state: join(l.hostDir, "snapshot/vmstate"), mem: join(l.hostDir, "snapshot/mem") } : { state: statePath, mem: `${memPath}.scratch` };
-    await mkdir(dirname(host.mem), { recursive: true });
-    if (l.owner && l.jailDir) await chown(dirname(host.mem), l.owner.uid, l.owner.gid);
-    await rm(host.state, { force: true });
-    await rm(host.mem, { force: true });
-    const inVm = l.jailDir ? { state: "/snapshot/vmstate", mem: "/snapshot/mem" } : host;
+    const { host, inVm } = await this.snapshotFiles(statePath, `${memPath}.scratch`);
     try {
       await this.api.send(createSnapshot({ snapshotType: type, snapshotPath: inVm.state, memFilePath: inVm.mem }), snapshotCreateTimeoutMs(this.spec.memMiB));
     } finally {
