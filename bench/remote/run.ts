@@ -360,7 +360,7 @@ if (only.includes("peer")) {
   srv.stop();
 }
 
-console.log("time to first command from a cold cache, with vs without a prefetch trace: not measured (prefetch is not built yet)");
+console.log("time to first command from a cold cache, with vs without a prefetch trace: bench/remote/prefetch.ts (device level) and bench/remote/prefetch_node.ts (a node)");
 await registry?.stop();
 await s3.stop();
 process.exit(0);

@@ -124,7 +124,11 @@ let io: ImageIo;
 let disk: FuseDisk | undefined; // FUSE frontend only
 let stopping = false;
 let remoteIo: IoLimiter;
-/** A prepared device's fresh upper, opened at prepare time so an acquire only renames and attaches it. */
+/**
+ * A prepared device's fresh upper, made and put over the lowers at prepare time, so an acquire of
+ * exactly that stack only renames its folder (the worker learns the new paths after the fact: it
+ * writes through the open files, and later control ops queue behind the news).
+ */
 let heldUpper: WritableLayer | undefined;
 let received = 0;
 const queue: { seq: number; body: ControlOp }[] = [];
@@ -139,7 +143,7 @@ async function runControl(body: ControlOp): Promise<unknown> {
     case "swap": {
       await io.unwatch(); // a trace is of one image
       const old = io.image;
-      await heldUpper?.close();
+      if (heldUpper && old?.upper !== heldUpper) await heldUpper.close(); // an attached one closes with the image
       heldUpper = undefined;
       // makeUpper: the config's upper is made fresh, of that size, first (here, not on blockd's loop).
       const up = body.config?.upper;
@@ -149,43 +153,50 @@ async function runControl(body: ControlOp): Promise<unknown> {
       if (old) await old.close();
       // With a size the upper is made here: its file creations block this thread, not blockd's.
       const hold = body.hold;
-      if (hold) heldUpper = hold.size ? await WritableLayer.create(hold.data, hold.index, { virtualSize: hold.size, sparse: false }) : await WritableLayer.open(hold.data, hold.index);
+      if (hold && io.image) {
+        heldUpper = hold.size ? await WritableLayer.create(hold.data, hold.index, { virtualSize: hold.size, sparse: false }) : await WritableLayer.open(hold.data, hold.index);
+        io.image.attachUpper(heldUpper);
+        io.readOnly = false; // nobody has the device before its acquire
+      }
       disk?.invalidate();
       return { size: io.size() };
     }
     case "attach": {
-      // A prepared pool device: its lowers stay open, `above`'s lowers (if any) and the upper go on
-      // top. A failure leaves the image as it was.
-      const lowersOnly = io.image;
-      if (!lowersOnly || lowersOnly.upper) throw new IoRangeError("attach needs an image of lowers only", init.id);
-      const above = body.above ? await Image.openLowers(body.above, 0, { remoteIo }) : [];
+      // A prepared pool device being acquired: its held upper (over its lowers since prepare) is
+      // at `upper`'s paths now; `above`'s lowers (if any) go between. A failure leaves the image as it was.
+      const image = io.image;
       const held = heldUpper;
-      const heldAt = held ? [held.dataPath, held.indexPath] as const : undefined;
-      let upper: WritableLayer | undefined;
+      if (!image || !held || image.upper !== held) throw new IoRangeError("attach needs a prepared device (lowers and its held upper)", init.id);
+      const keep = image.lowers.length;
+      const heldAt = [held.dataPath, held.indexPath] as const;
+      const above = body.above ? await Image.openLowers(body.above, 0, { remoteIo }) : [];
       try {
-        // The held upper's folder was just renamed to the acquire's upperDir: same files, new paths.
-        held?.moved(body.upper.data, body.upper.index);
-        upper = held ?? (await WritableLayer.open(body.upper.data, body.upper.index));
-        lowersOnly.attachUpper(upper, above);
+        if (above.length) {
+          image.detachUpper(keep);
+          image.attachUpper(held, above);
+        }
+        held.moved(body.upper.data, body.upper.index);
         heldUpper = undefined;
       } catch (e) {
-        if (held) held.moved(...heldAt!);
-        else await upper?.close();
+        if (image.upper !== held) {
+          image.detachUpper(keep);
+          image.attachUpper(held);
+        }
+        held.moved(...heldAt);
         for (const l of above) await l.close();
         throw e;
       }
-      io.readOnly = false;
       disk?.invalidate();
       return { size: io.size() };
     }
     case "detach": {
       // An attach undone (its acquire did not go on): the upper is held again at `upper`'s paths,
-      // the lowers it stacked above the first `keep` are closed; the device is a prepared one again.
+      // still over the lowers; those it stacked above the first `keep` are closed: a prepared device again.
       if (!io.image) throw new IoRangeError("no image attached", init.id);
       const { upper, above } = io.image.detachUpper(body.keep);
+      io.image.attachUpper(upper);
       upper.moved(body.upper.data, body.upper.index);
       heldUpper = upper;
-      io.readOnly = true;
       for (const l of above) await l.close();
       disk?.invalidate();
       return { size: io.size() };
@@ -231,7 +242,7 @@ async function runControl(body: ControlOp): Promise<unknown> {
     case "stop":
       await io.unwatch();
       stopping = true;
-      await heldUpper?.close();
+      if (heldUpper && io.image?.upper !== heldUpper) await heldUpper.close(); // an attached one closes with the image
       heldUpper = undefined;
       if (io.image) await io.image.close();
       io.image = null;

@@ -1,7 +1,7 @@
 // blockd: the one long-lived process that owns every block device on a node. It keeps a device
 // table on disk, runs one worker per device, and answers the node's RPCs on a unix socket.
 
-import { existsSync, mkdirSync, readFileSync, readdirSync, readlinkSync, rmSync, writeFileSync } from "node:fs";
+import { existsSync, mkdirSync, readFileSync, readdirSync, readlinkSync, renameSync, rmSync, symlinkSync, writeFileSync } from "node:fs";
 import { mkdir, open, rename, rm, stat, symlink, writeFile } from "node:fs/promises";
 import { dirname, isAbsolute, join, resolve } from "node:path";
 import type { Socket } from "bun";
@@ -724,17 +724,27 @@ export class Blockd {
     let renamed = false;
     let linked = false;
     let attached = false;
-    const commit = () => renameDir(fresh, upperDir).then(() => void (renamed = true));
+    const commit = () => void (renameDirSync(fresh, upperDir), (renamed = true));
     try {
-      // At once, as none needs another: the crumb (before the rename it means nothing), the
-      // worker's attach (the upper under the paths the rename gives it; nobody has the device
-      // yet), and the rename, after above.json (if any) is durable: a restarted blockd rebuilds
-      // the whole stack from it.
-      const steps = await Promise.allSettled([
-        symlink(upperDir, crumb).then(() => void (linked = true)),
-        dev.handle.attach(config.upper!, above).then(() => void (attached = true)),
-        above ? writeAbove(aboveFile, JSON.stringify(above)).then(commit) : commit(),
-      ]);
+      let steps: PromiseSettledResult<void>[];
+      if (!above) {
+        // Exactly the prepared stack: the crumb, then the rename that commits, here on this loop.
+        // Two metadata calls on the state filesystem take 0.02–0.8 ms (measured under running
+        // guests), where each thread-pool hop took 0.2–8 ms. The worker's upper has been over the
+        // lowers since prepare: it learns its new paths after the reply (its control ops run in
+        // order; its I/O goes through the open files).
+        steps = [settleNow(() => void (symlinkSync(upperDir, crumb), (linked = true)))];
+        if (linked) steps.push(settleNow(commit));
+      } else {
+        // At once, as none needs another: the crumb (before the rename it means nothing), the
+        // worker opening the lowers above the prefix, and the rename, after above.json is durable:
+        // a restarted blockd rebuilds the whole stack from it.
+        steps = await Promise.allSettled([
+          symlink(upperDir, crumb).then(() => void (linked = true)),
+          dev.handle.attach(config.upper!, above).then(() => void (attached = true)),
+          writeAbove(aboveFile, JSON.stringify(above)).then(commit),
+        ]);
+      }
       const failed = steps.find((r) => r.status === "rejected") as PromiseRejectedResult | undefined;
       if (failed) {
         // Back as it was: the worker holding the upper, which is in the prepared folder, no crumb,
@@ -750,18 +760,22 @@ export class Blockd {
         else if (!["ENOTEMPTY", "EEXIST", "ENOTDIR", "EISDIR"].includes(e.code ?? "")) console.error(`blockd: acquiring prepared device ${id}: ${e.message}; acquiring without it`);
         return undefined; // upperDir not empty or elsewhere: the device stays prepared
       }
+      if (!above) void dev.handle.attach(config.upper!).catch((e) => console.error(`blockd: ${id} taking its upper's new paths: ${(e as Error).message}`));
       dev.prepared = undefined;
       dev.rec.acquired = true;
       dev.rec.config = config;
       dev.rec.readOnly = false;
-      const committing = this.saveTable()
+      // The table write and the refill wait for the reply to go out (setImmediate runs after the
+      // microtasks that send it): a refill starting a worker here held replies up to 8 ms.
+      const committing = afterReply()
+        .then(() => this.saveTable())
         .then(() => rm(this.preparedDir(id), { recursive: true, force: true }))
         .catch((e) => console.error(`blockd: recording the acquire of ${id}: ${(e as Error).message}; its crumb stays`))
         .finally(() => {
           if (dev.committing === committing) dev.committing = undefined;
         });
       dev.committing = committing;
-      void this.refillPrepared();
+      void afterReply().then(() => this.refillPrepared());
       return dev;
     } finally {
       this.busy.delete(id);
@@ -1244,16 +1258,35 @@ function stackKey(config: ImageConfig, size: number): string {
   return JSON.stringify([config.lowers.map((l, i) => resolveLayerPath(l, i)), size]);
 }
 
-/** Rename a directory to `to`, making to's parent when missing (makeUpper's mkdir -p). */
-async function renameDir(from: string, to: string): Promise<void> {
+/** `fn`'s outcome as Promise.allSettled reports one. */
+function settleNow(fn: () => void): PromiseSettledResult<void> {
   try {
-    await rename(from, to);
+    fn();
+    return { status: "fulfilled", value: undefined };
   } catch (e) {
-    if ((e as NodeJS.ErrnoException).code !== "ENOENT" || !(await exists(from))) throw e;
-    await mkdir(dirname(to), { recursive: true });
-    await rename(from, to);
+    return { status: "rejected", reason: e };
   }
 }
+
+/** After the current macrotask's microtasks (a reply being sent among them). */
+function afterReply(): Promise<void> {
+  return new Promise((r) => setImmediate(r));
+}
+
+/**
+ * Rename a directory to `to`, making to's parent when missing (makeUpper's mkdir -p), on this
+ * thread: an acquire's reply waits on it (see acquirePrepared).
+ */
+function renameDirSync(from: string, to: string): void {
+  try {
+    renameSync(from, to);
+  } catch (e) {
+    if ((e as NodeJS.ErrnoException).code !== "ENOENT" || !existsSync(from)) throw e;
+    mkdirSync(dirname(to), { recursive: true });
+    renameSync(from, to);
+  }
+}
+
 
 async function exists(path: string): Promise<boolean> {
   return stat(path).then(
