@@ -19,6 +19,7 @@ import {
   sha256OfFile,
   UnknownDigestError,
 } from "../../p2p/index.ts";
+import { RemoteFile } from "../../src/storage/remote/remote_file.ts";
 import type { ChunkSource, LayerDigest } from "../../src/storage/remote/source.ts";
 import { scratchDir } from "../helpers/tmp.ts";
 import { localPeer, peerProcess, randomLayer, type Layer, type PeerProcess } from "./harness.ts";
@@ -156,6 +157,67 @@ describe("fetching layers", () => {
     expect(originReads).toBeGreaterThan(0);
     expect(r.originBytes).toBeGreaterThan(0);
     expect((await sha256OfFile(r.path)).digest).toBe(layer.digest);
+  }, 120_000);
+});
+
+describe("short answers", () => {
+  test("a peer that answers short for a layer is skipped for that layer; another peer, then the origin, answers", async () => {
+    const whole = new Uint8Array(await Bun.file(layer.path).arrayBuffer());
+    // The short peer holds the right file but announces it cut at `cut`: a read across the cut comes
+    // back as the layer's end, fewer bytes than asked (the client's node takes it as EOF; the source must not).
+    const cut = (9 << 20) + 12_345;
+    const client = await peer("short-client");
+    const short = await peer("short", {
+      allow: [client.node.id],
+      layers: async (digest) => (digest === layer.digest ? { path: layer.path, size: cut } : undefined),
+    });
+    const good = await peer("good", { allow: [client.node.id] });
+    await good.shelf.add(layer.path);
+    client.node.setPeers([short.node.self(), good.node.self()]);
+    const direct = await client.node.read(short.node.id, layer.digest, cut - 5_000, 70_000);
+    expect(direct.data.length).toBe(5_000); // what the short peer answers, with no error
+    const baseline = short.node.stats().readRequests;
+
+    // Two holders: reads take turns between them, so one of the first two is asked of the short peer.
+    const src = new PeerChunkSource(client.node);
+    await (await src.find(layer.digest)).done; // both have answered have?
+    const ranges: [number, number][] = [[cut - 5_000, 70_000], [cut - 100_000, 200_000], [cut - 1, 2], [cut - 65_536, 65_536 + 4096], [cut - 300_000, 1 << 20]];
+    for (const [off, len] of ranges) {
+      expect(await src.read(layer.digest, off, len, AbortSignal.timeout(30_000))).toEqual(whole.subarray(off, off + len));
+      if (off === ranges[1]![0]) {
+        expect(src.penalized(short.node.id, layer.digest)).toBe(true);
+        expect(src.penalized(good.node.id, layer.digest)).toBe(false);
+      }
+    }
+    // Asked once, then skipped for the layer: the good peer served every read.
+    expect(short.node.stats().readRequests - baseline).toBe(1);
+    expect(good.node.stats().readRequests).toBe(ranges.length);
+    expect(src.penalized(short.node.id, layer.digest)).toBe(true);
+
+    // Through RemoteFile, with the short peer the only one: the peer source fails (short, then no peer
+    // left, a final answer), the origin after it answers, and the short peer is in the penalty box.
+    client.node.setPeers([short.node.self()]);
+    const peers = new PeerChunkSource(client.node);
+    let originReads = 0;
+    const origin: ChunkSource = {
+      name: "origin file",
+      async read(_d, offset, length) {
+        originReads++;
+        return whole.slice(offset, offset + length);
+      },
+    };
+    const f = RemoteFile.open({ digest: layer.digest, size: layer.size, sources: [peers, origin], backoffBaseMs: 5 });
+    try {
+      const buf = new Uint8Array(8192);
+      expect(await f.pread(buf, cut - 4096)).toBe(buf.length);
+      expect(buf).toEqual(whole.subarray(cut - 4096, cut + 4096));
+      expect(peers.penalized(short.node.id, layer.digest)).toBe(true);
+      expect(originReads).toBe(1);
+      expect(f.stats.failures).toEqual({ [peers.name]: 1 });
+      expect(short.node.stats().readRequests - baseline).toBe(2);
+    } finally {
+      await f.close();
+    }
   }, 120_000);
 });
 

@@ -13,10 +13,11 @@ import { writeZFile } from "../../src/storage/zfile.ts";
 import { BlockCache, isReadable } from "../../src/storage/remote/block_cache.ts";
 import { LayerDigestError, RemoteReadError } from "../../src/storage/remote/errors.ts";
 import { RegistryRangeSource } from "../../src/storage/remote/http_source.ts";
-import { RemoteFile } from "../../src/storage/remote/remote_file.ts";
+import { DOWNLOAD_PARALLEL, RemoteFile, RUN_MAX_BYTES } from "../../src/storage/remote/remote_file.ts";
 import { S3RangeSource } from "../../src/storage/remote/s3_source.ts";
 import { openLayerFile } from "../../src/storage/open_layer.ts";
 import { registerRemoteLayer } from "../../src/storage/remote/layer.ts";
+import type { ChunkSource } from "../../src/storage/remote/source.ts";
 import { RegistryClient } from "../../src/template/registry.ts";
 import { randomBytes } from "../helpers/memfile.ts";
 import { prng, scratchDir, sha256 } from "../helpers/tmp.ts";
@@ -415,6 +416,69 @@ describe("block cache", () => {
       origin.stop();
     }
   }, 60_000);
+});
+
+describe("priority", () => {
+  test("foreground reads go before the background download", async () => {
+    const C = MiB; // RUN_MAX_BYTES / C chunks per download request: 8 requests for the layer
+    const N = 64;
+    const bytes = randomBytes(N * C, 31);
+    const digest = digestOf(bytes);
+    const run = RUN_MAX_BYTES / C;
+    // An origin of the test's own: records the ranges in the order asked, holds each answer 5 ms.
+    const asked: { offset: number; length: number }[] = [];
+    let twoAsked!: () => void;
+    const downloading = new Promise<void>((r) => (twoAsked = r));
+    const source: ChunkSource = {
+      name: "held memory",
+      async read(_d, offset, length) {
+        asked.push({ offset, length });
+        if (asked.length === 2) twoAsked();
+        await Bun.sleep(5);
+        return bytes.slice(offset, offset + length);
+      },
+    };
+    const limiter = IoLimiter.create(2); // the two first download requests hold both permits; the rest queue
+    const cache = await freshCache(2 * N * C);
+    const f = RemoteFile.open({ digest, size: bytes.length, cache, chunkSize: C, limiter, sources: [source] });
+    try {
+      let downloaded = false;
+      const download = f.download().then((p) => ((downloaded = true), p));
+      await downloading;
+      // Chunk 60 is in the download's last request, not started yet (only its first DOWNLOAD_PARALLEL are).
+      const far = 60;
+      expect(asked.every((r) => r.offset + r.length <= DOWNLOAD_PARALLEL * RUN_MAX_BYTES)).toBe(true);
+      const buf = new Uint8Array(C);
+      expect(await f.pread(buf, far * C)).toBe(C);
+      expect(downloaded).toBe(false);
+      expect(Buffer.from(buf).equals(bytes.subarray(far * C, (far + 1) * C))).toBe(true);
+      const path = await download;
+      const at = asked.findIndex((r) => r.offset === far * C && r.length === C);
+      // Asked once, after at most the DOWNLOAD_PARALLEL requests the download had started when the read came
+      // (those already waiting for a permit); every later download request waited for it.
+      expect(at).toBeGreaterThanOrEqual(0);
+      expect(at).toBeLessThanOrEqual(DOWNLOAD_PARALLEL);
+      const before = asked.slice(0, at), after = asked.slice(at + 1);
+      expect(before.every((r) => r.offset < DOWNLOAD_PARALLEL * RUN_MAX_BYTES)).toBe(true);
+      expect(after.filter((r) => r.offset >= DOWNLOAD_PARALLEL * RUN_MAX_BYTES).length).toBeGreaterThanOrEqual(N / run - DOWNLOAD_PARALLEL);
+      // The asked ranges tile the layer once: the download did not fetch chunk 60 again.
+      const sorted = [...asked].sort((a, b) => a.offset - b.offset);
+      let end = 0;
+      for (const r of sorted) {
+        expect(r.offset).toBe(end);
+        end = r.offset + r.length;
+      }
+      expect(end).toBe(bytes.length);
+      expect(f.stats.chunksFetched).toBe(N);
+      // The whole layer is right, verified and promoted.
+      expect(sha256(readFileSync(path))).toBe(digest.slice(7));
+      expect(f.localPath).toBe(path);
+      expect(limiter.available).toBe(2);
+    } finally {
+      await f.close();
+      await cache.close();
+    }
+  });
 });
 
 describe("layers over remote files", () => {
