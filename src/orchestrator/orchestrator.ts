@@ -4,7 +4,7 @@
 // compare-and-set in the SandboxStore; concurrent requests on one sandbox join the operation
 // in flight. It never reads or writes a layer's bytes: blockd does, by RPC.
 import { existsSync, mkdirSync } from "node:fs";
-import { join } from "node:path";
+import { basename, dirname, join } from "node:path";
 import type { BlockdClient } from "../blockdev/client.ts";
 import { PolicyError, parseEgressPolicy, parseInboundPolicy, type Egress, type EgressPolicy, type Slot, type SlotPool } from "../network/index.ts";
 import { readSnapshot, writeSnapshot, type DriveSpec, type SnapshotInfo, type Vmm, type VmmDriver } from "../vmm/types.ts";
@@ -285,7 +285,7 @@ export class Orchestrator {
   ) {
     this.envdTimeoutMs = opts.envdReadyTimeoutMs ?? 120_000;
     this.memDevices = new MemoryDevices(blockd);
-    this.traces = new StartTraces(blockd, opts.traceWindowMs);
+    this.traces = new StartTraces(blockd, opts.traceWindowMs, (path) => this.traceKept(path));
     for (const d of ["sandboxes", "checkpoints"]) mkdirSync(join(opts.home, d), { recursive: true });
     mkdirSync(opts.runRoot, { recursive: true });
   }
@@ -1026,6 +1026,19 @@ export class Orchestrator {
     return t;
   }
 
+  /**
+   * A start trace written into a snapshot's checkpoint goes to the snapshot store beside it, so a
+   * cold node's first start from the snapshot replays it (best effort: a failure is logged).
+   */
+  private traceKept(path: string): void {
+    const store = this.opts.snapshots;
+    if (!store) return;
+    const dir = dirname(path);
+    const snap = this.templates.list("snapshot").find((t) => t.checkpoint?.dir === dir);
+    if (!snap) return;
+    store.attach(snap.id, basename(path), path).catch((e) => console.error(`orchestrator: attaching ${basename(path)} to snapshot ${snap.id}: ${(e as Error).message}`));
+  }
+
   /** The snapshot's files and record into the snapshot store (layers stored once by content). */
   private async storeSnapshot(t: TemplateRecord, cp: VmCheckpoint): Promise<void> {
     const vm = await readSnapshot(cp.dir);
@@ -1059,6 +1072,10 @@ export class Orchestrator {
       mkdirSync(dir, { recursive: true });
       try {
         for (const [name, path] of Object.entries(got.paths)) await linkOrCopy(path, join(dir, name));
+        // Start traces the store has for it (recorded where the snapshot was first started): replayed at this node's starts.
+        for (const name of [ROOTFS_TRACE, MEMORY_TRACE]) {
+          await store.attachment(t.id, name, join(dir, name)).catch((e) => console.error(`orchestrator: ${name} of snapshot ${t.id}: ${(e as Error).message}`));
+        }
         const vm: SnapshotInfo = { ...meta.vm, dir, statePath: join(dir, "vmstate"), memPath: got.paths.mem ? join(dir, "mem") : undefined };
         await writeSnapshot(vm);
         const memLayers = Array.from({ length: meta.memLayers ?? 0 }, (_, i) => join(dir, `mem-layer-${i}`));

@@ -52,6 +52,8 @@ export class StartTraces {
   constructor(
     private readonly blockd: BlockdClient,
     private readonly windowMs = TRACE_WINDOW_MS,
+    /** A trace was written to `path` (the orchestrator attaches a snapshot's to the snapshot store). */
+    private readonly onKept: (path: string) => void = () => {},
   ) {}
 
   /**
@@ -100,7 +102,11 @@ export class StartTraces {
   private end(id: string, path: string, keep: boolean): void {
     this.blockd
       .call("traceStop", keep ? { id, out: path } : { id })
-      .then(() => keep && remember(this.known, path))
+      .then(() => {
+        if (!keep) return;
+        remember(this.known, path);
+        this.onKept(path);
+      })
       .catch((e) => log(`ending the recording of ${path} on ${id}`, e))
       .finally(() => this.clear(path));
   }

@@ -10,14 +10,15 @@
 //   <root>/snapshots/<id>/record.json   the record (SnapshotRecord)
 //   <root>/snapshots/<id>/<name>        each file (a link to blobs/<sha256> when shared)
 //   <root>/blobs/<sha256>               shared files, one inode each
+//   <root>/attachments/<id>/<name>      small files added after the put (attach)
 //   <root>/tmp/                         puts in flight, deletes in progress
 import { mkdir, readdir, rename, rm, stat, unlink } from "node:fs/promises";
 import { join } from "node:path";
 import { Deadline, DEFAULT_LIMITS, type StoreLimits } from "./deadline.ts";
 import { asStoreError, fsCode, SnapshotStoreError } from "./errors.ts";
-import { copySparse, dropUnlinked, linkBlob, linkOrCopy, pathExists, randomSuffix, readSmallFile, syncDir, writeFileDurable } from "./files.ts";
+import { copySparse, dropUnlinked, linkBlob, linkOrCopy, pathExists, randomSuffix, readSmallBytes, readSmallFile, syncDir, writeFileDurable } from "./files.ts";
 import {
-  checkFiles, checkId, checkMeta, DigestCache, LIMITS, parseRecord, sourceDigest, statSources,
+  checkFiles, checkId, checkMeta, DigestCache, LIMITS, parseRecord, readAttachment, sourceDigest, statSources,
   type Json, type Materialized, type SnapshotFile, type SnapshotRecord, type SnapshotStore, type Source, type StoredFile,
 } from "./store.ts";
 
@@ -28,6 +29,7 @@ export class DirSnapshotStore implements SnapshotStore {
   private readonly snapshots: string;
   private readonly blobs: string;
   private readonly tmp: string;
+  private readonly attachments: string;
   private readonly digests = new DigestCache();
   private made: Promise<void> | undefined;
 
@@ -39,6 +41,7 @@ export class DirSnapshotStore implements SnapshotStore {
     this.snapshots = join(root, "snapshots");
     this.blobs = join(root, "blobs");
     this.tmp = join(root, "tmp");
+    this.attachments = join(root, "attachments");
   }
 
   get blobsDir(): string {
@@ -51,7 +54,7 @@ export class DirSnapshotStore implements SnapshotStore {
 
   private ready(): Promise<void> {
     this.made ??= (async () => {
-      for (const d of [this.snapshots, this.blobs, this.tmp]) await mkdir(d, { recursive: true });
+      for (const d of [this.snapshots, this.blobs, this.tmp, this.attachments]) await mkdir(d, { recursive: true });
     })().catch((e) => {
       this.made = undefined;
       throw asStoreError(e, `snapshot store ${this.root}: create its directories`);
@@ -137,6 +140,31 @@ export class DirSnapshotStore implements SnapshotStore {
     return parseRecord(text, id, join(dir, RECORD));
   }
 
+  async attach(id: string, name: string, path: string): Promise<void> {
+    const bytes = await readAttachment(id, name, path);
+    await this.ready();
+    if (!(await this.exists(id))) throw new SnapshotStoreError("NotFound", `snapshot '${id}' not found`);
+    try {
+      await mkdir(join(this.attachments, id), { recursive: true });
+      await writeFileDurable(join(this.attachments, id, name), bytes);
+    } catch (e) {
+      throw asStoreError(e, `attachment '${name}' of snapshot '${id}'`);
+    }
+  }
+
+  async attachment(id: string, name: string, dest: string): Promise<boolean> {
+    checkId(id);
+    let bytes: Uint8Array;
+    try {
+      bytes = await readSmallBytes(join(this.attachments, id, name), LIMITS.attachmentBytes);
+    } catch (e) {
+      if (fsCode(e) === "ENOENT") return false;
+      throw asStoreError(e, `attachment '${name}' of snapshot '${id}'`);
+    }
+    await writeFileDurable(dest, bytes).catch((e) => { throw asStoreError(e, `attachment '${name}' of snapshot '${id}': write ${dest}`); });
+    return true;
+  }
+
   async exists(id: string): Promise<boolean> {
     checkId(id);
     try {
@@ -173,6 +201,7 @@ export class DirSnapshotStore implements SnapshotStore {
     } catch { /* a damaged record: its blobs wait for sweep() */ }
     try {
       await rm(trash, { recursive: true, force: true });
+      await rm(join(this.attachments, id), { recursive: true, force: true });
     } catch (e) {
       throw asStoreError(e, `delete of snapshot '${id}': remove its files`);
     }
@@ -196,6 +225,10 @@ export class DirSnapshotStore implements SnapshotStore {
     for (const n of await readdir(this.tmp)) {
       const p = join(this.tmp, n);
       if (await old(p, false)) { await rm(p, { recursive: true, force: true }); removed++; }
+    }
+    for (const n of await readdir(this.attachments)) {
+      const p = join(this.attachments, n);
+      if (!(await pathExists(join(this.snapshots, n))) && (await old(p, false))) { await rm(p, { recursive: true, force: true }); removed++; }
     }
     for (const n of await readdir(this.blobs)) {
       const p = join(this.blobs, n);

@@ -159,13 +159,13 @@ export async function syncDir(dir: string): Promise<void> {
   }
 }
 
-/** Writes `text` to `path` whole or not at all: temp name beside it, fsync, rename, fsync dir. */
-export async function writeFileDurable(path: string, text: string): Promise<void> {
+/** Writes `data` to `path` whole or not at all: temp name beside it, fsync, rename, fsync dir. */
+export async function writeFileDurable(path: string, data: string | Uint8Array): Promise<void> {
   const tmp = `${path}.tmp-${randomSuffix()}`;
   try {
     const fh = await open(tmp, constants.O_WRONLY | constants.O_CREAT | constants.O_EXCL, 0o644);
     try {
-      await fh.writeFile(text);
+      await fh.writeFile(data);
       await fh.datasync();
     } finally {
       await fh.close();
@@ -178,16 +178,21 @@ export async function writeFileDurable(path: string, text: string): Promise<void
   await syncDir(dirname(path));
 }
 
-/** A small file (a record) read whole, refused past `maxBytes`. */
-export async function readSmallFile(path: string, maxBytes: number): Promise<string> {
+/** A small file (a record, an attachment) read whole, refused past `maxBytes`. */
+export async function readSmallBytes(path: string, maxBytes: number): Promise<Uint8Array> {
   const fh = await open(path, "r");
   try {
     const st = await fh.stat();
     if (st.size > maxBytes) throw new Error(`${path} is ${st.size} bytes, more than ${maxBytes}`);
-    return await fh.readFile("utf8");
+    return new Uint8Array(await fh.readFile());
   } finally {
     await fh.close();
   }
+}
+
+/** readSmallBytes as UTF-8 text. */
+export async function readSmallFile(path: string, maxBytes: number): Promise<string> {
+  return new TextDecoder().decode(await readSmallBytes(path, maxBytes));
 }
 
 export async function pathExists(path: string): Promise<boolean> {

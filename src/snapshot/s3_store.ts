@@ -8,13 +8,14 @@
 //   <prefix>data/<id>/<putId>/<name>        each file of one put
 //   <prefix>blobs/<sha256>                  shared files, once
 //   <prefix>refs/<sha256>/<id>.<putId>      one empty marker per snapshot holding a shared file
+//   <prefix>attachments/<id>/<name>         small files added after the put (attach)
 import type { S3Client } from "bun";
 import type { SnapshotCache } from "./cache.ts";
 import { Deadline, DEFAULT_LIMITS, type StoreLimits } from "./deadline.ts";
 import { asStoreError, SnapshotStoreError } from "./errors.ts";
-import { CHUNK_BYTES, randomSuffix, readChunks, type SparseWriter } from "./files.ts";
+import { CHUNK_BYTES, randomSuffix, readChunks, writeFileDurable, type SparseWriter } from "./files.ts";
 import {
-  checkFiles, checkId, checkMeta, DigestCache, LIMITS, parseRecord, sourceDigest, statSources,
+  checkFiles, checkId, checkMeta, DigestCache, LIMITS, parseRecord, readAttachment, sourceDigest, statSources,
   type Json, type Materialized, type SnapshotFile, type SnapshotRecord, type SnapshotStore, type Source, type StoredFile,
 } from "./store.ts";
 
@@ -24,6 +25,11 @@ const MAX_LIST_PAGES = 100;
 function s3Code(e: unknown): string | undefined {
   const c = (e as { code?: unknown })?.code;
   return typeof c === "string" ? c : undefined;
+}
+
+/** The key is not there (as S3, s3rver and Bun's client say it). */
+function missingKey(e: unknown): boolean {
+  return s3Code(e) === "NoSuchKey" || s3Code(e) === "NotFound" || ((e as { name?: string })?.name === "S3Error" && /not (exist|found)/i.test(String((e as Error).message)));
 }
 
 /**
@@ -38,8 +44,7 @@ async function retryRead<T>(dl: Deadline, read: () => Promise<T>): Promise<T> {
     try {
       return await dl.race(read());
     } catch (e) {
-      const code = s3Code(e);
-      if (tried >= READ_TRIES || e instanceof SnapshotStoreError || code === "NoSuchKey" || code === "NotFound") throw e;
+      if (tried >= READ_TRIES || e instanceof SnapshotStoreError || missingKey(e)) throw e;
       await Bun.sleep(READ_BACKOFF_MS * tried);
     }
   }
@@ -72,6 +77,7 @@ export class S3SnapshotStore implements SnapshotStore {
   private dataKey(id: string, putId: string, name: string): string { return `${this.prefix}data/${id}/${putId}/${name}`; }
   private blobKey(sha256: string): string { return `${this.prefix}blobs/${sha256}`; }
   private refPrefix(sha256: string): string { return `${this.prefix}refs/${sha256}/`; }
+  private attachmentKey(id: string, name: string): string { return `${this.prefix}attachments/${id}/${name}`; }
   private fileKey(r: SnapshotRecord, name: string, f: StoredFile): string {
     return f.shared ? this.blobKey(f.sha256!) : this.dataKey(r.id, r.putId, name);
   }
@@ -186,7 +192,7 @@ export class S3SnapshotStore implements SnapshotStore {
       if (size > LIMITS.recordBytes) throw new SnapshotStoreError("Io", `snapshot '${id}': record is ${size} bytes, more than ${LIMITS.recordBytes}`);
       text = await retryRead(dl, () => f.text());
     } catch (e) {
-      if (s3Code(e) === "NoSuchKey" || s3Code(e) === "NotFound" || (e as { name?: string })?.name === "S3Error" && /not (exist|found)/i.test(String((e as Error).message))) {
+      if (missingKey(e)) {
         throw new SnapshotStoreError("NotFound", `snapshot '${id}' not found`);
       }
       throw asStoreError(e, `snapshot '${id}': read its record`);
@@ -218,6 +224,34 @@ export class S3SnapshotStore implements SnapshotStore {
     } finally {
       reader.releaseLock();
     }
+  }
+
+  async attach(id: string, name: string, path: string): Promise<void> {
+    const bytes = await readAttachment(id, name, path);
+    const dl = new Deadline(`attachment '${name}' of snapshot '${id}'`, this.limits, bytes.length);
+    if (!(await this.exists(id, dl))) throw new SnapshotStoreError("NotFound", `snapshot '${id}' not found`);
+    try {
+      await dl.race(this.client.write(this.attachmentKey(id, name), bytes));
+    } catch (e) {
+      throw asStoreError(e, `attachment '${name}' of snapshot '${id}'`);
+    }
+  }
+
+  async attachment(id: string, name: string, dest: string): Promise<boolean> {
+    checkId(id);
+    const dl = new Deadline(`attachment '${name}' of snapshot '${id}'`, this.limits);
+    let bytes: ArrayBuffer;
+    try {
+      const f = this.client.file(this.attachmentKey(id, name));
+      const size = (await retryRead(dl, () => f.stat())).size;
+      if (size > LIMITS.attachmentBytes) throw new SnapshotStoreError("Io", `attachment '${name}' of snapshot '${id}' is ${size} bytes, more than ${LIMITS.attachmentBytes}`);
+      bytes = await retryRead(dl, () => f.arrayBuffer());
+    } catch (e) {
+      if (missingKey(e)) return false;
+      throw asStoreError(e, `attachment '${name}' of snapshot '${id}'`);
+    }
+    await writeFileDurable(dest, new Uint8Array(bytes)).catch((e) => { throw asStoreError(e, `attachment '${name}' of snapshot '${id}': write ${dest}`); });
+    return true;
   }
 
   async exists(id: string, dl = new Deadline(`exists of snapshot '${id}'`, this.limits)): Promise<boolean> {
@@ -281,6 +315,8 @@ export class S3SnapshotStore implements SnapshotStore {
         else await drop(`refs/${k.rest}`);
       }
       for await (const k of this.keys("blobs/", dl)) if (k.lastModifiedMs < before && !held.has(k.rest)) await drop(`blobs/${k.rest}`);
+      // An attach that raced the snapshot's delete.
+      for await (const k of this.keys("attachments/", dl)) if (k.lastModifiedMs < before && !live.has(k.rest.split("/")[0]!)) await drop(`attachments/${k.rest}`);
     } catch (e) {
       throw asStoreError(e, `sweep of ${this.location}`);
     }
@@ -305,6 +341,7 @@ export class S3SnapshotStore implements SnapshotStore {
         await dl.race(this.client.delete(`${this.refPrefix(f.sha256!)}${id}.${record.putId}`));
         await this.dropBlobIfUnheld(f.sha256!, dl);
       }
+      for await (const k of this.keys(`attachments/${id}/`, dl)) await dl.race(this.client.delete(`${this.prefix}attachments/${id}/${k.rest}`));
     } catch (e) {
       throw asStoreError(e, `delete of snapshot '${id}'`);
     }

@@ -5,7 +5,7 @@
 import { stat } from "node:fs/promises";
 import type { Deadline } from "./deadline.ts";
 import { asStoreError, fsCode, SnapshotStoreError } from "./errors.ts";
-import { sha256File } from "./files.ts";
+import { readSmallBytes, sha256File } from "./files.ts";
 
 export type Json = null | boolean | number | string | Json[] | { [key: string]: Json };
 
@@ -69,11 +69,20 @@ export interface SnapshotStore {
    * than `olderThanMs` (longer than any put's deadline: another node's put may be in flight).
    */
   sweep(olderThanMs: number): Promise<{ removed: number }>;
+  /**
+   * Adds (or replaces) a small file to a complete snapshot, after its put: what a node learns from
+   * using it (a start's prefetch trace). At most LIMITS.attachmentBytes; NotFound without the
+   * snapshot. Not in the record: a reader takes whatever version it finds, and the snapshot's
+   * delete takes its attachments.
+   */
+  attach(id: string, name: string, path: string): Promise<void>;
+  /** The attachment `name` of snapshot `id` written to `dest` (durably); false when it has none. */
+  attachment(id: string, name: string, dest: string): Promise<boolean>;
 }
 
 /** Ids and file names: one path component of safe characters (E2B ids, aliases, template ids). */
 const NAME_RE = /^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$/;
-export const LIMITS = { files: 256, metaBytes: 1 << 20, recordBytes: 2 << 20 };
+export const LIMITS = { files: 256, metaBytes: 1 << 20, recordBytes: 2 << 20, attachmentBytes: 1 << 20 };
 
 export function checkId(id: string): void {
   if (typeof id !== "string" || !NAME_RE.test(id)) throw new SnapshotStoreError("BadConfig", `bad snapshot id ${JSON.stringify(id)}: 1-128 of [A-Za-z0-9._-], starting alphanumeric`);
@@ -87,6 +96,17 @@ export function checkFiles(files: SnapshotFile[]): void {
     if (seen.has(f.name)) throw new SnapshotStoreError("BadConfig", `file name '${f.name}' given twice`);
     if (typeof f.path !== "string" || !f.path.startsWith("/")) throw new SnapshotStoreError("BadConfig", `file '${f.name}': path must be absolute, got ${JSON.stringify(f.path)}`);
     seen.add(f.name);
+  }
+}
+
+/** An attachment's name (as a file's) and its bytes, read whole: BadConfig past LIMITS.attachmentBytes. */
+export async function readAttachment(id: string, name: string, path: string): Promise<Uint8Array> {
+  checkId(id);
+  if (typeof name !== "string" || !NAME_RE.test(name) || name.endsWith(".json")) throw new SnapshotStoreError("BadConfig", `bad attachment name ${JSON.stringify(name)}: 1-128 of [A-Za-z0-9._-], not *.json`);
+  try {
+    return await readSmallBytes(path, LIMITS.attachmentBytes);
+  } catch (e) {
+    throw fsCode(e) ? asStoreError(e, `attachment '${name}' of snapshot '${id}': read ${path}`) : new SnapshotStoreError("BadConfig", `attachment '${name}' of snapshot '${id}': ${(e as Error).message}`);
   }
 }
 

@@ -3,18 +3,19 @@
 // through the node's API and proxy. create → commands/files → pause → connect → fork → snapshot →
 // create from the snapshot (kept in S3: s3rver on loopback) → list/filter → setTimeout expiry → kill → 404; bad input; no leaks.
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
-import { existsSync, mkdirSync, readdirSync, statSync } from "node:fs";
+import { existsSync, mkdirSync, readFileSync, readdirSync, statSync } from "node:fs";
 import { join } from "node:path";
 import { Sandbox, SandboxNotFoundError } from "e2b";
 import type { SlotPool } from "../../src/network/index.ts";
 import type { Orchestrator } from "../../src/orchestrator/orchestrator.ts";
+import { MEMORY_TRACE, ROOTFS_TRACE, TRACE_WINDOW_MS } from "../../src/orchestrator/start_traces.ts";
 import type { SandboxStore } from "../../src/orchestrator/store.ts";
 import type { TemplateStore } from "../../src/orchestrator/templates.ts";
 import type { SnapshotStore } from "../../src/snapshot/index.ts";
 import { startBlockd } from "../blockdev/harness.ts";
 import { startS3Server, type TestS3 } from "../snapshot/s3_server.ts";
 import { nodeParts, sandboxSkipReason, serveParts } from "./harness.ts";
-import { qemuPids, rmrf, runRoot } from "../vmm/harness.ts";
+import { qemuPids, rmrf, runRoot, until } from "../vmm/harness.ts";
 
 const skip = sandboxSkipReason();
 const KEY = "e2b_" + "cd".repeat(20);
@@ -130,11 +131,15 @@ describe.skipIf(!!skip)("node API + orchestrator with the e2b SDK (QEMU, blockd,
     expect(snap.snapshotId).toMatch(/:default$/);
     const fromSnap = await Sandbox.create(snap.snapshotId, opts());
     expect(await fromSnap.files.read("/tmp/snap.txt")).toBe("in the snapshot");
+    // Its first start recorded the start traces; they go to the store beside the snapshot.
+    const id = snap.snapshotId.replace(/:default$/, "");
+    const fetched = join(dir, "trace-back");
+    await until(async () => (await snapshotStore.attachment(id, ROOTFS_TRACE, fetched)) && (await snapshotStore.attachment(id, MEMORY_TRACE, fetched)), TRACE_WINDOW_MS + 30_000, "both traces attached to the snapshot");
+    const traces = [ROOTFS_TRACE, MEMORY_TRACE].map((f) => readFileSync(join(templates.resolve(id)!.checkpoint!.dir, f)));
     expect(await fromSnap.kill()).toBe(true);
     // The snapshot outlives this node's records: with its row and local checkpoint gone (a node
     // that lost its state, or another node on a shared store), it is imported from the store and
     // a create fetches its files.
-    const id = snap.snapshotId.replace(/:default$/, "");
     expect(snapshotStore.kind).toBe("s3");
     expect(await snapshotStore.exists(id)).toBe(true);
     templates.delete(id);
@@ -144,6 +149,9 @@ describe.skipIf(!!skip)("node API + orchestrator with the e2b SDK (QEMU, blockd,
     expect(templates.resolve(id)?.checkpoint).toBeNull();
     const fromStore = await Sandbox.create(snap.snapshotId, opts());
     expect(await fromStore.files.read("/tmp/snap.txt")).toBe("in the snapshot");
+    // The fetched checkpoint came with the traces the first node recorded (replayed, not recorded again).
+    const fetchedDir = templates.resolve(id)!.checkpoint!.dir;
+    expect([ROOTFS_TRACE, MEMORY_TRACE].map((f) => readFileSync(join(fetchedDir, f)))).toEqual(traces);
     expect(await fromStore.kill()).toBe(true);
     expect(await Sandbox.deleteSnapshot(snap.snapshotId, opts())).toBe(true);
     expect(await snapshotStore.exists(id)).toBe(false);

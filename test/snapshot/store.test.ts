@@ -10,6 +10,7 @@ import {
   DirSnapshotStore, openSnapshotStore, S3SnapshotStore, SnapshotCache, SnapshotStoreError,
   type S3Settings, type SnapshotFile, type SnapshotStore,
 } from "../../src/snapshot/index.ts";
+import { LIMITS } from "../../src/snapshot/store.ts";
 import { scratchDir } from "../helpers/tmp.ts";
 import { startS3Server, type TestS3 } from "./s3_server.ts";
 
@@ -153,6 +154,35 @@ function contract(label: string, make: () => SnapshotStore) {
       await expectCode(store.put("snap-c", [{ name: "x", path: join(sources, "missing") }], {}), "NotFound");
       expect(await store.exists("snap-c")).toBe(false);
       expect(await store.delete("snap-b")).toBe(true);
+    }, 120_000);
+
+    test("attachments: added after the put, replaced, read back; NotFound without the snapshot; bounded; gone with its delete", async () => {
+      const store = make();
+      const { files, want } = await checkpointFiles(join(sources, `${label}-att`), 5);
+      const at = join(sources, `${label}-att-file`);
+      const back = join(sources, `${label}-att-back`);
+      const trace = crypto.getRandomValues(new Uint8Array(9000));
+      await Bun.write(at, trace);
+      await expectCode(store.attach("att-1", "rootfs.trace", at), "NotFound"); // no snapshot yet
+      await store.put("att-1", files, {});
+      expect(await store.attachment("att-1", "rootfs.trace", back)).toBe(false);
+      await store.attach("att-1", "rootfs.trace", at);
+      expect(await store.attachment("att-1", "rootfs.trace", back)).toBe(true);
+      expect(new Uint8Array(await Bun.file(back).arrayBuffer())).toEqual(trace);
+      const second = crypto.getRandomValues(new Uint8Array(100));
+      await Bun.write(at, second);
+      await store.attach("att-1", "rootfs.trace", at); // replaced
+      expect(await store.attachment("att-1", "rootfs.trace", back)).toBe(true);
+      expect(new Uint8Array(await Bun.file(back).arrayBuffer())).toEqual(second);
+      await expectContent(store, "att-1", want); // the snapshot as it was
+      await Bun.write(at, new Uint8Array(LIMITS.attachmentBytes + 1));
+      await expectCode(store.attach("att-1", "big.trace", at), "BadConfig");
+      await expectCode(store.attach("att-1", "record.json", at), "BadConfig");
+      await expectCode(store.attach("att-1", "../x", at), "BadConfig");
+      expect(await store.delete("att-1")).toBe(true);
+      await store.put("att-1", files, {}); // the id again: the old attachment went with the delete
+      expect(await store.attachment("att-1", "rootfs.trace", back)).toBe(false);
+      expect(await store.delete("att-1")).toBe(true);
     }, 120_000);
 
     test("two snapshots share their base layer; deleting one leaves the other whole", async () => {
