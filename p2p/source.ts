@@ -50,7 +50,7 @@ export interface FetchOptions {
   signal?: AbortSignal;
   /** Asked for the ranges no peer could serve (the registry or S3). */
   origin?: ChunkSource;
-  /** The layer's size when known (required when no peer may hold it and an origin is given). */
+  /** The layer's size when known: it wins over what holders announce (required when no peer may hold it and an origin is given). */
   size?: number;
   /** Called after each range is written. */
   onProgress?: (p: { offset: number; length: number; from: string }) => void;
@@ -149,7 +149,9 @@ export class PeerChunkSource implements ChunkSource {
   /** Bring the whole layer to `dest`, verified; the file appears only once its sha256 matches. */
   async fetchLayer(digest: LayerDigest, dest: string, o: FetchOptions = {}): Promise<FetchResult> {
     const signal = o.signal ?? new AbortController().signal;
-    const size = (await this.size(digest, signal)) ?? o.size;
+    // A size the caller knows (a manifest's) wins over the holders' word: a peer announcing less
+    // would otherwise cut the layer short, and the digest check then blames every contributor.
+    const size = o.size ?? (await this.size(digest, signal));
     if (size === undefined) throw new NoPeerError(digest, "no peer holds it and its size is unknown");
     const tmp = `${dest}.p2p-${process.pid}-${Math.random().toString(36).slice(2)}`;
     const fh = await open(tmp, "wx", 0o644);
