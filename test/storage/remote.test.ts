@@ -183,6 +183,28 @@ describe("bad origins: named errors, nothing wrong in the cache", () => {
     }
   });
 
+  test("wrong bytes from a source ahead of the origin, no per-chunk digests: the layer is dropped, that source distrusted, the origin's bytes promoted", async () => {
+    const bad = startBlobOrigin(bytes);
+    bad.fault = "corrupt";
+    try {
+      const { f, cache } = await open({ sources: [new RegistryRangeSource({ url: bad.url, name: "bad peer" }), new RegistryRangeSource({ url: origin.url, name: "origin" })] });
+      const before = [...origin.ranges.values()].reduce((a, b) => a + b, 0);
+      const path = await f.download();
+      expect(sha256(readFileSync(path))).toBe(origin.digest.slice(7));
+      expect(f.stats.distrusted).toEqual(["bad peer"]);
+      expect([...origin.ranges.values()].reduce((a, b) => a + b, 0)).toBeGreaterThan(before); // fetched again from the origin
+      const badAsked = [...bad.ranges.values()].reduce((a, b) => a + b, 0);
+      const buf = new Uint8Array(MiB);
+      expect(await f.pread(buf, MiB)).toBe(MiB);
+      expect(Buffer.from(buf).equals(bytes.subarray(MiB))).toBe(true);
+      expect([...bad.ranges.values()].reduce((a, b) => a + b, 0)).toBe(badAsked); // not asked again
+      await f.close();
+      void cache;
+    } finally {
+      bad.stop();
+    }
+  });
+
   test("two readers racing for one missing chunk fetch it once", async () => {
     origin.delayMs = 50;
     const { f } = await open();

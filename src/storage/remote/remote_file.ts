@@ -17,7 +17,10 @@
 //   bytes are as good as the source's transport until the whole layer is verified at promotion.
 // - download() fills the whole layer at low priority (foreground fetches go first), then verifies
 //   the layer's sha256: on a match the layer's cache file becomes the promoted local file and reads
-//   go there; on a mismatch its chunks are dropped and this file fails every later read.
+//   go there; on a mismatch its chunks are dropped, and when sources other than the last one in the
+//   list (the origin) served some of them, those are distrusted by this file (never asked again)
+//   and the layer is fetched again from the rest; a mismatch of bytes only the last one served
+//   fails every later read.
 // - Several threads or processes may open one layer over one cache folder (blockd's device
 //   workers): they share its cache file and words, so a chunk one fetched is a hit for all.
 
@@ -26,7 +29,7 @@ import { IoLimiter } from "../io_limiter.ts";
 import { LocalFile } from "../local_file.ts";
 import { existsSync } from "node:fs";
 import { type BlockCache, type CachedLayer, isReadable } from "./block_cache.ts";
-import { type SourceAttempt, RemoteReadError, RemoteSpecError } from "./errors.ts";
+import { type SourceAttempt, LayerDigestError, RemoteReadError, RemoteSpecError } from "./errors.ts";
 import { type ChunkSource, type LayerDigest, SourceError } from "./source.ts";
 import { DEFAULT_CHUNK_SIZE, checkRemoteShape } from "./spec.ts";
 import { trackRemote } from "./pending.ts";
@@ -89,13 +92,15 @@ export interface RemoteFileStats {
   raced: number;
   /** Failed tries per source name. */
   failures: Record<string, number>;
+  /** Sources this file stopped asking: they served bytes of the layer when it did not verify. */
+  distrusted: string[];
 }
 
 export class RemoteFile implements ReadableFile {
   readonly name: string;
   readonly digest: LayerDigest;
   readonly chunkSize: number;
-  readonly stats: RemoteFileStats = { bytesFetched: 0, chunksFetched: 0, requests: 0, cacheHits: 0, raced: 0, failures: {} };
+  readonly stats: RemoteFileStats = { bytesFetched: 0, chunksFetched: 0, requests: 0, cacheHits: 0, raced: 0, failures: {}, distrusted: [] };
   private readonly limiter: IoLimiter;
   private readonly count: number;
   private readonly inflight = new Map<number, Run>();
@@ -104,6 +109,10 @@ export class RemoteFile implements ReadableFile {
   private fgWaiting = 0;
   private fgIdle: (() => void)[] = [];
   private local: LocalFile | undefined;
+  /** Sources that served bytes into the cache since its files for this layer were last dropped. */
+  private readonly contributed = new Set<ChunkSource>();
+  /** Sources not asked any more (see the rules above); bounded by the source list. */
+  private readonly distrusted = new Set<ChunkSource>();
   /** This layer's cache files, once opened. */
   private layer: CachedLayer | undefined;
   private layerOpen: Promise<CachedLayer | undefined> | undefined;
@@ -342,6 +351,7 @@ export class RemoteFile implements ReadableFile {
     const tries = this.opts.tries ?? DEFAULT_TRIES;
     const base = this.opts.backoffBaseMs ?? BACKOFF_BASE_MS;
     for (const source of this.opts.sources) {
+      if (this.distrusted.has(source)) continue;
       for (let t = 0; t < tries; t++) {
         if (t > 0) await Bun.sleep(Math.min(base * 2 ** (t - 1), BACKOFF_MAX_MS));
         if (this.closed) throw new RemoteReadError(this.digest, offset, length, [...attempts, { source: "-", error: "file closed" }]);
@@ -356,6 +366,7 @@ export class RemoteFile implements ReadableFile {
               if (want && got !== want) throw new SourceError(`chunk ${first + k} hashes to ${got.slice(0, 12)}…, expected ${want.slice(0, 12)}…`, false);
             }
           }
+          this.contributed.add(source);
           this.stats.bytesFetched += bytes.length;
           this.stats.chunksFetched += count;
           this.stats.requests++;
@@ -419,8 +430,8 @@ export class RemoteFile implements ReadableFile {
     if (this.opts.size > cache.lowBytes)
       throw new RemoteSpecError(`the layer (${this.opts.size} bytes) does not fit under the cache's low watermark (${cache.lowBytes} bytes)`, this.name);
     const run = Math.max(1, Math.floor(RUN_MAX_BYTES / this.chunkSize));
-    // Chunks evicted while the layer fills are fetched again; three passes, then give up.
-    for (let pass = 0; pass < 3; pass++) {
+    // Chunks evicted while the layer fills are fetched again; three passes (and one more per source distrusted), then give up.
+    for (let pass = 0; pass < 3 + this.distrusted.size; pass++) {
       const l = await this.openLayer();
       if (!l) throw new RemoteSpecError("the block cache cannot hold this layer", this.name);
       if (this.local) return this.local.name;
@@ -447,6 +458,16 @@ export class RemoteFile implements ReadableFile {
       try {
         path = await l.promote(cache.promotedPath(this.digest));
       } catch (e) {
+        // The chunks are dropped: what served them, short of the last source, is blamed and the layer fetched again without it.
+        const last = this.opts.sources[this.opts.sources.length - 1];
+        const blamed = e instanceof LayerDigestError ? [...this.contributed].filter((c) => c !== last) : [];
+        this.contributed.clear();
+        if (blamed.length) {
+          for (const b of blamed) this.distrusted.add(b);
+          this.stats.distrusted = [...this.distrusted].map((d) => d.name);
+          console.error(`remote layer ${this.digest}: ${(e as Error).message}; ${blamed.map((b) => b.name).join(", ")} served some of it: fetched again without ${blamed.length > 1 ? "them" : "it"}`);
+          continue;
+        }
         this.failed = e as Error;
         throw e;
       }
