@@ -173,15 +173,16 @@ async function runControl(body: ControlOp): Promise<unknown> {
       try {
         if (above.length) {
           image.detachUpper(keep);
-          image.attachUpper(held, above);
+          try {
+            image.attachUpper(held, above); // checks before it changes anything
+          } catch (e) {
+            image.attachUpper(held);
+            throw e;
+          }
         }
         held.moved(body.upper.data, body.upper.index);
         heldUpper = undefined;
       } catch (e) {
-        if (image.upper !== held) {
-          image.detachUpper(keep);
-          image.attachUpper(held);
-        }
         held.moved(...heldAt);
         for (const l of above) await l.close();
         throw e;

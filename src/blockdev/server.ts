@@ -1287,7 +1287,6 @@ function renameDirSync(from: string, to: string): void {
   }
 }
 
-
 async function exists(path: string): Promise<boolean> {
   return stat(path).then(
     () => true,

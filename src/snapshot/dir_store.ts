@@ -18,7 +18,7 @@ import { Deadline, DEFAULT_LIMITS, type StoreLimits } from "./deadline.ts";
 import { asStoreError, fsCode, SnapshotStoreError } from "./errors.ts";
 import { copySparse, dropUnlinked, linkBlob, linkOrCopy, pathExists, randomSuffix, readSmallBytes, readSmallFile, syncDir, writeFileDurable } from "./files.ts";
 import {
-  checkFiles, checkId, checkMeta, DigestCache, LIMITS, parseRecord, readAttachment, sourceDigest, statSources,
+  checkAttachment, checkFiles, checkId, checkMeta, DigestCache, LIMITS, parseRecord, readAttachment, sourceDigest, statSources,
   type Json, type Materialized, type SnapshotFile, type SnapshotRecord, type SnapshotStore, type Source, type StoredFile,
 } from "./store.ts";
 
@@ -153,7 +153,7 @@ export class DirSnapshotStore implements SnapshotStore {
   }
 
   async attachment(id: string, name: string, dest: string): Promise<boolean> {
-    checkId(id);
+    checkAttachment(id, name);
     let bytes: Uint8Array;
     try {
       bytes = await readSmallBytes(join(this.attachments, id, name), LIMITS.attachmentBytes);

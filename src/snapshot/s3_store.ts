@@ -15,7 +15,7 @@ import { Deadline, DEFAULT_LIMITS, type StoreLimits } from "./deadline.ts";
 import { asStoreError, SnapshotStoreError } from "./errors.ts";
 import { CHUNK_BYTES, randomSuffix, readChunks, writeFileDurable, type SparseWriter } from "./files.ts";
 import {
-  checkFiles, checkId, checkMeta, DigestCache, LIMITS, parseRecord, readAttachment, sourceDigest, statSources,
+  checkAttachment, checkFiles, checkId, checkMeta, DigestCache, LIMITS, parseRecord, readAttachment, sourceDigest, statSources,
   type Json, type Materialized, type SnapshotFile, type SnapshotRecord, type SnapshotStore, type Source, type StoredFile,
 } from "./store.ts";
 
@@ -238,7 +238,7 @@ export class S3SnapshotStore implements SnapshotStore {
   }
 
   async attachment(id: string, name: string, dest: string): Promise<boolean> {
-    checkId(id);
+    checkAttachment(id, name);
     const dl = new Deadline(`attachment '${name}' of snapshot '${id}'`, this.limits);
     let bytes: ArrayBuffer;
     try {

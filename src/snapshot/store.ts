@@ -99,10 +99,15 @@ export function checkFiles(files: SnapshotFile[]): void {
   }
 }
 
-/** An attachment's name (as a file's) and its bytes, read whole: BadConfig past LIMITS.attachmentBytes. */
-export async function readAttachment(id: string, name: string, path: string): Promise<Uint8Array> {
+/** A snapshot id and an attachment name (named as files are). */
+export function checkAttachment(id: string, name: string): void {
   checkId(id);
   if (typeof name !== "string" || !NAME_RE.test(name) || name.endsWith(".json")) throw new SnapshotStoreError("BadConfig", `bad attachment name ${JSON.stringify(name)}: 1-128 of [A-Za-z0-9._-], not *.json`);
+}
+
+/** An attachment's bytes, read whole: BadConfig past LIMITS.attachmentBytes. */
+export async function readAttachment(id: string, name: string, path: string): Promise<Uint8Array> {
+  checkAttachment(id, name);
   try {
     return await readSmallBytes(path, LIMITS.attachmentBytes);
   } catch (e) {

@@ -179,6 +179,8 @@ function contract(label: string, make: () => SnapshotStore) {
       await expectCode(store.attach("att-1", "big.trace", at), "BadConfig");
       await expectCode(store.attach("att-1", "record.json", at), "BadConfig");
       await expectCode(store.attach("att-1", "../x", at), "BadConfig");
+      await expectCode(store.attachment("att-1", "../record.json", back), "BadConfig");
+      await expectCode(store.attachment("../att-1", "rootfs.trace", back), "BadConfig");
       expect(await store.delete("att-1")).toBe(true);
       await store.put("att-1", files, {}); // the id again: the old attachment went with the delete
       expect(await store.attachment("att-1", "rootfs.trace", back)).toBe(false);
