@@ -44,6 +44,9 @@ function setting<T>(env: string, toml: string, def: string, parse: Parse<T>, doc
 }
 
 /** Every setting of the node. `$AENV_HOME` in a default is replaced by the home setting's value. */
+/** An IP socket address as AENV_P2P_BIND and each address of AENV_P2P_PEERS take it: `ip:port`, IPv6 in brackets. */
+export const SOCKET_ADDR = /^(\[[0-9a-fA-F:.]+\]|[0-9.]+):\d{1,5}$/;
+
 export const SETTINGS = {
   home: setting("AENV_HOME", "home", "/var/lib/aenv", str, "state: sqlite database, layers, snapshots, secrets"),
   host: setting("HOST", "host", "0.0.0.0", str, "address the API and proxy listen on"),
@@ -72,7 +75,7 @@ export const SETTINGS = {
   blockCacheMB: setting("AENV_BLOCK_CACHE_MB", "block_cache_mb", "10240", int(64, 1 << 24), "remote layers' chunks kept; above 90 % the least recently used go until 70 % (chunks being read stay)"),
   blockCacheDownload: setting("AENV_BLOCK_CACHE_DOWNLOAD", "block_cache_download", "1", flag, "1: a remote layer that fits under 70 % of the block cache is fetched whole in the background and promoted to a local file; 0: only what is read is fetched"),
   p2p: setting("AENV_P2P", "p2p", "1", flag, "1: an iroh endpoint (key in $AENV_HOME/p2p) serves this node's verified layers to its peers, and remote layers are asked of the peers before their origin; 0: none"),
-  p2pBind: setting("AENV_P2P_BIND", "p2p_bind", "0.0.0.0:0", matching(/^(\[[0-9a-fA-F:.]+\]|[0-9.]+):\d{1,5}$/, "ip:port"), "UDP address of the iroh endpoint; port 0: a free one (the start line prints it)"),
+  p2pBind: setting("AENV_P2P_BIND", "p2p_bind", "0.0.0.0:0", matching(SOCKET_ADDR, "ip:port"), "UDP address of the iroh endpoint; port 0: a free one (the start line prints it)"),
   p2pPeers: setting("AENV_P2P_PEERS", "p2p_peers", "", str, "peers asked for layers, comma-separated `<endpoint ID>@<ip:port>` (several addresses joined by `;`); each may connect"),
   p2pAllow: setting("AENV_P2P_ALLOW", "p2p_allow", "", str, "further endpoint IDs (comma-separated) that may fetch this node's layers without being its peers"),
   p2pRelays: setting("AENV_P2P_RELAYS", "p2p_relays", "", str, "iroh relay URLs (comma-separated) for nodes behind NAT; empty: relays and discovery off, peers dialed directly"),

@@ -20,6 +20,7 @@ import { LayerShelf, MAX_SHELF, NoPeerError, PeerChunkSource, PeerWorker, type P
 import { BlockCache, type BlockCacheOptions } from "../storage/remote/block_cache.ts";
 import { isLayerDigest, type LayerDigest } from "../storage/remote/source.ts";
 import type { OriginSpec } from "../storage/remote/spec.ts";
+import { SOCKET_ADDR } from "./config.ts";
 
 /** Bytes one facade request may ask (a block cache fetch is 1–8 MiB). */
 export const MAX_FACADE_READ = 16 << 20;
@@ -57,7 +58,7 @@ export function parsePeers(raw: string): PeerConfig[] {
     const at = entry.indexOf("@");
     const id = at > 0 ? entry.slice(0, at) : "";
     const addrs = at > 0 ? entry.slice(at + 1).split(";").filter(Boolean) : [];
-    if (!/^[0-9a-f]{64}$/.test(id) || addrs.length === 0 || !addrs.every((a) => /^(\[[0-9a-fA-F:.]+\]|[0-9.]+):\d{1,5}$/.test(a)))
+    if (!/^[0-9a-f]{64}$/.test(id) || addrs.length === 0 || !addrs.every((a) => SOCKET_ADDR.test(a)))
       throw new PeersConfigError(`peer ${JSON.stringify(entry)}: expected <64 hex ID>@<ip:port>[;<ip:port>…]`);
     out.push({ id, addrs });
   }

@@ -11,7 +11,7 @@
 import { createHash } from "node:crypto";
 import { chmodSync, closeSync, existsSync, mkdirSync, openSync, readFileSync, renameSync, writeSync } from "node:fs";
 import { join } from "node:path";
-import { type Credentials, formatImageRef, type ImageRef, parseImageRef, RegistryClient, type RegistryClientOptions } from "../template/registry.ts";
+import { blobRepository, type Credentials, formatImageRef, type ImageRef, parseImageRef, RegistryClient, type RegistryClientOptions } from "../template/registry.ts";
 
 /** Repositories kept fresh at once; past it the least recently used one is no longer renewed. */
 export const MAX_REPOSITORIES = 256;
@@ -32,23 +32,6 @@ interface Entry {
   timer?: ReturnType<typeof setTimeout>;
   failing: boolean;
   stopped: boolean;
-}
-
-/** A registry blob URL's repository (`…/v2/<name>/blobs/<digest>`), or undefined for any other URL. */
-export function blobRepository(url: string): { ref: ImageRef; digest: string } | undefined {
-  let u: URL;
-  try {
-    u = new URL(url);
-  } catch {
-    return undefined;
-  }
-  const m = /^\/v2\/(.+)\/blobs\/(sha256:[0-9a-f]{64})$/.exec(u.pathname);
-  if (!m) return undefined;
-  try {
-    return { ref: parseImageRef(`${u.host}/${m[1]}@${m[2]}`), digest: m[2]! };
-  } catch {
-    return undefined;
-  }
 }
 
 const keyOf = (ref: ImageRef) => createHash("sha256").update(`${ref.endpoint}/${ref.repository}`).digest("hex").slice(0, 24);

@@ -15,6 +15,7 @@ import { join } from "node:path";
 import { type ImageLocation, RegistryLocation } from "./image_location.ts";
 import { RegistryError } from "./registry/errors.ts";
 import { MEDIA, OVERLAYBD_ANNOTATION, type Descriptor } from "./registry/manifest.ts";
+import { blobRepository } from "./registry/reference.ts";
 import type { RegistryClient } from "./registry/client.ts";
 import { type S3Access, S3Layout } from "./s3_layout.ts";
 import type { PulledLayer, RemoteLayerRef } from "./pull.ts";
@@ -81,16 +82,11 @@ async function digestOf(path: string): Promise<{ digest: string; size: number }>
 function originOf(l: RemoteLayerRef, opts: PushOptions): ImageLocation {
   for (const s of l.remote.sources) {
     if (s.kind === "http" && !s.unix && opts.registry) {
-      const u = new URL(s.url);
-      const m = /^\/v2\/(.+)\/blobs\/(sha256:[0-9a-f]{64})$/.exec(u.pathname);
-      if (m && m[2] === l.digest) return new RegistryLocation(opts.registry, `${u.host}/${m[1]}@${l.digest}`);
+      const blob = blobRepository(s.url);
+      if (blob?.digest === l.digest) return new RegistryLocation(opts.registry, blob.ref);
     }
-    if (s.kind === "s3" && opts.s3) {
-      const m = /^(?:(.*)\/)?blobs\/sha256\/([0-9a-f]{64})$/.exec(s.key);
-      if (m && `sha256:${m[2]}` === l.digest) {
-        return new S3Layout({ bucket: s.bucket, prefix: m[1] ?? "" }, { ...opts.s3, endpoint: s.endpoint ?? opts.s3.endpoint, region: s.region ?? opts.s3.region });
-      }
-    }
+    const layout = s.kind === "s3" && opts.s3 ? S3Layout.ofBlob(s, l.digest, opts.s3) : undefined;
+    if (layout) return layout;
   }
   throw new RegistryError("NotFound", `remote layer ${l.digest} names no registry blob or S3 layout blob to copy from`);
 }

@@ -1,6 +1,7 @@
 // The OCI distribution client for template pulls (docs/templates.md, "Pulling images").
 export { RegistryError, REGISTRY_ERROR_STATUS, type RegistryErrorCode } from "./registry/errors.ts";
 export {
+  blobRepository,
   canonicalRegistry,
   DOCKER_HUB,
   DOCKER_HUB_ENDPOINT,

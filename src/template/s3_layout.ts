@@ -136,6 +136,13 @@ export class S3Layout implements ImageLocation {
     return new S3Layout(parseS3Location(location), access ?? {}, location);
   }
 
+  /** The layout whose blob `digest` an S3 origin names (blobKey's `<prefix>/blobs/sha256/<hex>`), or undefined for another key. */
+  static ofBlob(o: { bucket: string; key: string; endpoint?: string; region?: string }, digest: string, access: S3Access): S3Layout | undefined {
+    const m = /^(?:(.*)\/)?blobs\/sha256\/([0-9a-f]{64})$/.exec(o.key);
+    if (!m || `sha256:${m[2]}` !== digest) return undefined;
+    return new S3Layout({ bucket: o.bucket, prefix: m[1] ?? "" }, { ...access, endpoint: o.endpoint ?? access.endpoint, region: o.region ?? access.region });
+  }
+
   constructor(
     readonly ref: S3LayoutRef,
     access: S3Access,

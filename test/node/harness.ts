@@ -31,6 +31,23 @@ export interface NodeProc {
 
 export { until };
 
+/** A JSON POST to a node's API with its key. */
+export function postJson(n: NodeProc, key: string, path: string, body: unknown): Promise<Response> {
+  return fetch(`${n.base}${path}`, { method: "POST", body: JSON.stringify(body), headers: { "x-api-key": key, "content-type": "application/json" } });
+}
+
+/** The e2b SDK's options for a node. */
+export function sdkOpts(n: NodeProc, key: string) {
+  return { apiKey: key, apiUrl: n.base, sandboxUrl: n.base, requestTimeoutMs: 180_000 };
+}
+
+/** The aenv CLI against a node, bounded by timeoutMs: its exit code and output. */
+export async function aenvAt(n: NodeProc, key: string, args: string[], timeoutMs: number): Promise<{ code: number; out: string; err: string }> {
+  const p = Bun.spawn([process.execPath, join(ROOT, "src/cli/aenv.ts"), ...args, "--url", n.base, "--api-key", key], { stdout: "pipe", stderr: "pipe", timeout: timeoutMs });
+  const [out, err] = await Promise.all([new Response(p.stdout).text(), new Response(p.stderr).text()]);
+  return { code: await p.exited, out, err };
+}
+
 /** One test file's node: its settings and where its state lives. */
 export interface NodeSetup {
   /** Short and unique to this process: in names and metadata. */

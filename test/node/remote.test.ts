@@ -17,7 +17,7 @@ import { PREFETCH_ROOTFS_ANNOTATION } from "../../src/template/prefetch_trace.ts
 import { RegistryClient } from "../../src/template/registry.ts";
 import { scratchDir } from "../helpers/tmp.ts";
 import { BUSYBOX_CONFIG, blobBytesServed, busyboxRoot, pushImage, registrySkipReason, registrySuite } from "../template/registry_harness.ts";
-import { FIRST_START_MS, nodeSetup, nodeSkipReason, startNode, stopNode, type NodeProc } from "./harness.ts";
+import { FIRST_START_MS, aenvAt, nodeSetup, nodeSkipReason, postJson, sdkOpts, startNode, stopNode, type NodeProc } from "./harness.ts";
 
 const skip = nodeSkipReason() ?? registrySkipReason();
 const KEY_A = "e2b_" + "a1".repeat(20);
@@ -27,7 +27,6 @@ const BUILD_MS = 10 * 60_000;
 const MiB = 2 ** 20;
 /** A file no sandbox reads: the layers are this much larger than what a boot and a command read. */
 const FILLER_MIB = 48;
-const AENV = join(import.meta.dir, "../../src/cli/aenv.ts");
 
 describe.skipIf(!!skip)("a template pushed by one node, started lazily by another", () => {
   if (skip) return void test.skip(skip!, () => {});
@@ -44,14 +43,6 @@ describe.skipIf(!!skip)("a template pushed by one node, started lazily by anothe
   const registry = registrySuite("remote-node-registry", { accessLog: true });
   let a: NodeProc;
   let b: NodeProc;
-  const post = (n: NodeProc, key: string, path: string, body: unknown) =>
-    fetch(`${n.base}${path}`, { method: "POST", body: JSON.stringify(body), headers: { "x-api-key": key, "content-type": "application/json" } });
-  const sdk = (n: NodeProc, key: string) => ({ apiKey: key, apiUrl: n.base, sandboxUrl: n.base, requestTimeoutMs: 180_000 });
-  const aenv = async (args: string[]) => {
-    const p = Bun.spawn([process.execPath, AENV, ...args, "--url", a.base, "--api-key", KEY_A], { stdout: "pipe", stderr: "pipe", timeout: BUILD_MS });
-    const [out, err] = await Promise.all([new Response(p.stdout).text(), new Response(p.stderr).text()]);
-    return { code: await p.exited, out, err };
-  };
 
   beforeAll(async () => {
     setupA.env.AENV_P2P_ALLOW = await idOf(setupC.home);
@@ -80,17 +71,17 @@ describe.skipIf(!!skip)("a template pushed by one node, started lazily by anothe
     await pushImage(client, image, { layers: [root], config: BUSYBOX_CONFIG, compression: "none" });
 
     // A: a template of the image (pulled and converted, booted once), then pushed as overlaybd.
-    const made = await post(a, KEY_A, "/sandboxes-cold", { image });
+    const made = await postJson(a, KEY_A, "/sandboxes-cold", { image });
     expect(made.status).toBe(201);
     const { sandboxID: first, templateID } = (await made.json()) as { sandboxID: string; templateID: string };
-    await Sandbox.kill(first, sdk(a, KEY_A));
+    await Sandbox.kill(first, sdkOpts(a, KEY_A));
     pushedRef = `${reg.host}/remote/pushed:1`;
-    const pushed = await aenv(["push", templateID, pushedRef]);
+    const pushed = await aenvAt(a, KEY_A, ["push", templateID, pushedRef], BUILD_MS);
     expect({ code: pushed.code, err: pushed.err }).toMatchObject({ code: 0 });
     expect(pushed.out).toMatch(new RegExp(`^${pushedRef.replace(/[.:/]/g, "\\$&")}@sha256:[0-9a-f]{64}\\n$`));
     expect(pushed.err).toContain(": pushed");
     // Pushed again: every blob is in the registry already (HEAD), nothing is sent.
-    const again = await aenv(["push", templateID, pushedRef, "--json"]);
+    const again = await aenvAt(a, KEY_A, ["push", templateID, pushedRef, "--json"], BUILD_MS);
     expect(again.code).toBe(0);
     const answer = JSON.parse(again.out) as { manifestDigest: string; layers: { digest: string; size: number; uploaded: boolean }[]; trace?: { digest: string; size: number; uploaded: boolean } };
     expect(answer.layers.map((l) => l.uploaded)).toEqual(answer.layers.map(() => false));
@@ -111,10 +102,10 @@ describe.skipIf(!!skip)("a template pushed by one node, started lazily by anothe
 
     // B: a sandbox from the pushed reference, its layers read lazily from the registry.
     const t0 = performance.now();
-    const onB = await post(b, KEY_B, "/sandboxes-cold", { image: pushedRef });
+    const onB = await postJson(b, KEY_B, "/sandboxes-cold", { image: pushedRef });
     expect(onB.status).toBe(201);
     const sb = (await onB.json()) as { sandboxID: string; templateID: string };
-    const sbx = await Sandbox.connect(sb.sandboxID, sdk(b, KEY_B));
+    const sbx = await Sandbox.connect(sb.sandboxID, sdkOpts(b, KEY_B));
     const r = await sbx.commands.run("pwd; echo $FOO; cat /etc/motd");
     const firstMs = performance.now() - t0;
     expect(r.stdout).toBe("/work\nbar\nmade on node A\n");
@@ -130,42 +121,42 @@ describe.skipIf(!!skip)("a template pushed by one node, started lazily by anothe
     expect(readdirSync(join(setupB.home, "checkpoints")).some((d) => existsSync(join(setupB.home, "checkpoints", d, "boot.trace")))).toBe(true);
 
     // A second sandbox on B: a restore of the same template, its reads served by the block cache.
-    const second = await post(b, KEY_B, "/sandboxes-cold", { image: pushedRef });
+    const second = await postJson(b, KEY_B, "/sandboxes-cold", { image: pushedRef });
     expect(second.status).toBe(201);
     const s2 = (await second.json()) as { sandboxID: string; templateID: string };
     expect(s2.templateID).toBe(sb.templateID);
-    const sbx2 = await Sandbox.connect(s2.sandboxID, sdk(b, KEY_B));
+    const sbx2 = await Sandbox.connect(s2.sandboxID, sdkOpts(b, KEY_B));
     expect((await sbx2.commands.run("pwd; echo $FOO; cat /etc/motd")).stdout).toBe("/work\nbar\nmade on node A\n");
     const secondBytes = (await blobBytesServed(reg, digests)) - beforeB - firstBytes;
     console.log(`B's second sandbox fetched ${(secondBytes / MiB).toFixed(1)} MiB`);
     expect(secondBytes).toBe(0);
 
     // Checkpoints over remote lowers: a pause and resume, and a snapshot (stored with its remote layers named, not copied) that a sandbox starts from.
-    expect((await post(b, KEY_B, `/sandboxes/${sb.sandboxID}/pause`, {})).status).toBe(204);
-    const resumed = await Sandbox.connect(sb.sandboxID, sdk(b, KEY_B));
+    expect((await postJson(b, KEY_B, `/sandboxes/${sb.sandboxID}/pause`, {})).status).toBe(204);
+    const resumed = await Sandbox.connect(sb.sandboxID, sdkOpts(b, KEY_B));
     expect((await resumed.commands.run("cat /etc/motd; echo resumed")).stdout).toBe("made on node A\nresumed\n");
-    const snap = await post(b, KEY_B, `/sandboxes/${s2.sandboxID}/snapshots`, {});
+    const snap = await postJson(b, KEY_B, `/sandboxes/${s2.sandboxID}/snapshots`, {});
     expect(snap.status).toBe(201);
     const { snapshotID } = (await snap.json()) as { snapshotID: string };
-    const fromSnap = await Sandbox.create(snapshotID, sdk(b, KEY_B));
+    const fromSnap = await Sandbox.create(snapshotID, sdkOpts(b, KEY_B));
     expect((await fromSnap.commands.run("cat /etc/motd; pwd")).stdout).toBe("made on node A\n/work\n");
     console.log(`B's pause, resume and snapshot fetched ${(((await blobBytesServed(reg, digests)) - beforeB - firstBytes) / MiB).toFixed(1)} MiB more`);
-    for (const id of [sb.sandboxID, s2.sandboxID, fromSnap.sandboxId]) await Sandbox.kill(id, sdk(b, KEY_B));
+    for (const id of [sb.sandboxID, s2.sandboxID, fromSnap.sandboxId]) await Sandbox.kill(id, sdkOpts(b, KEY_B));
 
     // B pushes its lazily pulled template to another repository: its remote layers, held neither
     // whole nor as files, are copied from the registry (verified), and the image is the same.
     const copyRef = `${reg.host}/remote/copied:1`;
-    const copied = await post(b, KEY_B, `/templates/${sb.templateID}/push`, { ref: copyRef });
+    const copied = await postJson(b, KEY_B, `/templates/${sb.templateID}/push`, { ref: copyRef });
     const copiedText = await copied.text();
     expect({ status: copied.status, body: copiedText }).toMatchObject({ status: 200 });
     const c = JSON.parse(copiedText) as { manifestDigest: string; layers: { digest: string; uploaded: boolean }[] };
     expect(c.layers.map((l) => l.digest)).toEqual(digests);
     expect(c.layers.map((l) => l.uploaded)).toEqual(digests.map(() => true));
     expect((await client.resolve(copyRef)).layers.map((l) => l.digest)).toEqual(digests);
-    const bad = await post(b, KEY_B, `/templates/${sb.templateID}/push`, { ref: "not a reference" });
+    const bad = await postJson(b, KEY_B, `/templates/${sb.templateID}/push`, { ref: "not a reference" });
     expect(bad.status).toBe(400);
     expect(((await bad.json()) as { message: string }).message).toContain("not a reference");
-    expect((await post(b, KEY_B, "/templates/no-such-template/push", { ref: copyRef })).status).toBe(404);
+    expect((await postJson(b, KEY_B, "/templates/no-such-template/push", { ref: copyRef })).status).toBe(404);
   }, 3 * BUILD_MS);
 
   test("C, with A as its only peer, starts the pushed template and reads a file no start read from A while the registry is stopped", async () => {
@@ -173,18 +164,18 @@ describe.skipIf(!!skip)("a template pushed by one node, started lazily by anothe
     const { reg } = registry();
     c = await startNode(setupC.env, FIRST_START_MS);
     expect(c.log.join("\n")).toMatch(/p2p: endpoint [0-9a-f]{64} on .*, 1 peers/);
-    const made = await post(c, KEY_C, "/sandboxes-cold", { image: pushedRef });
+    const made = await postJson(c, KEY_C, "/sandboxes-cold", { image: pushedRef });
     expect(made.status).toBe(201);
     const { sandboxID } = (await made.json()) as { sandboxID: string };
     // The origin goes away: every chunk C has not read yet can come only from A.
     await reg.stop();
-    const sbx = await Sandbox.connect(sandboxID, sdk(c, KEY_C));
+    const sbx = await Sandbox.connect(sandboxID, sdkOpts(c, KEY_C));
     const r = await sbx.commands.run("md5sum /data/filler; cat /etc/motd", { timeoutMs: 300_000 });
     expect(r.stdout).toBe(`${new Bun.CryptoHasher("md5").update(filler).digest("hex")}  /data/filler\nmade on node A\n`);
     // Counted on both ends: at least the file's bytes crossed from A to C over iroh.
     const metric = async (n: NodeProc, name: string) => Number(new RegExp(`^${name} (\\d+)$`, "m").exec(await (await fetch(`${n.base}/metrics`)).text())?.[1]);
     expect(await metric(c, "aenv_p2p_fetched_bytes_total")).toBeGreaterThanOrEqual(FILLER_MIB * MiB);
     expect(await metric(a, "aenv_p2p_served_bytes_total")).toBeGreaterThanOrEqual(FILLER_MIB * MiB);
-    await Sandbox.kill(sandboxID, sdk(c, KEY_C));
+    await Sandbox.kill(sandboxID, sdkOpts(c, KEY_C));
   }, 2 * BUILD_MS);
 });

@@ -16,7 +16,7 @@ import { RegistryClient } from "../../src/template/registry.ts";
 import { scratchDir } from "../helpers/tmp.ts";
 import { requestLog, startS3Server, type TestS3 } from "../snapshot/s3_server.ts";
 import { BUSYBOX_CONFIG, busyboxRoot, pushImage, registrySkipReason, registrySuite } from "../template/registry_harness.ts";
-import { FIRST_START_MS, nodeSetup, nodeSkipReason, startNode, stopNode, type NodeProc } from "./harness.ts";
+import { FIRST_START_MS, aenvAt, nodeSetup, nodeSkipReason, postJson, sdkOpts, startNode, stopNode, type NodeProc } from "./harness.ts";
 
 const skip = nodeSkipReason() ?? registrySkipReason();
 const KEY_A = "e2b_" + "d4".repeat(20);
@@ -25,7 +25,6 @@ const BUILD_MS = 10 * 60_000;
 const MiB = 2 ** 20;
 /** A file no sandbox reads: the layers are this much larger than what a boot and a command read. */
 const FILLER_MIB = 48;
-const AENV = join(import.meta.dir, "../../src/cli/aenv.ts");
 const BUCKET = "templates";
 const LOCATION = `s3://${BUCKET}/busybox:1`;
 
@@ -40,14 +39,6 @@ describe.skipIf(!!skip)("a template pushed to S3 by one node, started lazily fro
   let s3: TestS3;
   let a: NodeProc;
   let b: NodeProc;
-  const post = (n: NodeProc, key: string, path: string, body: unknown) =>
-    fetch(`${n.base}${path}`, { method: "POST", body: JSON.stringify(body), headers: { "x-api-key": key, "content-type": "application/json" } });
-  const sdk = (n: NodeProc, key: string) => ({ apiKey: key, apiUrl: n.base, sandboxUrl: n.base, requestTimeoutMs: 180_000 });
-  const aenv = async (args: string[]) => {
-    const p = Bun.spawn([process.execPath, AENV, ...args, "--url", a.base, "--api-key", KEY_A], { stdout: "pipe", stderr: "pipe", timeout: BUILD_MS });
-    const [out, err] = await Promise.all([new Response(p.stdout).text(), new Response(p.stderr).text()]);
-    return { code: await p.exited, out, err };
-  };
   /** Bytes s3rver answered GETs of these layers' blobs with. */
   const layerBytesServed = async (digests: string[]) => {
     const keys = new Set(digests.map((d) => `/${BUCKET}/busybox/blobs/sha256/${d.slice(7)}`));
@@ -82,11 +73,11 @@ describe.skipIf(!!skip)("a template pushed to S3 by one node, started lazily fro
     await pushImage(new RegistryClient({ dockerConfigPath: null }), image, { layers: [root], config: BUSYBOX_CONFIG, compression: "none" });
 
     // A: a template of the image (pulled and converted, booted once), then pushed to S3.
-    const made = await post(a, KEY_A, "/sandboxes-cold", { image });
+    const made = await postJson(a, KEY_A, "/sandboxes-cold", { image });
     expect(made.status).toBe(201);
     const { sandboxID: first, templateID } = (await made.json()) as { sandboxID: string; templateID: string };
-    await Sandbox.kill(first, sdk(a, KEY_A));
-    const pushed = await aenv(["push", templateID, LOCATION, "--json"]);
+    await Sandbox.kill(first, sdkOpts(a, KEY_A));
+    const pushed = await aenvAt(a, KEY_A, ["push", templateID, LOCATION, "--json"], BUILD_MS);
     expect({ code: pushed.code, err: pushed.err }).toMatchObject({ code: 0 });
     const answer = JSON.parse(pushed.out) as { ref: string; manifestDigest: string; layers: { digest: string; size: number; uploaded: boolean }[] };
     expect(answer.ref).toBe(LOCATION);
@@ -95,15 +86,15 @@ describe.skipIf(!!skip)("a template pushed to S3 by one node, started lazily fro
     const index = JSON.parse(await raw.file("busybox/index.json").text()) as { manifests: { digest: string }[] };
     expect(index.manifests.map((m) => m.digest)).toEqual([answer.manifestDigest]);
     // Pushed again: every blob is there (HEAD), nothing is sent; the plain answer is LOCATION@DIGEST.
-    const again = await aenv(["push", templateID, LOCATION]);
+    const again = await aenvAt(a, KEY_A, ["push", templateID, LOCATION], BUILD_MS);
     expect(again.code).toBe(0);
     expect(again.out).toBe(`${LOCATION}@${answer.manifestDigest}\n`);
     expect(again.err).toContain(": already there");
     // Credentials in the request are refused for S3; a bucket that does not exist is a 404.
-    const withCreds = await post(a, KEY_A, `/templates/${templateID}/push`, { ref: LOCATION, username: "u", password: "p" });
+    const withCreds = await postJson(a, KEY_A, `/templates/${templateID}/push`, { ref: LOCATION, username: "u", password: "p" });
     expect(withCreds.status).toBe(400);
     expect(((await withCreds.json()) as { message: string }).message).toContain("node's S3 settings");
-    expect((await post(a, KEY_A, `/templates/${templateID}/push`, { ref: "s3://no-such-bucket/x" })).status).toBe(404);
+    expect((await postJson(a, KEY_A, `/templates/${templateID}/push`, { ref: "s3://no-such-bucket/x" })).status).toBe(404);
 
     const digests = answer.layers.map((l) => l.digest);
     const layerBytes = answer.layers.reduce((s, l) => s + l.size, 0);
@@ -112,11 +103,11 @@ describe.skipIf(!!skip)("a template pushed to S3 by one node, started lazily fro
 
     // B: a sandbox from the S3 location, its layers read lazily from S3.
     const t0 = performance.now();
-    const onB = await post(b, KEY_B, "/sandboxes-cold", { image: LOCATION });
+    const onB = await postJson(b, KEY_B, "/sandboxes-cold", { image: LOCATION });
     const onBText = await onB.text();
     expect({ status: onB.status, body: onBText }).toMatchObject({ status: 201 });
     const sb = JSON.parse(onBText) as { sandboxID: string; templateID: string };
-    const sbx = await Sandbox.connect(sb.sandboxID, sdk(b, KEY_B));
+    const sbx = await Sandbox.connect(sb.sandboxID, sdkOpts(b, KEY_B));
     const r = await sbx.commands.run("pwd; echo $FOO; cat /etc/motd");
     const firstMs = performance.now() - t0;
     expect(r.stdout).toBe("/work\nbar\nmade on node A\n");
@@ -134,10 +125,10 @@ describe.skipIf(!!skip)("a template pushed to S3 by one node, started lazily fro
     const records = rows.map((row) => Object.values(row as object).map(String).join(" ")).join("\n");
     expect(records).toContain(`"kind":"s3"`);
     expect(records).not.toContain("S3RVER");
-    await Sandbox.kill(sb.sandboxID, sdk(b, KEY_B));
+    await Sandbox.kill(sb.sandboxID, sdkOpts(b, KEY_B));
 
     // A location with no image is refused, naming it.
-    const none = await post(b, KEY_B, "/sandboxes-cold", { image: `s3://${BUCKET}/nothing-here` });
+    const none = await postJson(b, KEY_B, "/sandboxes-cold", { image: `s3://${BUCKET}/nothing-here` });
     expect(none.status).toBe(400);
     expect(((await none.json()) as { message: string }).message).toContain("nothing-here");
   }, 3 * BUILD_MS);

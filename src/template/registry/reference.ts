@@ -103,3 +103,20 @@ export function parseImageRef(s: string): ImageRef {
   if (digest !== undefined) ref.digest = digest;
   return ref;
 }
+
+/** A registry blob URL's repository (`…/v2/<name>/blobs/<digest>`), or undefined for any other URL. */
+export function blobRepository(url: string): { ref: ImageRef; digest: string } | undefined {
+  let u: URL;
+  try {
+    u = new URL(url);
+  } catch {
+    return undefined;
+  }
+  const m = /^\/v2\/(.+)\/blobs\/(sha256:[0-9a-f]{64})$/.exec(u.pathname);
+  if (!m) return undefined;
+  try {
+    return { ref: parseImageRef(`${u.host}/${m[1]}@${m[2]}`), digest: m[2]! };
+  } catch {
+    return undefined;
+  }
+}
