@@ -2,8 +2,8 @@
 // either a whole memory image (a cold-booted VM's RAM file: the base layer) or the pages a paused
 // VM dirtied, read from its VMM's /proc/<pid>/mem (a delta layer, stacked on the image's).
 // Non-zero pages are data; an all-zero page is a hole in a base layer and a zero segment in a
-// delta (it must mask the page below). Work goes in 1 MiB steps, each awaited, so blockd keeps
-// serving its devices meanwhile.
+// delta (it must mask the page below). Work goes in 1 MiB steps; blockd runs it on a memory writer
+// thread (memory_writer.ts), whose waits on each write and sync hold no other call.
 
 import { type FileHandle, open, rename, rm, stat } from "node:fs/promises";
 import { LocalFile } from "../storage/local_file.ts";

@@ -18,6 +18,12 @@ export class BlockdError extends Error {
   }
 }
 
+/** An error as a reply carries it: a BlockdError's code, else the error's name ("Internal" for a plain Error). */
+export function errorOf(e: unknown): { code: string; message: string } {
+  const err = e as Error;
+  return { code: e instanceof BlockdError ? e.code : err.name && err.name !== "Error" ? err.name : "Internal", message: err.message };
+}
+
 export interface Request {
   v: number;
   id: number;

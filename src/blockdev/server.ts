@@ -8,7 +8,8 @@ import type { Socket } from "bun";
 import { umount2, MNT_DETACH, SyscallError } from "../../ffi/libc.ts";
 import { loopAttach, loopDetach } from "../../ffi/loop.ts";
 import { type ImageConfig, type LayerRef, parseImageConfig, resolveLayerPath } from "../storage/image_config.ts";
-import { type MemorySource, writeMemoryLayer } from "./memory_layer.ts";
+import type { MemorySource } from "./memory_layer.ts";
+import { MemoryWriter } from "./memory_writer.ts";
 import { WRITABLE_DATA, WRITABLE_INDEX, WritableLayer } from "../storage/lsmt/writable_layer.ts";
 import { DeviceHandle } from "./device.ts";
 import { ID_RE, TableWriter, fuseDevicePath, loadDeviceTable } from "./device_table.ts";
@@ -20,7 +21,7 @@ import { Image } from "../storage/image.ts";
 import { UblkControl } from "./ublk/control.ts";
 import { UblkDevice } from "./ublk/frontend.ts";
 import { TRACE_DEFAULT_MS, TRACE_GRANULE, TRACE_MAX_ENTRIES, TRACE_MAX_FILE, TRACE_MAX_MS, TraceError, checkGranule, decodeTrace, encodeTrace } from "./trace.ts";
-import { BlockdError, FrameReader, FrameWriter, PROTOCOL_VERSION, encodeFrame, type Reply, type Request } from "./protocol.ts";
+import { BlockdError, FrameReader, FrameWriter, PROTOCOL_VERSION, encodeFrame, errorOf, type Reply, type Request } from "./protocol.ts";
 
 
 export interface BlockdOptions {
@@ -105,6 +106,7 @@ export class Blockd {
   readonly frontend: "fuse" | "ublk";
   private ublkCtrl: UblkControl | undefined;
   private readonly table: TableWriter;
+  private readonly memoryWriter = new MemoryWriter();
 
   private constructor(readonly opts: BlockdOptions) {
     this.socketPath = join(opts.stateDir, "blockd.sock");
@@ -968,7 +970,7 @@ export class Blockd {
       from = { pid: f.pid as number, address: f.address as number, pagesFile: f.pagesFile };
     else throw new BlockdError("BadRequest", `"from" must be {file} or {pid, address, pagesFile} with absolute paths`);
     if (p.zfile !== undefined && p.zfile !== "zstd" && p.zfile !== "lz4") throw new BlockdError("BadRequest", `"zfile" must be "zstd" or "lz4"`);
-    return writeMemoryLayer(p.out, p.size as number, from, p.zfile as "zstd" | "lz4" | undefined);
+    return this.memoryWriter.write({ out: p.out, size: p.size as number, from, zfile: p.zfile as "zstd" | "lz4" | undefined });
   }
 
   /** Note the device's first reads from now on (trace.ts): granule, maxEntries and forMs bound it. */
@@ -1196,11 +1198,6 @@ const ABOVE_BYTES = 16384;
 const BLANK_ABOVE = " ".repeat(ABOVE_BYTES);
 /** How long shutdown lets calls under way finish (a restack's seal, a device start) before it stops devices. */
 const SHUTDOWN_WAIT_MS = 30_000;
-
-function errorOf(e: unknown): { code: string; message: string } {
-  const err = e as Error;
-  return { code: e instanceof BlockdError ? e.code : err.name && err.name !== "Error" ? err.name : "Internal", message: err.message };
-}
 
 /** A reply that cannot be encoded (too large) goes as its error; a peer that does not read is cut off. */
 function reply(s: Socket<Conn>, r: Reply): void {

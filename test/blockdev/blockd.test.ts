@@ -1,7 +1,7 @@
 // blockd on the FUSE frontend, for real: loop devices, ext4, restack under a mounted filesystem,
 // shared read-only devices, the warm pool, and bad input that must not disturb other devices.
 import { describe, expect, test } from "bun:test";
-import { mkdirSync, readFileSync, writeFileSync, openSync, readSync, closeSync } from "node:fs";
+import { mkdirSync, readFileSync, readdirSync, writeFileSync, openSync, readSync, closeSync } from "node:fs";
 import { join } from "node:path";
 import { sha256 } from "../helpers/tmp.ts";
 import { haveFuse, haveLoop, makeLayer, readAll, sh, startBlockd } from "./harness.ts";
@@ -128,6 +128,45 @@ describe.skipIf(!canRun)("blockd (FUSE frontend)", async () => {
     expect(readAll(d3.path, 4096)[0]).toBe(0xa1);
     await client.call("release", { id: d3.id });
   }, 30_000);
+
+  test("memory layers are written on the writer threads: racing writes each get their own bytes, errors keep their codes, and other calls are answered meanwhile", async () => {
+    const MiB = 1 << 20;
+    const images = [0x11, 0x22, 0x33].map((fill, k) => {
+      const path = join(dir, `mem-${k}.raw`);
+      const bytes = new Uint8Array(8 * MiB);
+      bytes.fill(fill, 0, 2 * MiB); // then 2 MiB of zeros, left out of a base layer
+      bytes.fill(fill + 1, 4 * MiB);
+      writeFileSync(path, bytes);
+      return path;
+    });
+    let answered = 0;
+    let writing = true;
+    const others = (async () => {
+      while (writing) {
+        await client.call("list");
+        answered++;
+      }
+    })();
+    // Three at once: two run on the writer threads, one waits for a thread.
+    const results = await Promise.all(images.map((file, k) => client.call<{ dataPages: number; zeroPages: number }>("memoryLayer", { out: join(dir, `mem-${k}.layer`), size: 8 * MiB, from: { file } })));
+    writing = false;
+    await others;
+    expect(answered).toBeGreaterThan(0);
+    for (const r of results) expect(r).toMatchObject({ dataPages: 1536, zeroPages: 512 });
+    for (const [k, fill] of [0x11, 0x22, 0x33].entries()) {
+      const d = await client.call("acquire", { lowers: [join(dir, `mem-${k}.layer`)] });
+      expect(readAll(d.path, 4096)[0]).toBe(fill);
+      expect(readAll(d.path, 4096, 3 * MiB).every((b) => b === 0)).toBe(true);
+      expect(readAll(d.path, 4096, 5 * MiB).every((b) => b === fill + 1)).toBe(true);
+      await client.call("release", { id: d.id });
+    }
+    // Errors thrown on a writer thread come back as blockd's own, and leave nothing at `out`.
+    const err = (p: Promise<unknown>) => p.then(() => undefined, (e: { code?: string }) => e.code);
+    expect(await err(client.call("memoryLayer", { out: join(dir, "bad-size.layer"), size: 4 * MiB, from: { file: images[0] } }))).toBe("BadRequest");
+    expect(await err(client.call("memoryLayer", { out: join(dir, "bad-pid.layer"), size: 4 * MiB, from: { pid: 2 ** 30, address: 0, pagesFile: images[0] } }))).toBe("NotFound");
+    expect(await err(client.call("memoryLayer", { out: join(dir, "bad-size.layer"), size: 4097, from: { file: images[0] } }))).toBe("BadRequest");
+    for (const f of readdirSync(dir)) expect(f.startsWith("bad-")).toBe(false);
+  }, 60_000);
 
   test("bad input gets a typed error and blockd keeps serving other devices", async () => {
     const keep = await client.call("create", { upperDir: join(dir, "keep"), size: 1 << 20 });
