@@ -124,6 +124,12 @@ export class Blockd {
   private devPath(id: string): string {
     return fuseDevicePath(this.opts.stateDir, id);
   }
+  /** The warm-up's sealed layer, once made. */
+  private warmUpLayer: Promise<string> | undefined;
+  /** Pool workers' warm-up scratch. */
+  private get warmUpDir(): string {
+    return join(this.opts.stateDir, "warm-up");
+  }
   /** A prepared device's own folder: its fresh upper (`upper/`), then the crumb of its acquire. */
   private preparedDir(id: string): string {
     return join(this.opts.stateDir, "prepared", id);
@@ -135,6 +141,9 @@ export class Blockd {
     mkdirSync(join(b.opts.stateDir, "dev"), { recursive: true });
     mkdirSync(join(b.opts.stateDir, "prepared"), { recursive: true });
     lockState(b.opts.stateDir); // held (its fd open) until this process ends; before the keeper, which only we start
+    // Scratch of pool devices' warm-up: what a blockd that died left is nobody's.
+    rmSync(b.warmUpDir, { recursive: true, force: true });
+    mkdirSync(b.warmUpDir, { recursive: true });
     b.keeper = await KeeperClient.ensure(b.opts.stateDir);
     try {
       await b.recover();
@@ -197,7 +206,9 @@ export class Blockd {
    * where. The rename is what an acquire commits on, so such a device comes back acquired.
    */
   private settlePrepared(rec: DeviceRecord): void {
-    if (rec.kind !== "pool" || rec.acquired || !rec.config || rec.config.upper) return;
+    if (rec.kind !== "pool" || rec.acquired) return;
+    if (!rec.config) return this.settleAcquired(rec);
+    if (rec.config.upper) return;
     const dir = this.preparedDir(rec.id);
     let upperDir: string | undefined;
     if (!existsSync(join(dir, PREPARED_UPPER))) {
@@ -220,6 +231,32 @@ export class Blockd {
     } else {
       rec.config = null;
       rec.readOnly = true;
+    }
+  }
+
+  /**
+   * A plain pool entry (no image) that an acquire had taken before its table entry was written:
+   * the crumb in its folder (writeAcquiredCrumb) holds the image it was given, so it comes back
+   * acquired with it. One that cannot be read comes back failed: a VM may be reading it.
+   */
+  private settleAcquired(rec: DeviceRecord): void {
+    let text: string;
+    try {
+      text = readFileSync(join(this.preparedDir(rec.id), ACQUIRED_IMAGE), "utf8");
+    } catch {
+      return;
+    }
+    try {
+      const crumb = JSON.parse(text) as { config: unknown; readOnly: unknown };
+      if (typeof crumb.readOnly !== "boolean") throw new Error(`"readOnly" is not a boolean`);
+      rec.config = parseImageConfig(crumb.config);
+      rec.readOnly = crumb.readOnly;
+      rec.acquired = true;
+      console.error(`blockd: pool device ${rec.id} had been acquired (its crumb says so); it comes back acquired`);
+    } catch (e) {
+      rec.state = "failed";
+      rec.reason = `its acquire's crumb ${ACQUIRED_IMAGE} is unreadable: ${(e as Error).message}`;
+      rec.acquired = true;
     }
   }
 
@@ -615,10 +652,38 @@ export class Blockd {
     this.filling ??= (async () => {
       while (!this.closing && idle() < (this.opts.pool ?? 0)) {
         const id = this.newId("pool");
-        await this.addDevice({ id, kind: "pool", path: this.devPath(id), config: null, readOnly: true, refs: 0 }, false);
+        this.busy.add(id); // nobody takes it before its warm-up is over
+        try {
+          await this.addDevice({ id, kind: "pool", path: this.devPath(id), config: null, readOnly: true, refs: 0 }, false);
+          await this.warmUp(this.devices.get(id)!);
+        } finally {
+          this.busy.delete(id);
+        }
       }
     })().finally(() => (this.filling = undefined));
     return this.filling;
+  }
+
+  /**
+   * A new pool device's worker runs an acquire's swap once, over a small layer with a held upper,
+   * and back: a thread compiles each function at its first call, and a fresh device's first
+   * acquire had cost 15–20 ms more than a later one. Best effort: a failure is logged only.
+   */
+  private async warmUp(dev: Device): Promise<void> {
+    const at = join(this.warmUpDir, dev.rec.id);
+    const hold = { data: `${at}.data`, index: `${at}.index`, size: WARM_UP_BYTES };
+    try {
+      this.warmUpLayer ??= writeWarmUpLayer(join(this.warmUpDir, "layer"));
+      await dev.handle.swap({ lowers: [{ file: await this.warmUpLayer }] }, true, hold);
+      await dev.handle.swap(null, true);
+    } catch (e) {
+      this.warmUpLayer = undefined; // made again by the next one
+      console.error(`blockd: device ${dev.rec.id}: warm-up: ${(e as Error).message}`);
+      if (!dev.handle.failure) await dev.handle.swap(null, true).catch(() => {});
+    } finally {
+      await rm(hold.data, { force: true });
+      await rm(hold.index, { force: true });
+    }
   }
 
   /**
@@ -666,28 +731,52 @@ export class Blockd {
       }
       const { dev, cold } = await this.reserveIdle();
       let removeUpper: (() => Promise<void>) | undefined;
+      let swapped = false;
       try {
         // An upper that exists is reattached as it is (a sandbox acquiring its own disk again); a
         // missing one the worker makes (LocalFile's syncs would block this loop).
         const make = config.upper !== undefined && !(await exists(config.upper.data));
         if (make) removeUpper = await upperFolder(checkUpperDir(p.upperDir));
         await dev.handle.swap(config, readOnly, undefined, make ? size : undefined);
+        swapped = true;
+        // The crumb commits, here on this loop (a small write and a rename: 0.05–0.5 ms, where the
+        // table's write and sync took 2–20 ms among running guests): a blockd that dies before the
+        // table names the device finds it (settleAcquired). The table write follows the reply.
+        writeAcquiredCrumb(this.preparedDir(dev.rec.id), { config, readOnly });
         dev.rec.acquired = true;
         dev.rec.config = config;
         dev.rec.readOnly = readOnly;
-        await this.saveTable();
       } catch (e) {
+        if (swapped) await dev.handle.swap(null, true).catch(() => {});
         await removeUpper?.();
         if (cold) await this.dropCold(dev);
         throw e;
       } finally {
         this.busy.delete(dev.rec.id);
       }
+      this.commitLater(dev);
       void this.fillPool().catch((e) => console.error(`blockd: pool refill: ${e.message}`));
       return { ...this.view(dev.rec, dev.handle.size), prepared: false };
     } finally {
       unclaimUpper();
     }
+  }
+
+  /**
+   * An acquire committed by its crumb is recorded in the table once its reply has gone out
+   * (setImmediate runs after the microtasks that send it), then its folder goes; release and
+   * remove wait for that.
+   */
+  private commitLater(dev: Device): void {
+    const id = dev.rec.id;
+    const committing = afterReply()
+      .then(() => this.saveTable())
+      .then(() => rm(this.preparedDir(id), { recursive: true, force: true }))
+      .catch((e) => console.error(`blockd: recording the acquire of ${id}: ${(e as Error).message}; its crumb stays`))
+      .finally(() => {
+        if (dev.committing === committing) dev.committing = undefined;
+      });
+    dev.committing = committing;
   }
 
   /**
@@ -769,14 +858,7 @@ export class Blockd {
       dev.rec.readOnly = false;
       // The table write and the refill wait for the reply to go out (setImmediate runs after the
       // microtasks that send it): a refill starting a worker here held replies up to 8 ms.
-      const committing = afterReply()
-        .then(() => this.saveTable())
-        .then(() => rm(this.preparedDir(id), { recursive: true, force: true }))
-        .catch((e) => console.error(`blockd: recording the acquire of ${id}: ${(e as Error).message}; its crumb stays`))
-        .finally(() => {
-          if (dev.committing === committing) dev.committing = undefined;
-        });
-      dev.committing = committing;
+      this.commitLater(dev);
       void afterReply().then(() => this.refillPrepared());
       return dev;
     } finally {
@@ -956,6 +1038,8 @@ export class Blockd {
     d.rec.readOnly = true;
     d.releasedAt = ++this.releases;
     const released = this.view(d.rec, 0);
+    // A crumb left by a table write that failed would bring the device back acquired: it goes first.
+    await rm(this.preparedDir(d.rec.id), { recursive: true, force: true });
     await this.saveTable();
     return released;
   }
@@ -1191,6 +1275,8 @@ const PREPARE_RETRY_MS = 5_000;
 /** In a prepared device's folder: its fresh upper, and (once acquired) the link to where it went. */
 const PREPARED_UPPER = "upper";
 const ACQUIRED_CRUMB = "acquired";
+/** A plain pool device's acquire, until the table names it: the image it was given. */
+const ACQUIRED_IMAGE = "acquired.json";
 /** In a prepared folder: the lowers an acquire stacks above the prepared ones (JSON), written before its rename. */
 const ABOVE_LOWERS = "above.json";
 /** above.json is made this long and blank (spaces) at prepare: an acquire overwrites it in place, a data-only sync. */
@@ -1266,6 +1352,31 @@ function settleNow(fn: () => void): PromiseSettledResult<void> {
 }
 
 /** After the current macrotask's microtasks (a reply being sent among them). */
+/** Virtual size of the warm-up's layer and held upper. */
+const WARM_UP_BYTES = 1 << 20;
+
+/** The warm-up's layer: one written block, sealed (a fresh file each start). */
+async function writeWarmUpLayer(path: string): Promise<string> {
+  const layer = await WritableLayer.create(`${path}.tmp`, `${path}.tmp.index`, { virtualSize: WARM_UP_BYTES });
+  try {
+    await layer.write(new Uint8Array(4096).fill(1), 0);
+    await layer.seal();
+  } finally {
+    await layer.close();
+    await rm(`${path}.tmp.index`, { force: true });
+  }
+  await rename(`${path}.tmp`, path);
+  return path;
+}
+
+/** The crumb of a plain pool device's acquire (see settleAcquired): written whole, then renamed in. */
+function writeAcquiredCrumb(dir: string, crumb: { config: ImageConfig; readOnly: boolean }): void {
+  mkdirSync(dir, { recursive: true });
+  const at = join(dir, ACQUIRED_IMAGE);
+  writeFileSync(`${at}.tmp`, JSON.stringify(crumb));
+  renameSync(`${at}.tmp`, at);
+}
+
 function afterReply(): Promise<void> {
   return new Promise((r) => setImmediate(r));
 }

@@ -54,19 +54,16 @@ export class Image {
 
   /** The config's lowers from position `from` on, opened; all or none (a failure closes those opened). */
   static async openLowers(config: ImageConfig, from: number, opts: { remoteIo?: IoLimiter } = {}): Promise<ReadOnlyLayer[]> {
-    const lowers: ReadOnlyLayer[] = [];
-    try {
-      for (let i = from; i < config.lowers.length; i++) {
-        const ref = config.lowers[i]!;
-        const path = resolveLayerPath(ref, i);
-        if (path.startsWith(REMOTE_PREFIX)) registerRemoteLayer(await handleFromSpec(ref.digest as LayerDigest, ref.size!, ref.remote!));
-        lowers.push(await openLayerFile(path, opts));
-      }
-      return lowers;
-    } catch (e) {
-      for (const l of lowers) await l.close();
-      throw e;
-    }
+    // All at once (at most MAX_LOWERS, checked with the config): a stack opens in one layer's round trips.
+    const opened = await Promise.allSettled(config.lowers.slice(from).map(async (ref, k) => {
+      const path = resolveLayerPath(ref, from + k);
+      if (path.startsWith(REMOTE_PREFIX)) registerRemoteLayer(await handleFromSpec(ref.digest as LayerDigest, ref.size!, ref.remote!));
+      return openLayerFile(path, opts);
+    }));
+    const failed = opened.find((r) => r.status === "rejected");
+    if (!failed) return opened.map((r) => (r as PromiseFulfilledResult<ReadOnlyLayer>).value);
+    for (const r of opened) if (r.status === "fulfilled") await r.value.close();
+    throw failed.reason;
   }
 
   get upper(): WritableLayer | undefined {

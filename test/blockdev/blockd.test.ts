@@ -1,10 +1,10 @@
 // blockd on the FUSE frontend, for real: loop devices, ext4, restack under a mounted filesystem,
 // shared read-only devices, the warm pool, and bad input that must not disturb other devices.
 import { describe, expect, test } from "bun:test";
-import { mkdirSync, readFileSync, readdirSync, writeFileSync, openSync, readSync, closeSync } from "node:fs";
+import { mkdirSync, readFileSync, readdirSync, rmSync, writeFileSync, openSync, readSync, closeSync } from "node:fs";
 import { join } from "node:path";
 import { sha256 } from "../helpers/tmp.ts";
-import { haveFuse, haveLoop, makeLayer, readAll, sh, startBlockd } from "./harness.ts";
+import { haveFuse, haveLoop, makeLayer, readAll, sh, startBlockd, until } from "./harness.ts";
 import { FrameReader, encodeFrame } from "../../src/blockdev/protocol.ts";
 
 const canRun = haveFuse && haveLoop;
@@ -13,7 +13,7 @@ if (!canRun) console.log("blockd tests skipped: they need root, /dev/fuse and /d
 describe.skipIf(!canRun)("blockd (FUSE frontend)", async () => {
   // bun runs a skipped describe's body: start nothing there, and show why it skipped.
   if (!canRun) return void test.skip("needs root, /dev/fuse and /dev/loop-control", () => {});
-  const { dir, client } = await startBlockd("blockd", { pool: 1 });
+  const { dir, state, client } = await startBlockd("blockd", { pool: 1 });
   const SIZE = 64 << 20;
 
   test("ext4 on a 3-layer stack: restack while mounted, then reopen the stack and verify every file", async () => {
@@ -166,6 +166,28 @@ describe.skipIf(!canRun)("blockd (FUSE frontend)", async () => {
     expect(await err(client.call("memoryLayer", { out: join(dir, "bad-pid.layer"), size: 4 * MiB, from: { pid: 2 ** 30, address: 0, pagesFile: images[0] } }))).toBe("NotFound");
     expect(await err(client.call("memoryLayer", { out: join(dir, "bad-size.layer"), size: 4097, from: { file: images[0] } }))).toBe("BadRequest");
     for (const f of readdirSync(dir)) expect(f.startsWith("bad-")).toBe(false);
+  }, 60_000);
+
+  test("new pool devices warm up (a swap over a small layer and back) and keep no scratch; a warm-up that fails is logged and its device still serves", async () => {
+    const warm = join(state, "warm-up");
+    const l1 = await makeLayer(join(dir, "warm-a.sealed"), 1 << 20, 0, new Uint8Array(4096).fill(0xc3));
+    const idle = async () => (await client.call("list")).filter((d: { kind: string; acquired: boolean; config: unknown }) => d.kind === "pool" && !d.acquired && !d.config);
+    await until(async () => (await idle()).length >= 1, "an idle pool device");
+    // Each warm-up's held upper goes; its one sealed layer stays for the next.
+    await until(() => readdirSync(warm).join() === "layer", "the warm-up's scratch files to go", 10_000);
+    // A warm-up that cannot make its files: past the idle devices, an acquire starts a worker, whose device serves.
+    rmSync(warm, { recursive: true });
+    writeFileSync(warm, "in the way");
+    const taken: { id: string; path: string }[] = [];
+    try {
+      for (let n = (await idle()).length; n >= 0; n--) taken.push(await client.call("acquire", { lowers: [l1] }));
+      await until(() => readFileSync(join(state, "blockd.log"), "utf8").includes("warm-up:"), "the failed warm-up in the log");
+      for (const d of taken) expect(readAll(d.path, 4096).every((b) => b === 0xc3)).toBe(true);
+    } finally {
+      for (const d of taken) await client.call("release", { id: d.id });
+      rmSync(warm, { force: true });
+      mkdirSync(warm);
+    }
   }, 60_000);
 
   test("bad input gets a typed error and blockd keeps serving other devices", async () => {

@@ -35,15 +35,17 @@ export class ReadOnlyLayer {
     const name = file.name;
     const size = file.size();
     if (size < 2 * HT_SPACE) throw new TruncatedError(`${size} bytes is too small for an LSMT layer`, name, 0);
+    // Header and trailer at once: one submit for a local file, both ranges in flight for a remote one.
     const hb = new Uint8Array(HT_SPACE);
-    if ((await file.pread(hb, 0)) !== HT_SPACE) throw new TruncatedError("short read of the header", name, 0);
+    const tb = new Uint8Array(HT_SPACE);
+    const toff = size - HT_SPACE;
+    const [gotHead, gotTrailer] = await Promise.all([file.pread(hb, 0), file.pread(tb, toff)]);
+    if (gotHead !== HT_SPACE) throw new TruncatedError("short read of the header", name, 0);
     const header = decodeHeader(hb, name, 0);
     const flags = (h: HeaderTrailer) => `0x${h.flags.toString(16)}`;
     if (!(header.flags & FLAG_HEADER) || !(header.flags & FLAG_DATA))
       throw new FieldError("header flags", flags(header), "do not say data header (bits 0x03)", name, HT_FIELD.flags);
-    const toff = size - HT_SPACE;
-    const tb = new Uint8Array(HT_SPACE);
-    if ((await file.pread(tb, toff)) !== HT_SPACE) throw new TruncatedError("short read of the trailer", name, toff);
+    if (gotTrailer !== HT_SPACE) throw new TruncatedError("short read of the trailer", name, toff);
     const trailer = decodeHeader(tb, name, toff);
     if (trailer.flags & FLAG_HEADER || !(trailer.flags & FLAG_DATA) || !(trailer.flags & FLAG_SEALED))
       throw new FieldError("trailer flags", flags(trailer), "do not say sealed data trailer (bits 0x06, 0x01 clear)", name, toff + HT_FIELD.flags);
