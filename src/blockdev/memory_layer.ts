@@ -34,22 +34,27 @@ function zeroPage(words: Uint32Array, at: number): boolean {
   return true;
 }
 
+/** The files a write of `out` works in until it renames its result to `out`: data, index, ZFile. */
+export function memoryLayerScratch(out: string): { data: string; index: string; zfile: string } {
+  return { data: `${out}.tmp.data`, index: `${out}.tmp.index`, zfile: `${out}.tmp.zfile` };
+}
+
 /**
  * Writes `out` (a sealed layer of `size` bytes) from `from`, compressed as a ZFile of 4 KiB blocks
  * when `zfile` names an algorithm; the file appears only when complete.
  */
 export async function writeMemoryLayer(out: string, size: number, from: MemorySource, zfile?: ZFileAlgorithm): Promise<MemoryLayerResult> {
   if (!Number.isInteger(size) || size <= 0 || size % PAGE !== 0 || size > MAX_SIZE) throw new BlockdError("BadRequest", `memory size ${size} is not a positive multiple of ${PAGE}`);
-  const tmp = `${out}.tmp`;
-  const layer = await WritableLayer.create(`${tmp}.data`, `${tmp}.index`, { virtualSize: size });
+  const tmp = memoryLayerScratch(out);
+  const layer = await WritableLayer.create(tmp.data, tmp.index, { virtualSize: size });
   const delta = "pid" in from;
   let src: FileHandle;
   try {
     src = await open(delta ? `/proc/${from.pid}/mem` : from.file, "r");
   } catch (e) {
     await layer.close();
-    await rm(`${tmp}.data`, { force: true });
-    await rm(`${tmp}.index`, { force: true });
+    await rm(tmp.data, { force: true });
+    await rm(tmp.index, { force: true });
     throw new BlockdError("NotFound", `cannot read the memory of ${delta ? `process ${from.pid}` : from.file}: ${(e as Error).message}`);
   }
   const buf = new Uint8Array(STEP);
@@ -100,29 +105,29 @@ export async function writeMemoryLayer(out: string, size: number, from: MemorySo
   } catch (e) {
     await layer.close().catch(() => {});
     await src.close();
-    await rm(`${tmp}.data`, { force: true });
-    await rm(`${tmp}.index`, { force: true });
+    await rm(tmp.data, { force: true });
+    await rm(tmp.index, { force: true });
     throw e;
   }
   await layer.close();
   await src.close();
-  await rm(`${tmp}.index`, { force: true });
+  await rm(tmp.index, { force: true });
   if (zfile) {
-    const sealed = LocalFile.open(`${tmp}.data`);
-    const packed = LocalFile.open(`${tmp}.zfile`, { write: true, create: true });
+    const sealed = LocalFile.open(tmp.data);
+    const packed = LocalFile.open(tmp.zfile, { write: true, create: true });
     try {
       await writeZFile(sealed, packed, { algorithm: zfile, headerOverwrite: true });
       await packed.fdatasync();
     } catch (e) {
-      await rm(`${tmp}.zfile`, { force: true });
+      await rm(tmp.zfile, { force: true });
       throw e;
     } finally {
       await sealed.close();
       await packed.close();
-      await rm(`${tmp}.data`, { force: true });
+      await rm(tmp.data, { force: true });
     }
-    await rename(`${tmp}.zfile`, out);
-  } else await rename(`${tmp}.data`, out);
+    await rename(tmp.zfile, out);
+  } else await rename(tmp.data, out);
   result.bytes = (await stat(out)).size;
   return result;
 }

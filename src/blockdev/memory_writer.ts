@@ -5,7 +5,7 @@
 // bound (MEMORY_WRITE_TIMEOUT_MS), past which its thread is retired and another takes its place.
 
 import { rm } from "node:fs/promises";
-import type { MemoryLayerResult, MemorySource } from "./memory_layer.ts";
+import { type MemoryLayerResult, type MemorySource, memoryLayerScratch } from "./memory_layer.ts";
 import { BlockdError } from "./protocol.ts";
 import type { ZFileAlgorithm } from "../storage/zfile.ts";
 
@@ -73,7 +73,7 @@ export class MemoryWriter {
       this.idle.push(w);
       this.pump();
     };
-    worker.onerror = (ev: ErrorEvent) => this.retire(w, `its thread failed: ${ev.message}`);
+    worker.onerror = (ev: ErrorEvent) => this.retire(w, "Io", `its thread failed: ${ev.message}`);
     return w;
   }
 
@@ -88,11 +88,11 @@ export class MemoryWriter {
   /** A write past its bound: its caller hears so, its thread (maybe stuck in a syscall) is left to end. */
   private timedOut(w: Writer): void {
     const out = w.job?.job.out;
-    this.retire(w, `did not finish within ${MEMORY_WRITE_TIMEOUT_MS} ms`);
-    if (out) for (const x of [".tmp.data", ".tmp.index", ".tmp.zfile"]) void rm(out + x, { force: true }).catch(() => {});
+    this.retire(w, "Timeout", `did not finish within ${MEMORY_WRITE_TIMEOUT_MS} ms`);
+    if (out) for (const f of Object.values(memoryLayerScratch(out))) void rm(f, { force: true }).catch(() => {});
   }
 
-  private retire(w: Writer, why: string): void {
+  private retire(w: Writer, code: "Io" | "Timeout", why: string): void {
     const job = this.finish(w);
     const at = this.idle.indexOf(w);
     if (at >= 0) this.idle.splice(at, 1);
@@ -100,7 +100,7 @@ export class MemoryWriter {
     w.worker.onmessage = null;
     w.worker.onerror = null;
     w.worker.terminate();
-    job?.reject(new BlockdError(why.startsWith("did not") ? "Timeout" : "Io", `memory layer ${job.job.out} ${why}`));
+    job?.reject(new BlockdError(code, `memory layer ${job.job.out} ${why}`));
     this.pump();
   }
 }

@@ -673,7 +673,7 @@ export class Blockd {
     const at = join(this.warmUpDir, dev.rec.id);
     const hold = { data: `${at}.data`, index: `${at}.index`, size: WARM_UP_BYTES };
     try {
-      this.warmUpLayer ??= writeWarmUpLayer(join(this.warmUpDir, "layer"));
+      this.warmUpLayer ??= this.writeWarmUpLayer(join(this.warmUpDir, "layer"));
       await dev.handle.swap({ lowers: [{ file: await this.warmUpLayer }] }, true, hold);
       await dev.handle.swap(null, true);
     } catch (e) {
@@ -684,6 +684,20 @@ export class Blockd {
       await rm(hold.data, { force: true });
       await rm(hold.index, { force: true });
     }
+  }
+
+  /** The warm-up's layer: one written block, sealed by a memory writer (its syncs stay off this loop). */
+  private async writeWarmUpLayer(path: string): Promise<string> {
+    const image = `${path}.raw`;
+    const bytes = new Uint8Array(WARM_UP_BYTES);
+    bytes.fill(1, 0, 4096);
+    await writeFile(image, bytes);
+    try {
+      await this.memoryWriter.write({ out: path, size: WARM_UP_BYTES, from: { file: image } });
+    } finally {
+      await rm(image, { force: true });
+    }
+    return path;
   }
 
   /**
@@ -1351,23 +1365,8 @@ function settleNow(fn: () => void): PromiseSettledResult<void> {
   }
 }
 
-/** After the current macrotask's microtasks (a reply being sent among them). */
 /** Virtual size of the warm-up's layer and held upper. */
 const WARM_UP_BYTES = 1 << 20;
-
-/** The warm-up's layer: one written block, sealed (a fresh file each start). */
-async function writeWarmUpLayer(path: string): Promise<string> {
-  const layer = await WritableLayer.create(`${path}.tmp`, `${path}.tmp.index`, { virtualSize: WARM_UP_BYTES });
-  try {
-    await layer.write(new Uint8Array(4096).fill(1), 0);
-    await layer.seal();
-  } finally {
-    await layer.close();
-    await rm(`${path}.tmp.index`, { force: true });
-  }
-  await rename(`${path}.tmp`, path);
-  return path;
-}
 
 /** The crumb of a plain pool device's acquire (see settleAcquired): written whole, then renamed in. */
 function writeAcquiredCrumb(dir: string, crumb: { config: ImageConfig; readOnly: boolean }): void {
@@ -1377,6 +1376,7 @@ function writeAcquiredCrumb(dir: string, crumb: { config: ImageConfig; readOnly:
   renameSync(`${at}.tmp`, at);
 }
 
+/** After the current macrotask's microtasks (a reply being sent among them). */
 function afterReply(): Promise<void> {
   return new Promise((r) => setImmediate(r));
 }
