@@ -1180,7 +1180,7 @@ export class Blockd {
       unix: this.socketPath,
       socket: {
         open: (s) => {
-          s.data = { reader: new FrameReader(), writer: new FrameWriter(s), inFlight: 0 };
+          s.data = { reader: new FrameReader(), writer: new FrameWriter(s), inFlight: 0, queue: [], draining: false };
         },
         drain: (s) => {
           try {
@@ -1198,13 +1198,18 @@ export class Blockd {
             s.end();
             return;
           }
-          for (const f of frames) void this.serveFrame(s, f);
+          for (const f of frames) this.admit(s, f);
+          this.drain(s);
         },
       },
     });
   }
 
-  private async serveFrame(s: Socket<Conn>, frame: Uint8Array): Promise<void> {
+  /**
+   * A frame checked and counted in flight (at most MAX_IN_FLIGHT per connection, else Busy), then
+   * queued for drain; a malformed one is answered at once.
+   */
+  private admit(s: Socket<Conn>, frame: Uint8Array): void {
     let req: Request;
     try {
       req = JSON.parse(new TextDecoder().decode(frame));
@@ -1217,8 +1222,32 @@ export class Blockd {
     if (s.data.inFlight >= MAX_IN_FLIGHT)
       return reply(s, { v: PROTOCOL_VERSION, id: req.id, error: { code: "Busy", message: `${MAX_IN_FLIGHT} requests already in flight on this connection` } });
     s.data.inFlight++;
+    s.data.queue.push(req);
+  }
+
+  /**
+   * Starts the queued requests in order, one per event-loop turn: a call that finishes on this loop
+   * (a prepared acquire: a symlink and a rename, 0.3–1 ms under running guests) is answered before
+   * the next one starts, where a burst read in one chunk (a fork's children) had every reply wait
+   * for the last one's work.
+   */
+  private drain(s: Socket<Conn>): void {
+    if (s.data.draining) return;
+    const req = s.data.queue.shift();
+    if (!req) return;
+    void this.serve(s, req);
+    if (!s.data.queue.length) return;
+    s.data.draining = true;
+    setImmediate(() => {
+      s.data.draining = false;
+      this.drain(s);
+    });
+  }
+
+  private async serve(s: Socket<Conn>, req: Request): Promise<void> {
     const params = req.params && typeof req.params === "object" ? req.params : {};
-    const run = this.dispatch(req.method, params);
+    // Shutdown waits for the calls running when it began; one queued behind them does not start.
+    const run = this.closing ? Promise.reject(new BlockdError("ShuttingDown", `blockd is shutting down: ${req.method} not started`)) : this.dispatch(req.method, params);
     this.running.add(run);
     try {
       reply(s, { v: PROTOCOL_VERSION, id: req.id, result: await run });
@@ -1268,7 +1297,12 @@ export class Blockd {
 interface Conn {
   reader: FrameReader;
   writer: FrameWriter;
+  /** Requests admitted and not answered yet (queued or running). */
   inFlight: number;
+  /** Admitted requests not started yet, in arrival order (at most MAX_IN_FLIGHT). */
+  queue: Request[];
+  /** A drain turn is scheduled. */
+  draining: boolean;
 }
 
 /** Names traceStop's temp files apart (two stops writing one out at once). */

@@ -247,6 +247,34 @@ describe.skipIf(!canRun)("blockd (FUSE frontend)", async () => {
     expect(got.join()).toContain("VersionMismatch");
     expect(got.join()).toContain("BadRequest");
     raw.close();
+    // A burst in one write: started in order one per turn, at most 64 in flight (the rest Busy at
+    // once), and the count comes back down (a second burst is answered whole).
+    const burst = await BlockdClient.connect(join(dir, "state", "blockd.sock"));
+    const answers: { id: number; result?: unknown; error?: { code: string } }[] = [];
+    const reader = new FrameReader();
+    let wanted = 0;
+    let settle = () => {};
+    (burst as unknown as { onData: (c: Uint8Array) => void }).onData = (c: Uint8Array) => {
+      for (const f of reader.push(c)) answers.push(JSON.parse(new TextDecoder().decode(f)));
+      if (answers.length >= wanted) settle();
+    };
+    const send = (ids: number[]) => {
+      wanted += ids.length;
+      const done = new Promise<void>((r) => (settle = r));
+      const frames = ids.map((id) => encodeFrame({ v: 1, id, method: "hello" }));
+      const all = new Uint8Array(frames.reduce((n, f) => n + f.length, 0));
+      frames.reduce((at, f) => (all.set(f, at), at + f.length), 0);
+      burst.sendRaw(all);
+      return done;
+    };
+    await send(Array.from({ length: 70 }, (_, i) => i + 1));
+    expect(answers.filter((a) => a.error).map((a) => [a.id, a.error!.code])).toEqual([65, 66, 67, 68, 69, 70].map((id) => [id, "Busy"]));
+    expect(answers.filter((a) => a.result).map((a) => a.id)).toEqual(Array.from({ length: 64 }, (_, i) => i + 1));
+    answers.length = 0;
+    wanted = 0;
+    await send(Array.from({ length: 64 }, (_, i) => i + 101));
+    expect(answers.filter((a) => a.result).map((a) => a.id)).toEqual(Array.from({ length: 64 }, (_, i) => i + 101));
+    burst.close();
     // The other device still serves.
     expect(readAll(keep.path, 4096)).toEqual(pattern);
     expect((await client.call("hello")).version).toBe(1);
