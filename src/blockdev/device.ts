@@ -37,13 +37,15 @@ export const DEVICE_CALL_TIMEOUT_MS: Readonly<Record<DeviceCall, number>> = {
 };
 
 /** AENV_BLOCKD_DEVICE_TIMEOUT_MS caps every bound above; test-only, not a node setting. Unset, empty or malformed: none. */
-const TIMEOUT_CAP = timeoutCap(process.env.AENV_BLOCKD_DEVICE_TIMEOUT_MS);
+const TIMEOUT_CAP = testTimeoutCap("AENV_BLOCKD_DEVICE_TIMEOUT_MS");
 
-function timeoutCap(v: string | undefined): number {
+/** A test-only cap on a bound, from environment variable `name` (ms, 1..600000); unset, empty or malformed: none. */
+export function testTimeoutCap(name: string): number {
+  const v = process.env[name];
   if (v === undefined || v === "") return Infinity;
   const n = Number(v);
   if (Number.isInteger(n) && n >= 1 && n <= 600_000) return n;
-  console.error(`blockd: AENV_BLOCKD_DEVICE_TIMEOUT_MS=${v} is not an integer 1..600000; ignored`);
+  console.error(`blockd: ${name}=${v} is not an integer 1..600000; ignored`);
   return Infinity;
 }
 

@@ -6,6 +6,7 @@
 
 import { rm } from "node:fs/promises";
 import { type MemoryLayerResult, type MemorySource, memoryLayerScratch } from "./memory_layer.ts";
+import { testTimeoutCap } from "./device.ts";
 import { BlockdError } from "./protocol.ts";
 import type { ZFileAlgorithm } from "../storage/zfile.ts";
 
@@ -15,6 +16,8 @@ export const MEMORY_WRITERS = 2;
 export const MEMORY_WRITES_QUEUED = 256;
 /** One write's bound: under the client's 120 s for memoryLayer (client.ts). */
 export const MEMORY_WRITE_TIMEOUT_MS = 110_000;
+/** The bound in force: AENV_BLOCKD_MEMORY_TIMEOUT_MS caps it (test-only, not a node setting). */
+const WRITE_TIMEOUT_MS = Math.min(MEMORY_WRITE_TIMEOUT_MS, testTimeoutCap("AENV_BLOCKD_MEMORY_TIMEOUT_MS"));
 
 export interface MemoryWriteJob {
   out: string;
@@ -54,7 +57,7 @@ export class MemoryWriter {
       if (!w) return;
       const next = this.queue.shift()!;
       w.job = next;
-      w.timer = setTimeout(() => this.timedOut(w), MEMORY_WRITE_TIMEOUT_MS);
+      w.timer = setTimeout(() => this.timedOut(w), WRITE_TIMEOUT_MS);
       w.worker.postMessage(next.job);
     }
   }
@@ -88,7 +91,7 @@ export class MemoryWriter {
   /** A write past its bound: its caller hears so, its thread (maybe stuck in a syscall) is left to end. */
   private timedOut(w: Writer): void {
     const out = w.job?.job.out;
-    this.retire(w, "Timeout", `did not finish within ${MEMORY_WRITE_TIMEOUT_MS} ms`);
+    this.retire(w, "Timeout", `did not finish within ${WRITE_TIMEOUT_MS} ms`);
     if (out) for (const f of Object.values(memoryLayerScratch(out))) void rm(f, { force: true }).catch(() => {});
   }
 

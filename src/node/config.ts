@@ -88,7 +88,7 @@ export const SETTINGS = {
   guestCache: setting("AENV_GUEST_CACHE", "guest_cache", "$AENV_HOME/guest", str, "the guest's built kernel, initramfs, envd and tools disk (guest/*.sh build them into it)"),
   qemuBin: setting("AENV_QEMU_BIN", "qemu_bin", "qemu-system-x86_64", str, "QEMU binary: a name on PATH or a path"),
   qemuAccel: setting("AENV_QEMU_ACCEL", "qemu_accel", "auto", oneOf("auto", "kvm", "tcg"), "QEMU's accelerator; auto: KVM when /dev/kvm is usable, else TCG"),
-  vmmNice: setting("AENV_VMM_NICE", "vmm_nice", "10", int(0, 19), "CPU niceness of VMM processes (all their vCPU threads): busy guests never starve the node's API and blockd's I/O"),
+  vmmNice: setting("AENV_VMM_NICE", "vmm_nice", "10", int(0, 19), "CPU niceness of VMM processes (all their vCPU threads, and the scheduler group of each VMM's session): busy guests never starve the node's API and blockd's I/O"),
   firecrackerBin: setting("AENV_FIRECRACKER_BIN", "firecracker_bin", "firecracker", str, "Firecracker binary: a name on PATH or a path"),
   blockdFrontend: setting("AENV_BLOCKD_FRONTEND", "blockd_frontend", "auto", oneOf("auto", "fuse", "ublk"), "how blockd serves devices; auto: ublk when ublk_drv is loaded, else FUSE"),
   fuseUring: setting("AENV_FUSE_URING", "fuse_uring", "0", flag, "FUSE over io_uring for blockd's devices (Linux 6.14+); such a connection does not survive a blockd crash"),

@@ -22,6 +22,7 @@ import {
   VmmError,
   VmProcess,
   netnsArgv,
+  niceAutogroup,
   writeSnapshot,
 } from "./types.ts";
 import { retryUntilListening } from "./wait.ts";
@@ -675,7 +676,7 @@ export interface FirecrackerOptions {
   /** Dirty page tracking, for Diff snapshots. */
   trackDirtyPages?: boolean;
   startTimeoutMs?: number;
-  /** CPU niceness of the VMM process and its vCPU threads (0..19; the node passes its vmm_nice setting). */
+  /** CPU niceness of the VMM process, its vCPU threads and its scheduler group (0..19; the node passes its vmm_nice setting). */
   nice?: number;
 }
 
@@ -1255,6 +1256,8 @@ export class FirecrackerDriver implements VmmDriver {
       throw new VmmError("StartFailed", `firecracker ${spec.id} ${why}${log ? `: ${log}` : ""}`);
     };
     const proc = l.pidFile ? await this.forkedVmm(spawned, l.pidFile, until, (why) => fail(spawned, why)) : spawned;
+    // A daemonizing jailer starts a session of its own: the VMM's, whose scheduler group gets the nice.
+    await niceAutogroup(proc.pid, this.opts.nice ?? 0);
     while (!existsSync(l.sock)) {
       if (proc.exitCode !== null || Date.now() > until) await fail(proc, `did not open ${l.sock}`);
       await Bun.sleep(2);

@@ -22,6 +22,7 @@ import {
   VmmError,
   VmProcess,
   netnsArgv,
+  niceAutogroup,
   writeSnapshot,
 } from "./types.ts";
 import { withTimeout } from "./wait.ts";
@@ -38,7 +39,7 @@ export interface QemuOptions {
   tscKhz?: number;
   /** How long QEMU may take to answer on QMP after it starts. */
   startTimeoutMs?: number;
-  /** CPU niceness of the VMM process and its vCPU threads (0..19; the node passes its vmm_nice setting). */
+  /** CPU niceness of the VMM process, its vCPU threads and its scheduler group (0..19; the node passes its vmm_nice setting). */
   nice?: number;
 }
 
@@ -378,6 +379,7 @@ export class QemuDriver implements VmmDriver {
       throw new VmmError("StartFailed", `cannot run ${this.binary}: ${(e as Error).message}`);
     }
     proc.unref();
+    await niceAutogroup(proc.pid, this.opts.nice ?? 0);
     const failure = async (why: string) => {
       if (proc.exitCode === null) proc.kill("SIGKILL");
       await proc.exited;

@@ -2,8 +2,10 @@
 // a deadlock would). Every call to a worker has a bound (AENV_BLOCKD_DEVICE_TIMEOUT_MS caps them
 // here): a stuck worker fails its call with Timeout naming the device and the call, and is dealt
 // with as a dead one: ended, its device failed, its connection closed so its users get errors.
+// A memory writer stuck on its source (a FIFO nobody writes) is bounded alike
+// (AENV_BLOCKD_MEMORY_TIMEOUT_MS caps its 110 s).
 import { expect, test } from "bun:test";
-import { existsSync, readFileSync } from "node:fs";
+import { closeSync, existsSync, openSync, readdirSync, readFileSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { fuseDevicePath } from "../../src/blockdev/device_table.ts";
 import { BlockdError } from "../../src/blockdev/protocol.ts";
@@ -103,3 +105,28 @@ test.skipIf(!haveFuse)(
   },
   180_000,
 );
+
+test("a memory writer stuck on its source: memoryLayer fails with Timeout and leaves no file; another thread takes its place", async () => {
+  const { dir, state, client } = await startBlockd("blockd-memory-stuck", { env: { AENV_BLOCKD_MEMORY_TIMEOUT_MS: String(BOUND_MS) } });
+  const fifo = join(dir, "never-written");
+  expect(Bun.spawnSync(["mkfifo", fifo]).exitCode).toBe(0);
+  const asked = Date.now();
+  const err = await client.call("memoryLayer", { out: join(dir, "stuck.layer"), size: 4 * MiB, from: { file: fifo } }).catch((e) => e);
+  expect(err).toBeInstanceOf(BlockdError);
+  expect(err.code).toBe("Timeout");
+  expect(err.message).toBe(`memory layer ${join(dir, "stuck.layer")} did not finish within ${BOUND_MS} ms`);
+  expect(Date.now() - asked).toBeGreaterThanOrEqual(BOUND_MS - 100);
+  await until(() => !readdirSync(dir).some((f) => f.startsWith("stuck.layer")), "the stuck write's scratch files to go");
+
+  // More writes than threads (2), the stuck one's retired: each gets its own pages.
+  const image = join(dir, "image");
+  const bytes = new Uint8Array(4 * MiB);
+  for (let page = 0; page < 1024; page += 4) bytes[page * 4096] = 7;
+  writeFileSync(image, bytes);
+  const done = await Promise.all([0, 1, 2].map((i) => client.call("memoryLayer", { out: join(dir, `ok-${i}.layer`), size: 4 * MiB, from: { file: image } })));
+  for (const r of done) expect(r).toMatchObject({ dataPages: 256, zeroPages: 768 });
+  expect(await client.call("list")).toEqual([]);
+
+  closeSync(openSync(fifo, "r+")); // the stuck thread's open returns
+  expect(await stopBlockd(state)).toEqual([]);
+}, 60_000);

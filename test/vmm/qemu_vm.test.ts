@@ -4,7 +4,7 @@
 // left behind (QEMU processes, blockd devices).
 
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
-import { existsSync, mkdirSync, statSync } from "node:fs";
+import { existsSync, mkdirSync, readFileSync, statSync } from "node:fs";
 import { join } from "node:path";
 import { dirname } from "node:path";
 import { guestCmdline, toolsDisk } from "../../src/template/artifacts.ts";
@@ -25,7 +25,8 @@ describe.skipIf(!!skip)("QEMU microVMs", async () => {
   if (skip) return void test.skip(skip!, () => {});
   const { dir, client } = await startBlockd("vmm");
   const root = runRoot("vmm-test");
-  const driver = new QemuDriver();
+  const NICE = 5;
+  const driver = new QemuDriver({ nice: NICE });
   let fx: GuestFixture;
   let devicesBefore = 0;
   const live = new Set<Vmm>();
@@ -114,6 +115,13 @@ describe.skipIf(!!skip)("QEMU microVMs", async () => {
         const ms = await waitHttp(`http://127.0.0.1:${port}/health`, 45_000);
         console.log(`  cold boot → HTTP: ${Math.round(performance.now() - t0)} ms (QEMU up after ${Math.round(performance.now() - t0 - ms)} ms)`);
         expect(vm.state).toBe("running");
+        // Its threads at the driver's nice, and (a session of its own) its scheduler group too.
+        const stat = readFileSync(`/proc/${vm.pid}/stat`, "utf8");
+        expect(Number(stat.slice(stat.lastIndexOf(")") + 2).split(" ")[16])).toBe(NICE);
+        if (existsSync("/proc/self/autogroup")) {
+          expect(readFileSync(`/proc/${vm.pid}/autogroup`, "utf8")).toMatch(new RegExp(` nice ${NICE}\\n?$`));
+          expect(readFileSync("/proc/self/autogroup", "utf8")).not.toBe(readFileSync(`/proc/${vm.pid}/autogroup`, "utf8"));
+        }
         const mounts = await guestSh(port, "cat /proc/mounts");
         expect(mounts).toMatch(/^\/dev\/vdb \/ ext4 rw/m);
         expect(mounts).toMatch(/^\/dev\/vda \/agentenv ext4 ro/m);
