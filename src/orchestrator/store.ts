@@ -147,9 +147,11 @@ export class SandboxStore {
 
   constructor(path: string) {
     this.db = new Database(path, { create: true, strict: true });
+    // First: a connection opening the file while another one recovers its WAL waits (up to 5 s)
+    // rather than failing with SQLITE_BUSY_RECOVERY, as the journal_mode pragma did.
+    this.db.run("PRAGMA busy_timeout = 5000");
     this.db.run("PRAGMA journal_mode = WAL");
     this.db.run("PRAGMA synchronous = NORMAL");
-    this.db.run("PRAGMA busy_timeout = 5000");
     this.db.run(SCHEMA);
     // Databases made before the custom_extension_params column: added in place (empty params).
     const cols = this.db.query<{ name: string }, []>("PRAGMA table_info(sandboxes)").all().map((c) => c.name);
