@@ -5,7 +5,8 @@
 // - proxy: a download through the proxy vs straight from envd (throughput ratio), and the latency
 //   the proxy adds to a small request (p50/p99);
 // - 32 creates at once: all succeed, p50/p99;
-// - host memory per running sandbox (VMM PSS) and per paused one (page cache of its checkpoint).
+// - host memory per running sandbox (VMM PSS) and per paused one (page cache of its checkpoint);
+// - run-queue wait of the node's and blockd's main threads over the lifecycle rows (ready, off the CPU).
 //   npx bun bench/node/run.ts [--download-mib N] [--concurrent N] [--only lifecycle,proxy,concurrent] [--json]
 // `--only proxy`: one sandbox, the proxy rows alone (a 1 GiB download from envd directly and one
 // through the proxy, three times, then 1000 small requests each way, interleaved).
@@ -98,6 +99,11 @@ try {
   for (let i = 0; i < (want("lifecycle") ? 5 : 1); i++) sbxs.push(await Sandbox.create("bench", opts));
   const src = sbxs[0]!;
   if (want("lifecycle")) {
+    // Run-queue wait of the node's and blockd's main threads over the lifecycle rows: time each was
+    // ready to run but off the CPU (schedstat's second field), which the phases above include.
+    const blockdPid = Number(readFileSync(join(state, "blockd.pid"), "utf8").trim());
+    const waited = (pid: number | "self") => Number(readFileSync(`/proc/${pid}/schedstat`, "utf8").split(" ")[1]) / 1e6;
+    const wait0 = { node: waited("self"), blockd: waited(blockdPid), at: performance.now() };
     results.create = split(orch.timings.recent("create").slice(-5));
     for (const s of sbxs) await s.pause();
     results.pause = split(orch.timings.recent("pause"));
@@ -141,6 +147,7 @@ try {
       for (const k of kids) if (k.sandbox) await orch.kill(k.sandbox.sandboxID);
     }
     results.fork = forks;
+    results.runQueueWait = { overMs: Math.round(performance.now() - wait0.at), nodeMainMs: Math.round(waited("self") - wait0.node), blockdMainMs: Math.round(waited(blockdPid) - wait0.blockd) };
   }
   for (const s of sbxs.slice(1)) await s.kill();
 
