@@ -36,7 +36,7 @@ export const DEVICE_CALL_TIMEOUT_MS: Readonly<Record<DeviceCall, number>> = {
   prefetch: 10_000,
 };
 
-/** AENV_BLOCKD_DEVICE_TIMEOUT_MS caps every bound above; test-only, not a node setting. Unset, empty or malformed: none. */
+/** AENV_BLOCKD_DEVICE_TIMEOUT_MS caps every bound above; test-only, not a node setting. */
 const TIMEOUT_CAP = testTimeoutCap("AENV_BLOCKD_DEVICE_TIMEOUT_MS");
 
 /** A test-only cap on a bound, from environment variable `name` (ms, 1..600000); unset, empty or malformed: none. */

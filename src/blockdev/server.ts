@@ -1410,8 +1410,7 @@ function settleNow(fn: () => void): PromiseSettledResult<void> {
   }
 }
 
-/** Virtual size of the warm-up's layer and held upper. */
-/** The warm-up stack's base (2048 pages written) and top (512). */
+/** Virtual sizes of the warm-up stack's base (2048 pages written; its held upper's too) and top (512). */
 const WARM_UP_BASE_BYTES = 16 << 20;
 const WARM_UP_TOP_BYTES = 4 << 20;
 
