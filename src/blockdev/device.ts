@@ -14,18 +14,19 @@ export type DeviceCall = ControlOp["op"] | "start";
 
 /**
  * How long a worker has to answer each call (ms). stats and resize are bookkeeping; start and swap
- * open an image, attach and detach an upper (and lowers under it), stop flushes and closes one,
- * restack and flush seal or sync what the upper holds, which grows with its index and the disk;
- * the trace calls only start or end bookkeeping (a prefetch runs on after its call is answered).
- * Each stays under the client's bound of the RPC that makes it (30 s; 120 s for create, acquire,
- * restack, delete, ...: client.ts), with a cold acquire's start + swap in one RPC, so the caller
- * hears which device and call, not its own timeout.
+ * open an image, attach and detach an upper (and lowers under it), extend opens lowers on top,
+ * stop flushes and closes one, restack and flush seal or sync what the upper holds, which grows
+ * with its index and the disk; the trace calls only start or end bookkeeping (a prefetch runs on
+ * after its call is answered). Each stays under the client's bound of the RPC that makes it (30 s;
+ * 120 s for create, acquire, restack, delete, ...: client.ts), with a cold acquire's start + swap
+ * in one RPC, so the caller hears which device and call, not its own timeout.
  */
 export const DEVICE_CALL_TIMEOUT_MS: Readonly<Record<DeviceCall, number>> = {
   start: 45_000,
   swap: 45_000,
   attach: 45_000,
   detach: 45_000,
+  extend: 45_000,
   stop: 60_000,
   restack: 90_000,
   flush: 90_000,
@@ -207,6 +208,11 @@ export class DeviceHandle {
    */
   async swap(config: ImageConfig | null, readOnly: boolean, hold?: UpperRef & { size?: number }, makeUpper?: number): Promise<void> {
     const r = await this.call<{ size: number }>({ op: "swap", config, readOnly, hold, makeUpper });
+    this.size = r.size;
+  }
+  /** A read-only image's lowers stay open and `above`'s go on top (an acquire onto a device its caller gives up). */
+  async extend(above: ImageConfig): Promise<void> {
+    const r = await this.call<{ size: number }>({ op: "extend", above });
     this.size = r.size;
   }
   /** The image's lowers stay open; `above`'s lowers, then `upper`, go on top (a prepared pool device being acquired). */

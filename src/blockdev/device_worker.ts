@@ -43,6 +43,7 @@ export type ControlOp =
   | { op: "swap"; config: ImageConfig | null; readOnly: boolean; hold?: UpperRef & { size?: number }; makeUpper?: number }
   | { op: "attach"; upper: UpperRef; above?: ImageConfig }
   | { op: "detach"; keep: number; upper: UpperRef }
+  | { op: "extend"; above: ImageConfig }
   | { op: "resize"; size: number }
   | { op: "flush" }
   | { op: "traceStart"; granule: number; maxEntries: number; forMs: number }
@@ -199,6 +200,22 @@ async function runControl(body: ControlOp): Promise<unknown> {
       upper.moved(body.upper.data, body.upper.index);
       heldUpper = upper;
       for (const l of above) await l.close();
+      disk?.invalidate();
+      return { size: io.size() };
+    }
+    case "extend": {
+      // A read-only image nobody maps grows by `above`'s lowers on top (an acquire onto it). A
+      // failure leaves it as it was.
+      const image = io.image;
+      if (!image || !io.readOnly || image.upper) throw new IoRangeError("extend needs a read-only image", init.id);
+      const above = await Image.openLowers(body.above, 0, { remoteIo });
+      try {
+        image.addLowers(above);
+      } catch (e) {
+        for (const l of above) await l.close();
+        throw e;
+      }
+      await io.unwatch(); // a trace is of one image
       disk?.invalidate();
       return { size: io.size() };
     }

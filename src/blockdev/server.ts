@@ -206,7 +206,9 @@ export class Blockd {
    * where. The rename is what an acquire commits on, so such a device comes back acquired.
    */
   private settlePrepared(rec: DeviceRecord): void {
-    if (rec.kind !== "pool" || rec.acquired) return;
+    if (rec.kind !== "pool") return;
+    // An acquired read-only entry with a crumb: an acquire onto it that the table write did not follow (acquireOnto).
+    if (rec.acquired) return void (rec.readOnly && this.settleAcquired(rec));
     if (!rec.config) return this.settleAcquired(rec);
     if (rec.config.upper) return;
     const dir = this.preparedDir(rec.id);
@@ -235,9 +237,11 @@ export class Blockd {
   }
 
   /**
-   * A plain pool entry (no image) that an acquire had taken before its table entry was written:
-   * the crumb in its folder (writeAcquiredCrumb) holds the image it was given, so it comes back
-   * acquired with it. One that cannot be read comes back failed: a VM may be reading it.
+   * A plain pool entry (no image) that an acquire had taken before its table entry was written, or
+   * a read-only one an acquire grew (acquireOnto): the crumb in its folder (writeAcquiredCrumb)
+   * holds the image it was given, so it comes back acquired with it. A crumb outlives no table
+   * write, so it is never older than the entry. One that cannot be read comes back failed: a VM
+   * may be reading it.
    */
   private settleAcquired(rec: DeviceRecord): void {
     let text: string;
@@ -745,6 +749,10 @@ export class Blockd {
     const config = readOnly ? checkConfig(p.lowers) : checkConfig(p.lowers, checkUpperDir(p.upperDir));
     const size = readOnly ? 0 : checkSize(p.size);
     if (readOnly && !config.lowers.length) throw new BlockdError("BadRequest", "a read-only device needs at least one layer");
+    if (p.onto !== undefined) {
+      if (!readOnly) throw new BlockdError("BadRequest", `"onto" is for a read-only acquire (no "upperDir")`);
+      return this.acquireOnto(config, p.onto);
+    }
     const unclaimUpper = config.upper ? this.claimUpper(config.upper.data) : () => {};
     try {
       if (!readOnly) {
@@ -785,6 +793,39 @@ export class Blockd {
     } finally {
       unclaimUpper();
     }
+  }
+
+  /**
+   * A read-only acquire onto `onto`, a read-only device its caller acquired and gives up into this
+   * one, whose lowers are the first of these: its worker opens only the rest, on top (a fork's
+   * memory stack over its source's layers, opened while the VMM wrote the new one: docs/vmm.md).
+   * Nothing may map `onto`. The reply is that device with the longer stack; on a failure it stays
+   * as it was, still the caller's.
+   */
+  private async acquireOnto(config: ImageConfig, onto: unknown): Promise<ReturnType<Blockd["view"]> & { prepared: boolean }> {
+    if (typeof onto !== "string") throw new BlockdError("BadRequest", `"onto" must be a device id`);
+    const dev = this.device(onto);
+    const id = dev.rec.id;
+    const has = dev.rec.config?.lowers.map((l, i) => resolveLayerPath(l, i));
+    if (dev.rec.kind !== "pool" || !dev.rec.acquired || !dev.rec.readOnly || !has)
+      throw new BlockdError("BadRequest", `"onto": device ${id} is not a read-only device taken by acquire`);
+    const want = config.lowers.map((l, i) => resolveLayerPath(l, i));
+    if (has.length >= want.length || has.some((path, i) => path !== want[i]))
+      throw new BlockdError("BadRequest", `"onto": device ${id}'s ${has.length} lowers are not the first of these ${want.length}`);
+    return this.exclusive(id, async () => {
+      await dev.committing; // its own acquire's table write and crumb removal come first
+      await dev.handle.extend({ lowers: config.lowers.slice(has.length) });
+      // As a plain acquire commits: the crumb now, the table after the reply.
+      try {
+        writeAcquiredCrumb(this.preparedDir(id), { config, readOnly: true });
+      } catch (e) {
+        await dev.handle.swap(dev.rec.config, true).catch(() => {}); // back to the stack the table names
+        throw e;
+      }
+      dev.rec.config = config;
+      this.commitLater(dev);
+      return { ...this.view(dev.rec, dev.handle.size), prepared: false };
+    });
   }
 
   /**

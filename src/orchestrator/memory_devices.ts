@@ -13,6 +13,14 @@ export const MEMORY_DEVICES_WARM = 16;
 /** Memory devices open at once, at most (users, pins and warm ones together). */
 export const MEMORY_DEVICES_MAX = 4096;
 
+/** A device over a stack's first layers, taken ahead of the stack (see MemoryDevices.ahead). */
+export interface AheadDevice {
+  readonly prefix: string[];
+  readonly made: Promise<{ id: string; path: string }>;
+  /** Grown into a pinned stack's device (pin took it): drop leaves it alone. */
+  used: boolean;
+}
+
 interface Entry {
   key: string;
   made: Promise<{ id: string; path: string }>;
@@ -58,10 +66,35 @@ export class MemoryDevices {
     this.trim();
   }
 
-  /** Keep `stack` open until unpin (a template's, a fork's while its children start). */
-  /** Resolves once the device is open (or rejects: a pin that failed to open is gone). */
-  pin(stack: string[]): Promise<void> {
-    const e = this.entry(stack);
+  /**
+   * A device over `prefix` taken now, for a stack that will be `prefix` and more: a fork's, over its
+   * source's memory layers, opened while the VMM writes the new one, so the stack's device then
+   * opens only that layer (blockd's acquire `onto`). pin(stack, it) grows it; drop(it) gives back
+   * one that was not grown. One per fork in flight.
+   */
+  ahead(prefix: string[]): AheadDevice {
+    if (!prefix.length) throw new Error("a memory device needs at least one layer");
+    const made = this.blockd.call<{ id: string; path: string }>("acquire", { lowers: prefix });
+    made.catch(() => {});
+    return { prefix, made, used: false };
+  }
+
+  /** `ahead` back to blockd's pool unless pin grew it (idempotent). */
+  drop(ahead: AheadDevice): void {
+    if (ahead.used) return;
+    ahead.used = true;
+    ahead.made
+      .then((d) => this.blockd.call("release", { id: d.id }))
+      .catch((err) => console.error(`orchestrator: giving back a memory device taken ahead: ${(err as Error).message}`));
+  }
+
+  /**
+   * Keep `stack` open until unpin (a template's, a fork's while its children start). `ahead`: a
+   * device over its first layers to grow into it, when it is not open already.
+   * Resolves once the device is open (or rejects: a pin that failed to open is gone).
+   */
+  pin(stack: string[], ahead?: AheadDevice): Promise<void> {
+    const e = this.entry(stack, ahead);
     e.pinned = true;
     const open = e.made.then(() => {});
     open.catch(() => {});
@@ -95,13 +128,14 @@ export class MemoryDevices {
     return new Set([...this.open.values()].flatMap((e) => (e.id ? [e.id] : [])));
   }
 
-  private entry(stack: string[]): Entry {
+  private entry(stack: string[], ahead?: AheadDevice): Entry {
     if (!stack.length) throw new Error("a memory device needs at least one layer");
     const key = JSON.stringify(stack);
     let e = this.open.get(key);
     if (e) return e;
     if (this.open.size >= MEMORY_DEVICES_MAX) throw new Error(`${MEMORY_DEVICES_MAX} memory devices are open`);
-    const made = this.blockd.call<{ id: string; path: string }>("acquire", { lowers: stack });
+    const grows = ahead && !ahead.used && ahead.prefix.length < stack.length && ahead.prefix.every((l, i) => l === stack[i]);
+    const made = grows ? this.grow(ahead, stack) : this.blockd.call<{ id: string; path: string }>("acquire", { lowers: stack });
     const entry: Entry = { key, made, users: new Set(), pinned: false, leftAt: Date.now() };
     made.then(
       (d) => (entry.id = d.id),
@@ -109,6 +143,20 @@ export class MemoryDevices {
     );
     this.open.set(key, entry);
     return entry;
+  }
+
+  /** `ahead`'s device grown into `stack`'s; where that fails, it goes back and a fresh one opens. */
+  private grow(ahead: AheadDevice, stack: string[]): Promise<{ id: string; path: string }> {
+    ahead.used = true;
+    return ahead.made
+      .then((d) =>
+        this.blockd.call<{ id: string; path: string }>("acquire", { lowers: stack, onto: d.id }).catch((err) => {
+          console.error(`orchestrator: growing memory device ${d.id}: ${(err as Error).message}; opening the stack anew`);
+          void this.blockd.call("release", { id: d.id }).catch(() => {});
+          return Promise.reject(err);
+        }),
+      )
+      .catch(() => this.blockd.call<{ id: string; path: string }>("acquire", { lowers: stack }));
   }
 
   /** Unused, unpinned devices past MEMORY_DEVICES_WARM go, the longest unused first. */

@@ -12,7 +12,7 @@ import type { Json, SnapshotStore } from "../snapshot/index.ts";
 import { link, mkdir, open as openAsync, readdir, rm } from "node:fs/promises";
 import { posixFadvise, POSIX_FADV_DONTNEED } from "../../ffi/libc.ts";
 import { ENVD_PORT, ENVD_VERSION, initEnvd, waitEnvdReady } from "./envd.ts";
-import { MemoryDevices } from "./memory_devices.ts";
+import { type AheadDevice, MemoryDevices } from "./memory_devices.ts";
 import { SandboxStore, publicState, type SandboxRecord, type SandboxState } from "./store.ts";
 import { TemplateStore, isRemoteLayer, localLayers, type RemoteLayer, type TemplateLayer, type TemplateRecord, type VmCheckpoint } from "./templates.ts";
 import { PhaseClock, TimingLog } from "./timings.ts";
@@ -915,15 +915,20 @@ export class Orchestrator {
       const cp = await this.track(id, "fork", async () => {
         const rt = this.runtime(id);
         const live = this.live.get(id);
+        let memoryAhead: AheadDevice | undefined;
         try {
           if (!live) throw new OrchestratorError(500, `sandbox ${id} has no VM`);
           const clock = new PhaseClock();
-          const ahead = Math.min(count, this.opts.forkParallelism ?? 4, FORK_PREPARED_MAX);
-          const onSealed = (c: VmCheckpoint) => (preparing = { cp: c, sent: this.prepareDevices(c, src.diskSizeMB, ahead, count) });
+          const devicesAhead = Math.min(count, this.opts.forkParallelism ?? 4, FORK_PREPARED_MAX);
+          const onSealed = (c: VmCheckpoint) => (preparing = { cp: c, sent: this.prepareDevices(c, src.diskSizeMB, devicesAhead, count) });
+          // The children's memory stack is the source's plus the layer this checkpoint writes
+          // (unless it compacts): a device over the source's is taken now and grown into it then.
+          const below = rt.memLayers;
+          memoryAhead = below?.length && !this.compactsMemory(below) ? this.memDevices.ahead(below) : undefined;
           const cp = await this.checkpoint(id, live.vm, rt, { resumable: true, onSealed }, clock);
           const resumed = live.vm.resume();
           // The children's memory device, opened once for all of them (unpinned with their rootfs devices).
-          const memory = cp.memLayers ? this.memDevices.pin(cp.memLayers) : undefined;
+          const memory = cp.memLayers ? this.memDevices.pin(cp.memLayers, memoryAhead) : undefined;
           await resumed;
           clock.lap("vmm");
           await memory;
@@ -931,6 +936,7 @@ export class Orchestrator {
           this.timings.add("fork-checkpoint", id, clock);
           return cp;
         } finally {
+          if (memoryAhead) this.memDevices.drop(memoryAhead); // not grown: back to the pool
           if (live?.vm.state === "paused") await live.vm.resume().catch(() => {});
           this.store.transition(id, ["forking"], "running", { runtime: rt });
         }
@@ -1197,7 +1203,7 @@ export class Orchestrator {
     if (d) {
       if (!below?.length) throw new OrchestratorError(500, `${snap.dir}: a memory delta with no memory layers below it`);
       let pagesFile = d.pagesFile;
-      const compact = below.length >= (this.opts.memoryLayersMax ?? MEMORY_LAYERS_MAX);
+      const compact = this.compactsMemory(below);
       if (compact) {
         // Compaction: every page of the guest into one base layer (its cost is the guest's size, once in memoryLayersMax pauses).
         pagesFile = join(snap.dir, "mem.all");
@@ -1213,6 +1219,11 @@ export class Orchestrator {
     await rm(snap.memPath, { force: true });
     await writeSnapshot({ ...snap, memPath: undefined, memoryImage: true });
     return [out];
+  }
+
+  /** A memory delta over `below` is written as one fresh base instead (memoryLayersMax). */
+  private compactsMemory(below: string[]): boolean {
+    return below.length >= (this.opts.memoryLayersMax ?? MEMORY_LAYERS_MAX);
   }
 
   /** Sandboxes whose balloon holds memory back: inflated under pressure, deflated when it passes. */

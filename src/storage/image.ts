@@ -87,6 +87,18 @@ export class Image {
     this.upperLayer = upper;
   }
   /**
+   * More read-only layers on top of an image of lowers only (a device nobody maps, growing into a
+   * longer stack: docs/blockd.md, acquire `onto`); the open lowers and their merged index stay.
+   */
+  addLowers(above: ReadOnlyLayer[]): void {
+    if (this.upperLayer) throw new ConfigError("lowers go on top only of an image without a writable layer");
+    if (this.lowers.length + above.length > MAX_LOWERS) throw new ConfigError(`${this.lowers.length + above.length} lowers exceed ${MAX_LOWERS}`);
+    for (const l of above) {
+      this.lowers.push(l);
+      this.addToMerged(l, this.lowers.length - 1);
+    }
+  }
+  /**
    * attachUpper undone (the acquire it was for did not go on): the upper, which nothing may have
    * written to, and the lowers past the first `keep` come off, the caller's to close or keep.
    */

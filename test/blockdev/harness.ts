@@ -93,6 +93,27 @@ export function blockdPid(state: string): number {
   return Number(readFileSync(join(state, "blockd.pid"), "utf8"));
 }
 
+/** A device as blockd's `list` and `acquire` answer it: the fields tests read. */
+export interface DeviceView {
+  id: string;
+  kind: string;
+  path: string;
+  acquired: boolean;
+  readOnly: boolean;
+  prepared?: boolean;
+  config: { lowers: { file: string }[]; upper?: { data: string; index: string } } | null;
+}
+
+/** kill -9 blockd (the keeper lives on), run `meanwhile`, start it again; its new client. */
+export async function killAndRestart(state: string, client: BlockdClient, meanwhile: () => void = () => {}): Promise<BlockdClient> {
+  const pid = blockdPid(state);
+  process.kill(pid, "SIGKILL");
+  client.close();
+  await until(() => processGone(pid), "the killed blockd to be gone");
+  meanwhile();
+  return BlockdClient.ensure(state);
+}
+
 /** A sealed layer file at `path` of virtual size `size`, holding `fill` at byte `at`. */
 export async function makeLayer(path: string, size: number, at: number, fill: Uint8Array): Promise<string> {
   const l = await WritableLayer.create(`${path}.tmp.data`, `${path}.tmp.index`, { virtualSize: size });

@@ -6,23 +6,15 @@
 import { describe, expect, test } from "bun:test";
 import { existsSync, mkdirSync, readdirSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
-import { BlockdClient } from "../../src/blockdev/client.ts";
 import { Image } from "../../src/storage/image.ts";
 import { WRITABLE_DATA, WRITABLE_INDEX, WritableLayer } from "../../src/storage/lsmt/writable_layer.ts";
 import { scratchDir } from "../helpers/tmp.ts";
-import { blockdPid, failure, haveFuse, makeLayer, mountsAt, processGone, readAll, startBlockd, until, writeAt } from "./harness.ts";
+import { type DeviceView, failure, haveFuse, killAndRestart, makeLayer, mountsAt, readAll, startBlockd, until, writeAt } from "./harness.ts";
 
 const MiB = 1 << 20;
 const SIZE = 8 * MiB;
 
-interface Dev {
-  id: string;
-  kind: string;
-  path: string;
-  acquired: boolean;
-  prepared?: boolean;
-  config: { lowers: { file: string }[]; upper?: { data: string; index: string } } | null;
-}
+type Dev = DeviceView;
 
 /** Bytes of the stack `lowers` + the upper in upperDir, read from the files (not through blockd). */
 async function readUpper(lowers: string[], upperDir: string, at: number, length: number): Promise<Uint8Array> {
@@ -266,16 +258,6 @@ describe.skipIf(!haveFuse)("prepared pool devices", async () => {
     for (const id of before) expect(mountsAt(join(state, "dev", id))).toEqual([]);
   }, 60_000);
 });
-
-/** kill -9 blockd (the keeper lives on), run `meanwhile`, start it again; its new client. */
-async function killAndRestart(state: string, client: BlockdClient, meanwhile: () => void): Promise<BlockdClient> {
-  const pid = blockdPid(state);
-  process.kill(pid, "SIGKILL");
-  client.close();
-  await until(() => processGone(pid), "the killed blockd to be gone");
-  meanwhile();
-  return BlockdClient.ensure(state);
-}
 
 describe.skipIf(!haveFuse)("prepared devices across kill -9", () => {
   for (const [tableWritten, extended] of [[true, false], [false, false], [false, true]] as const)

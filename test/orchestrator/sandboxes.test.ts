@@ -7,7 +7,7 @@ import { existsSync, mkdirSync, readFileSync, readdirSync, statSync } from "node
 import { join } from "node:path";
 import { Sandbox, SandboxNotFoundError } from "e2b";
 import type { SlotPool } from "../../src/network/index.ts";
-import type { Orchestrator } from "../../src/orchestrator/orchestrator.ts";
+import type { Orchestrator, SandboxRuntime } from "../../src/orchestrator/orchestrator.ts";
 import { MEMORY_TRACE, ROOTFS_TRACE, TRACE_WINDOW_MS } from "../../src/orchestrator/start_traces.ts";
 import type { SandboxStore } from "../../src/orchestrator/store.ts";
 import type { TemplateStore } from "../../src/orchestrator/templates.ts";
@@ -115,6 +115,13 @@ describe.skipIf(!!skip)("node API + orchestrator with the e2b SDK (QEMU, blockd,
     expect(results.length).toBe(2);
     const kids = await Promise.all(results.map((r) => Sandbox.connect(r.sandbox!.sandboxID, opts())));
     expect(new Set(kids.map((k) => k.sandboxId)).size).toBe(2);
+    // One memory device for both: the source's memory layers and the fork's new one on top.
+    const srcMem = (store.get(sbx.sandboxId)!.runtime as SandboxRuntime).memLayers!;
+    const kidRt = kids.map((k) => store.get(k.sandboxId)!.runtime as SandboxRuntime);
+    expect(new Set(kidRt.map((r) => r.memDevice)).size).toBe(1);
+    expect(kidRt[0]!.memLayers!.slice(0, -1)).toEqual(srcMem);
+    const memDev = (await client.call<{ id: string; config: { lowers: { file: string }[] } }[]>("list")).find((d) => d.id === kidRt[0]!.memDevice)!;
+    expect(memDev.config.lowers.map((l) => l.file)).toEqual(kidRt[0]!.memLayers!);
     for (const [i, k] of kids.entries()) {
       expect(await k.files.read("/tmp/keep.txt")).toBe("kept across pause");
       await k.files.write("/tmp/keep.txt", `child ${i}`);
