@@ -12,7 +12,7 @@ import { MEMORY_TRACE, ROOTFS_TRACE, TRACE_WINDOW_MS } from "../../src/orchestra
 import type { SandboxStore } from "../../src/orchestrator/store.ts";
 import type { TemplateStore } from "../../src/orchestrator/templates.ts";
 import type { SnapshotStore } from "../../src/snapshot/index.ts";
-import { type DeviceView, startBlockd } from "../blockdev/harness.ts";
+import { startBlockd } from "../blockdev/harness.ts";
 import { startS3Server, type TestS3 } from "../snapshot/s3_server.ts";
 import { nodeParts, sandboxSkipReason, serveParts } from "./harness.ts";
 import { qemuPids, rmrf, runRoot, until } from "../vmm/harness.ts";
@@ -109,18 +109,10 @@ describe.skipIf(!!skip)("node API + orchestrator with the e2b SDK (QEMU, blockd,
   }, 180_000);
 
   test("fork: children diverge, the source is untouched and keeps running", async () => {
-    const res = await fetch(`${base}/sandboxes/${sbx.sandboxId}/fork`, { method: "POST", headers: { "x-api-key": KEY, "content-type": "application/json" }, body: JSON.stringify({ count: 3 }) });
+    const res = await fetch(`${base}/sandboxes/${sbx.sandboxId}/fork`, { method: "POST", headers: { "x-api-key": KEY, "content-type": "application/json" }, body: JSON.stringify({ count: 2 }) });
     expect(res.status).toBe(201);
     const results = (await res.json()) as { sandbox?: { sandboxID: string } }[];
-    expect(results.length).toBe(3);
-    // The first two (forkParallelism) took their slots and devices during the checkpoint and waited
-    // for it ("checkpoint"); the third started after it, as a create does ("slot").
-    const starts = new Map(orch.timings.recent("fork-child").map((t) => [t.id, Object.keys(t.phases)]));
-    const phases = results.map((r) => starts.get(r.sandbox!.sandboxID)!);
-    expect(phases.map((p) => p.includes("checkpoint"))).toEqual([true, true, false]);
-    expect(phases.map((p) => p.includes("slot"))).toEqual([false, false, true]);
-    await Sandbox.kill(results[2]!.sandbox!.sandboxID, opts());
-    results.pop();
+    expect(results.length).toBe(2);
     const kids = await Promise.all(results.map((r) => Sandbox.connect(r.sandbox!.sandboxID, opts())));
     expect(new Set(kids.map((k) => k.sandboxId)).size).toBe(2);
     // One memory device for both: the source's memory layers and the fork's new one on top.
@@ -139,34 +131,6 @@ describe.skipIf(!!skip)("node API + orchestrator with the e2b SDK (QEMU, blockd,
     expect(await sbx.files.read("/tmp/keep.txt")).toBe("kept across pause");
     for (const k of kids) expect(await k.kill()).toBe(true);
   }, 300_000);
-
-  test("a fork whose checkpoint fails after the seal (its VMM killed): the children started early are given back", async () => {
-    const victim = await Sandbox.create("busybox", opts());
-    const rt = store.get(victim.sandboxId)!.runtime as SandboxRuntime;
-    const rows = store.count();
-    const leased = pool.stats().leased;
-    const fails = orch.creates.fails;
-    // Kill the VMM as soon as the seal shows in blockd (the rootfs gains a lower): the snapshot and
-    // the memory layer, which come after it, fail.
-    let done = false;
-    const killer = (async () => {
-      while (!done) {
-        const dev = (await client.call<DeviceView[]>("list")).find((d) => d.id === rt.rootfsDevice);
-        if (dev && dev.config!.lowers.length > rt.layers.length) return void process.kill(rt.vmPid!, "SIGKILL");
-        await Bun.sleep(1);
-      }
-    })();
-    const res = await fetch(`${base}/sandboxes/${victim.sandboxId}/fork`, { method: "POST", headers: { "x-api-key": KEY, "content-type": "application/json" }, body: JSON.stringify({ count: 2 }) });
-    done = true;
-    await killer;
-    expect(res.status).toBe(500);
-    expect(await res.json()).toMatchObject({ code: 500 });
-    // Both early children were made (a row, a slot, a device each) and rolled back.
-    expect(orch.creates.fails - fails).toBe(2);
-    expect(store.count()).toBe(rows);
-    expect(pool.stats().leased).toBe(leased);
-    await Sandbox.kill(victim.sandboxId, opts());
-  }, 120_000);
 
   test("snapshot → a sandbox from it; delete twice → true, false", async () => {
     await sbx.files.write("/tmp/snap.txt", "in the snapshot");
