@@ -12,7 +12,7 @@ import { MEMORY_TRACE, ROOTFS_TRACE, TRACE_WINDOW_MS } from "../../src/orchestra
 import type { SandboxStore } from "../../src/orchestrator/store.ts";
 import type { TemplateStore } from "../../src/orchestrator/templates.ts";
 import type { SnapshotStore } from "../../src/snapshot/index.ts";
-import { startBlockd } from "../blockdev/harness.ts";
+import { type DeviceView, startBlockd } from "../blockdev/harness.ts";
 import { startS3Server, type TestS3 } from "../snapshot/s3_server.ts";
 import { nodeParts, sandboxSkipReason, serveParts } from "./harness.ts";
 import { qemuPids, rmrf, runRoot, until } from "../vmm/harness.ts";
@@ -131,6 +131,36 @@ describe.skipIf(!!skip)("node API + orchestrator with the e2b SDK (QEMU, blockd,
     expect(await sbx.files.read("/tmp/keep.txt")).toBe("kept across pause");
     for (const k of kids) expect(await k.kill()).toBe(true);
   }, 300_000);
+
+  test("a fork whose checkpoint fails after the seal (its VMM killed): 500, no child, and the memory device taken ahead goes back", async () => {
+    const victim = await Sandbox.create("busybox", opts());
+    const rt = store.get(victim.sandboxId)!.runtime as SandboxRuntime;
+    const rows = store.count();
+    const leased = pool.stats().leased;
+    const fails = orch.creates.fails;
+    const acquired = async () => (await client.call<DeviceView[]>("list")).filter((d) => d.acquired).map((d) => d.id).sort();
+    const before = await acquired();
+    // Kill the VMM as soon as the seal shows in blockd (the rootfs gains a lower): the snapshot and
+    // the memory layer, which come after it, fail.
+    let done = false;
+    const killer = (async () => {
+      while (!done) {
+        const dev = (await client.call<DeviceView[]>("list")).find((d) => d.id === rt.rootfsDevice);
+        if (dev && dev.config!.lowers.length > rt.layers.length) return void process.kill(rt.vmPid!, "SIGKILL");
+        await Bun.sleep(1);
+      }
+    })();
+    const res = await fetch(`${base}/sandboxes/${victim.sandboxId}/fork`, { method: "POST", headers: { "x-api-key": KEY, "content-type": "application/json" }, body: JSON.stringify({ count: 2 }) });
+    done = true;
+    await killer;
+    expect(res.status).toBe(500);
+    expect(await res.json()).toMatchObject({ code: 500 });
+    expect(orch.creates.fails - fails).toBe(0); // no child was started
+    expect(store.count()).toBe(rows);
+    expect(pool.stats().leased).toBe(leased);
+    await until(async () => (await acquired()).join() === before.join(), 10_000, "the memory device taken ahead given back");
+    await Sandbox.kill(victim.sandboxId, opts());
+  }, 120_000);
 
   test("snapshot → a sandbox from it; delete twice → true, false", async () => {
     await sbx.files.write("/tmp/snap.txt", "in the snapshot");
