@@ -187,14 +187,16 @@ export class RemoteFile implements ReadableFile {
     if (l !== undefined && offset >= 0) {
       const n = Math.min(buf.length, this.opts.size - offset);
       const i = Math.floor(offset / this.chunkSize);
-      if (n > 0 && offset + n <= (i + 1) * this.chunkSize && isReadable(l.words[i]!) && this.raMark![i] === 0) return this.preadCached(l, i, n === buf.length ? buf : buf.subarray(0, n), offset);
+      // One load of the word, both tested and compared after: a second load could see EVICTING,
+      // and a pread that matched it would return punched bytes.
+      const w = Atomics.load(l.words, i);
+      if (n > 0 && offset + n <= (i + 1) * this.chunkSize && isReadable(w) && this.raMark![i] === 0) return this.preadCached(l, i, w, n === buf.length ? buf : buf.subarray(0, n), offset);
     }
     return this.preadSlow(buf, offset);
   }
 
   /** One pread of the cache file, checked against the chunk's word after; no async frame (the warm path's cost is per 4 KiB read). */
-  private preadCached(l: CachedLayer, i: number, dst: Uint8Array, offset: number): Promise<number> {
-    const w = l.words[i]!;
+  private preadCached(l: CachedLayer, i: number, w: number, dst: Uint8Array, offset: number): Promise<number> {
     l.pins[i]!++;
     l.lastUse[i] = ++l.cache.tick;
     let read: Promise<number>;
