@@ -72,6 +72,8 @@ interface Device {
   prepared?: string;
   /** A prepared device just acquired: until its table entry is written and its crumb removed. */
   committing?: Promise<void>;
+  /** The recording traceStart began last on it: a traceStop naming another is refused (its id was given back and reused since). */
+  recording?: number;
 }
 
 /** What `prepare` keeps ready: `count` pool devices with this stack's lowers open and a fresh upper of `size`. */
@@ -93,6 +95,8 @@ export class Blockd {
   private claims = new Set<string>(); // see claim()
   private roMaking = new Map<string, Promise<DeviceRecord>>(); // read-only devices being made, by key
   private releases = 0;
+  /** traceStart's numbers: from the clock, so a number from before a blockd restart is not handed out again. */
+  private recordings = Date.now();
   private filling: Promise<void> | undefined;
   private targets = new Map<string, PrepareTarget>(); // prepare's, by stackKey
   private refilling: Promise<void> | undefined;
@@ -1137,14 +1141,27 @@ export class Blockd {
     if (!Number.isInteger(maxEntries) || (maxEntries as number) < 1 || (maxEntries as number) > TRACE_MAX_ENTRIES)
       throw new BlockdError("BadRequest", `"maxEntries" must be an integer 1..${TRACE_MAX_ENTRIES}`);
     if (!Number.isInteger(forMs) || (forMs as number) < 1 || (forMs as number) > TRACE_MAX_MS) throw new BlockdError("BadRequest", `"forMs" must be an integer 1..${TRACE_MAX_MS}`);
-    const r = await d.handle.traceStart(granule as number, maxEntries as number, forMs as number);
-    return { id: d.rec.id, ...r };
+    // Numbered before the worker hears of it: a traceStop sent for an earlier recording, arriving
+    // after this, is refused instead of ending this one.
+    const recording = ++this.recordings;
+    const was = d.recording;
+    d.recording = recording;
+    try {
+      const r = await d.handle.traceStart(granule as number, maxEntries as number, forMs as number);
+      return { id: d.rec.id, recording, ...r };
+    } catch (e) {
+      if (d.recording === recording) d.recording = was;
+      throw e;
+    }
   }
 
   /** The recording ends; with `out` (absolute) it is written there whole (temp file, rename), replacing what was. */
   private async traceStop(p: Record<string, unknown>) {
     const d = this.device(p.id);
     if (p.out !== undefined && (typeof p.out !== "string" || !isAbsolute(p.out))) throw new BlockdError("BadRequest", `"out" must be an absolute file path`);
+    if (p.recording !== undefined && !Number.isSafeInteger(p.recording)) throw new BlockdError("BadRequest", `"recording" must be the number traceStart answered`);
+    if (p.recording !== undefined && p.recording !== d.recording)
+      throw new BlockdError("TraceError", `device ${d.rec.id} records no trace numbered ${p.recording} (given back and taken again since)`);
     const trace = await d.handle.traceStop();
     const bytes = encodeTrace(trace);
     if (typeof p.out === "string") {

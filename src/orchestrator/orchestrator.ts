@@ -187,8 +187,8 @@ interface BootHeld {
   vm?: Vmm;
   /** The rootfs device, once acquired. */
   devices: string[];
-  /** The rootfs device records the boot (start_traces.ts BOOT_TRACE), written at the checkpoint. */
-  tracing?: boolean;
+  /** The rootfs device's recording of the boot, by its number (start_traces.ts BOOT_TRACE), written at the checkpoint. */
+  tracing?: number;
 }
 
 /** A template build's VM (Orchestrator.startBuildVm). Its envd has no token: only the node reaches it. */
@@ -450,7 +450,7 @@ export class Orchestrator {
       try {
         const vm = await this.coldBoot(id, tpl.layers, tpl, held);
         const snap = await vm.snapshot(cpDir, { resumable: false });
-        if (held.tracing) await endBootTrace(this.blockd, held.devices[0]!, join(cpDir, BOOT_TRACE));
+        if (held.tracing !== undefined) await endBootTrace(this.blockd, held.devices[0]!, held.tracing, join(cpDir, BOOT_TRACE));
         const layer = join(cpDir, "rootfs.layer");
         await this.blockd.call("restack", { id: held.devices[0], layerPath: layer });
         const cp: VmCheckpoint = { dir: cpDir, layers: [...tpl.layers, layer], envdToken: null, memLayers: await this.memoryLayers(snap, undefined) };
@@ -547,7 +547,7 @@ export class Orchestrator {
         this.buildCheckpoints.add(dir);
         try {
           const snap = await vm.snapshot(dir, { resumable: false });
-          if (held.tracing) await endBootTrace(this.blockd, device, join(dir, BOOT_TRACE));
+          if (held.tracing !== undefined) await endBootTrace(this.blockd, device, held.tracing, join(dir, BOOT_TRACE));
           const layer = join(dir, "rootfs.layer");
           await this.blockd.call("restack", { id: device, layerPath: layer });
           return { dir, layers: [...stack, layer], envdToken: null, memLayers: await this.memoryLayers(snap, undefined) };

@@ -61,7 +61,7 @@ export class StartTraces {
    * Returns what to call once envd answered (the recordings end `windowMs` later).
    */
   async begin(dir: string, devices: TracedDevice[]): Promise<() => void> {
-    const started: { id: string; path: string }[] = [];
+    const started: { id: string; path: string; recording: number }[] = [];
     await Promise.all(
       devices.map(async (d) => {
         const path = join(dir, d.file);
@@ -79,10 +79,11 @@ export class StartTraces {
         if (this.recording.size >= MAX_RECORDING || tried >= MAX_ATTEMPTS) return;
         this.attempts.set(path, tried + 1);
         if (this.attempts.size > MAX_KNOWN) this.attempts.delete(this.attempts.keys().next().value!);
-        this.recording.set(path, setTimeout(() => this.end(d.id, path, false), TRACE_ABANDON_MS));
+        let recording: number | undefined;
+        this.recording.set(path, setTimeout(() => this.end(d.id, path, false, recording), TRACE_ABANDON_MS));
         try {
-          await this.blockd.call("traceStart", { id: d.id });
-          started.push({ id: d.id, path });
+          ({ recording } = await this.blockd.call<{ recording: number }>("traceStart", { id: d.id }));
+          started.push({ id: d.id, path, recording });
         } catch (e) {
           this.clear(path);
           log(`recording ${path} on ${d.id}`, e);
@@ -90,18 +91,21 @@ export class StartTraces {
       }),
     );
     return () => {
-      for (const { id, path } of started) {
+      for (const { id, path, recording } of started) {
         if (!this.recording.has(path)) continue;
         clearTimeout(this.recording.get(path));
-        this.recording.set(path, setTimeout(() => this.end(id, path, true), this.windowMs));
+        this.recording.set(path, setTimeout(() => this.end(id, path, true, recording), this.windowMs));
       }
     };
   }
 
-  /** The recording on `id` ends; kept: written to `path`. A device given back since has none (logged). */
-  private end(id: string, path: string, keep: boolean): void {
+  /**
+   * The recording on `id` ends; kept: written to `path`. Named by its number: a device given back
+   * since (its id reused by another VM's, which may record its own) refuses the stop (logged).
+   */
+  private end(id: string, path: string, keep: boolean, recording: number | undefined): void {
     this.blockd
-      .call("traceStop", keep ? { id, out: path } : { id })
+      .call("traceStop", { id, recording, ...(keep ? { out: path } : {}) })
       .then(() => {
         if (!keep) return;
         remember(this.known, path);
@@ -125,19 +129,20 @@ export class StartTraces {
 
 /**
  * Before a cold boot: `replay` (a trace file) is handed to the rootfs device, and a recording of the
- * boot starts. Answers whether it is recording (endBootTrace then writes it). Failures are logged.
+ * boot starts. Answers the recording's number (endBootTrace then writes it), undefined when none
+ * started. Failures are logged.
  */
-export async function beginBootTrace(blockd: BlockdClient, device: string, replay?: string): Promise<boolean> {
+export async function beginBootTrace(blockd: BlockdClient, device: string, replay?: string): Promise<number | undefined> {
   if (replay) await blockd.call("prefetch", { id: device, trace: replay }).catch((e) => log(`prefetch of ${replay} on ${device}`, e));
-  return blockd.call("traceStart", { id: device, forMs: BOOT_TRACE_MS }).then(
-    () => true,
-    (e) => (log(`recording the boot of ${device}`, e), false),
+  return blockd.call<{ recording: number }>("traceStart", { id: device, forMs: BOOT_TRACE_MS }).then(
+    (r) => r.recording,
+    (e) => (log(`recording the boot of ${device}`, e), undefined),
   );
 }
 
 /** At the checkpoint: the boot's recording is written to `out`; a failure is logged (the template has no trace). */
-export async function endBootTrace(blockd: BlockdClient, device: string, out: string): Promise<void> {
-  await blockd.call("traceStop", { id: device, out }).catch((e) => log(`writing the boot trace ${out} of ${device}`, e));
+export async function endBootTrace(blockd: BlockdClient, device: string, recording: number, out: string): Promise<void> {
+  await blockd.call("traceStop", { id: device, recording, out }).catch((e) => log(`writing the boot trace ${out} of ${device}`, e));
 }
 
 /** Adds `v`, dropping the oldest entry past MAX_KNOWN. */

@@ -51,6 +51,27 @@ describe.skipIf(!haveFuse)("prefetch traces", async () => {
     await client.call("delete", { id: d.id });
   });
 
+  test(fuseTest("a stop naming an earlier recording is refused: the id was given back and taken again, and the new holder's recording goes on"), async () => {
+    const lowers = [layer.lower(join(dir, "cache-reused"))];
+    const a = await client.call<{ id: string; path: string }>("acquire", { lowers });
+    const first = (await client.call<{ recording: number }>("traceStart", { id: a.id })).recording;
+    await client.call("release", { id: a.id });
+    // The one released last goes first: the same id, another holder, which records too. Its start
+    // and the first holder's late stop are sent together, the stop second.
+    const b = await client.call<{ id: string; path: string }>("acquire", { lowers });
+    expect(b.id).toBe(a.id);
+    const [started, late] = await Promise.all([client.call<{ recording: number }>("traceStart", { id: b.id }), failure(client.call("traceStop", { id: b.id, recording: first }))]);
+    expect(started.recording).toBeGreaterThan(first);
+    expect(late?.name).toBe("TraceError");
+    expect(late?.message).toContain(`numbered ${first}`);
+    expect((await failure(client.call("traceStop", { id: b.id, recording: "x" })))?.name).toBe("BadRequest");
+    await preadDevice(b.path, 7 * G, 4096);
+    const out = join(dir, "reused.trace");
+    expect(await client.call("traceStop", { id: b.id, recording: started.recording, out })).toMatchObject({ entries: 1 });
+    expect([...decodeTrace(new Uint8Array(readFileSync(out))).entries]).toEqual([7]);
+    await client.call("release", { id: b.id });
+  });
+
   test(fuseTest("a replayed trace brings its ranges into the cache before the guest asks"), async () => {
     // Record a boot-like pattern: 4 KiB reads spread over 24 MiB, some of it twice.
     const pattern: number[] = [];
