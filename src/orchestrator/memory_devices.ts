@@ -123,6 +123,11 @@ export class MemoryDevices {
     e.users.add(holder);
   }
 
+  /** The stacks pinned now. */
+  pinnedStacks(): string[][] {
+    return [...this.open.values()].filter((e) => e.pinned).map((e) => JSON.parse(e.key) as string[]);
+  }
+
   /** Ids of the devices this node holds. */
   ids(): Set<string> {
     return new Set([...this.open.values()].flatMap((e) => (e.id ? [e.id] : [])));

@@ -222,12 +222,12 @@ async function linkOrCopy(src: string, dst: string): Promise<void> {
   }
 }
 
-/** Writes a file's dirty pages (off the event loop) and drops its cached ones; a missing file is fine. */
 /** The checkpoint directories whose files a VM started from `cp` uses: its own, its lowers', its memory layers'. */
 function checkpointDirs(cp: VmCheckpoint): string[] {
   return [...new Set([cp.dir, ...localLayers(cp.layers).map((l) => join(l, "..")), ...(cp.memLayers ?? []).map((l) => join(l, ".."))])];
 }
 
+/** Writes a file's dirty pages (off the event loop) and drops its cached ones; a missing file is fine. */
 async function dropCache(path: string): Promise<void> {
   if (!existsSync(path)) return;
   const fh = await openAsync(path, "r");
@@ -293,6 +293,11 @@ export class Orchestrator {
   /** Ids of the blockd devices the node holds open as memory devices (templates', warm ones, in use). */
   memoryDeviceIds(): Set<string> {
     return this.memDevices.ids();
+  }
+
+  /** The memory stacks kept open whatever uses them (templates', a fork's while its children start). */
+  pinnedMemoryStacks(): string[][] {
+    return this.memDevices.pinnedStacks();
   }
 
   /** `cb(id)` runs when a sandbox's VM goes away (kill, pause, failure): the proxy cuts its streams. */
@@ -657,8 +662,12 @@ export class Orchestrator {
   /**
    * A VM for `rec` restored from `cp` in a fresh slot with a fresh upper, envd initialised.
    * `traced`: a template's or snapshot's checkpoint, whose starts record and replay prefetch traces (start_traces.ts).
+   * `ready` (a fork's first children, started at its seal): the checkpoint's VM state and memory
+   * are still being written; the slot and the rootfs device are taken meanwhile, the memory device
+   * and the snapshot after it, and the clock charges our steps only for what outlasts it
+   * ("checkpoint": the source's, timed in its own row).
    */
-  private async startFrom(rec: SandboxRecord, cp: VmCheckpoint, clock = new PhaseClock(), o: { traced?: boolean } = {}): Promise<SandboxRuntime> {
+  private async startFrom(rec: SandboxRecord, cp: VmCheckpoint, clock = new PhaseClock(), o: { traced?: boolean; ready?: Promise<void> } = {}): Promise<SandboxRuntime> {
     const devices: string[] = [];
     const upperDir = join(this.opts.home, "sandboxes", rec.id, `upper-${randomId(6)}`);
     const rt: SandboxRuntime = {
@@ -667,28 +676,55 @@ export class Orchestrator {
     };
     // Recorded before each step, so a crash or a kill mid-way can find what to give back.
     const save = () => this.store.setRuntime(rec.id, rt);
-    rt.slot = await this.slots.acquire();
-    save();
-    // The policy is in force before the VM runs; read from the store now, so a PUT meanwhile is not lost.
-    await this.applyEgress(rec.id, rt.slot);
-    clock.lap("slot");
-    // On a throw, the caller's teardown() gives back what the saved runtime names.
-    {
-      let drives: DriveSpec[];
-      const reading = readSnapshot(cp.dir); // read while blockd gets the device
-      reading.catch(() => {});
-      // One memory device per memory stack, shared by every VM restored from it (blockd counts
-      // them), asked for alongside the rootfs device.
-      const memory = cp.memLayers?.length
+    // One memory device per memory stack, shared by every VM restored from it (blockd counts
+    // them), asked for alongside the rootfs device once the stack is written.
+    const takeMemory = () =>
+      cp.memLayers?.length
         ? this.memDevices.take(cp.memLayers, rec.id).then((m) => {
             rt.memDevice = m.id;
             return m.path;
           })
         : undefined;
+    const readFirst = () => {
+      const reading = readSnapshot(cp.dir); // read while blockd gets the devices
+      reading.catch(() => {});
+      return { reading, memory: takeMemory() };
+    };
+    let then = o.ready ? undefined : readFirst();
+    const own = (async () => {
+      const slot = (rt.slot = await this.slots.acquire());
+      save();
+      // The policy is in force before the VM runs; read from the store now, so a PUT meanwhile is not lost.
+      await this.applyEgress(rec.id, slot);
+      if (!o.ready) clock.lap("slot");
       try {
-        ({ drives } = await this.devices(devices, cp.layers, upperDir, rec.diskSizeMB));
+        return { slot, drives: (await this.devices(devices, cp.layers, upperDir, rec.diskSizeMB)).drives };
       } finally {
         rt.rootfsDevice = devices[0] ?? null;
+      }
+    })();
+    own.catch(() => {});
+    // On a throw, the caller's teardown() gives back what the saved runtime names.
+    {
+      if (o.ready) {
+        try {
+          await o.ready;
+        } catch (e) {
+          await own.catch(() => {});
+          save();
+          throw e;
+        }
+        clock.lap("checkpoint");
+        rt.memLayers = cp.memLayers;
+        rt.checkpoints = checkpointDirs(cp);
+        then = readFirst();
+      }
+      const { reading, memory } = then!;
+      let drives: DriveSpec[];
+      let slot: Slot;
+      try {
+        ({ drives, slot } = await own);
+      } finally {
         await memory?.catch(() => {}); // settled, so the record names it before a teardown reads it
         save();
       }
@@ -701,14 +737,14 @@ export class Orchestrator {
       ]);
       clock.lap("devices");
       const vm = await this.driver.restore(snap, {
-        id: rec.id, runDir: rt.runDir!, drives, net: { tap: rt.slot.tap, mac: rt.slot.guestMac }, netnsPath: rt.slot.netnsPath, memImage,
+        id: rec.id, runDir: rt.runDir!, drives, net: { tap: slot.tap, mac: slot.guestMac }, netnsPath: slot.netnsPath, memImage,
       });
       clock.lap("vmm");
       rt.vmPid = vm.pid;
-      this.live.set(rec.id, { vm, slot: rt.slot });
+      this.live.set(rec.id, { vm, slot });
       save();
       clock.lap("record");
-      const url = `http://${rt.slot.nsIp}:${ENVD_PORT}`;
+      const url = `http://${slot.nsIp}:${ENVD_PORT}`;
       await waitEnvdReady(url, this.envdTimeoutMs, () => vm.state !== "stopped");
       traced();
       clock.lap("guest");
@@ -908,9 +944,17 @@ export class Orchestrator {
     const src = this.get(id);
     if (src.state !== "running" || this.inflight.has(id)) throw new OrchestratorError(409, `sandbox ${id} is ${src.state}, not running`);
     if (!this.store.transition(id, ["running"], "forking")) throw new OrchestratorError(409, `sandbox ${id} is busy`);
-    // Devices of the children's own stack, one per child started at once, prepared from the seal on
-    // (while the VMM writes the memory) and replaced as children take them; retired when the fork ends.
+    // The first children (one per child started at once) start at the seal, before the checkpoint
+    // is done: their slots and rootfs devices are taken while the VMM writes the memory (startFrom's
+    // `ready`). For the children after them, devices of the children's own stack are prepared from
+    // the seal on and replaced as children take them; retired when the fork ends.
     let preparing: { cp: VmCheckpoint; sent: Promise<void> } | undefined;
+    /** The children's memory stack, pinned while they start (with or without devices prepared). */
+    let pinned: string[] | undefined;
+    const early: Promise<SandboxRecord>[] = [];
+    let checkpointed!: (error?: Error) => void;
+    const ready = new Promise<void>((resolve, reject) => (checkpointed = (error) => (error ? reject(error) : resolve())));
+    ready.catch(() => {});
     try {
       const cp = await this.track(id, "fork", async () => {
         const rt = this.runtime(id);
@@ -919,8 +963,16 @@ export class Orchestrator {
         try {
           if (!live) throw new OrchestratorError(500, `sandbox ${id} has no VM`);
           const clock = new PhaseClock();
-          const devicesAhead = Math.min(count, this.opts.forkParallelism ?? 4, FORK_PREPARED_MAX);
-          const onSealed = (c: VmCheckpoint) => (preparing = { cp: c, sent: this.prepareDevices(c, src.diskSizeMB, devicesAhead, count) });
+          const parallel = Math.min(count, this.opts.forkParallelism ?? 4);
+          const onSealed = (c: VmCheckpoint) => {
+            // Every acquire of the stack counts against the target, the early ones too.
+            if (count > parallel) preparing = { cp: c, sent: this.prepareDevices(c, src.diskSizeMB, Math.min(count - parallel, parallel, FORK_PREPARED_MAX), count) };
+            for (let i = 0; i < parallel; i++) {
+              const child = this.createFromCheckpoint(src, c, timeoutS, ready);
+              child.catch(() => {}); // settled by its worker below, or by the catch if the fork fails
+              early.push(child);
+            }
+          };
           // The children's memory stack is the source's plus the layer this checkpoint writes
           // (unless it compacts): a device over the source's is taken now and grown into it then.
           const below = rt.memLayers;
@@ -928,13 +980,18 @@ export class Orchestrator {
           const cp = await this.checkpoint(id, live.vm, rt, { resumable: true, onSealed }, clock);
           const resumed = live.vm.resume();
           // The children's memory device, opened once for all of them (unpinned with their rootfs devices).
-          const memory = cp.memLayers ? this.memDevices.pin(cp.memLayers, memoryAhead) : undefined;
+          pinned = cp.memLayers;
+          const memory = pinned ? this.memDevices.pin(pinned, memoryAhead) : undefined;
           await resumed;
           clock.lap("vmm");
           await memory;
           clock.lap("memory-device");
           this.timings.add("fork-checkpoint", id, clock);
+          checkpointed();
           return cp;
+        } catch (e) {
+          checkpointed(new OrchestratorError(500, `the checkpoint of ${id} failed: ${(e as Error).message}`));
+          throw e;
         } finally {
           if (memoryAhead) this.memDevices.drop(memoryAhead); // not grown: back to the pool
           if (live?.vm.state === "paused") await live.vm.resume().catch(() => {});
@@ -942,27 +999,32 @@ export class Orchestrator {
         }
       });
       const results: ({ rec: SandboxRecord } | { error: OrchestratorError })[] = new Array(count);
-      let next = 0;
-      const worker = async () => {
-        for (let i = next++; i < count; i = next++) {
-          try {
-            const rec = await this.createFromCheckpoint(src, cp, timeoutS);
-            results[i] = { rec };
-          } catch (e) {
-            results[i] = { error: e instanceof OrchestratorError ? e : new OrchestratorError(500, (e as Error).message) };
-          }
-        }
+      const settle = (child: Promise<SandboxRecord>, i: number) =>
+        child.then(
+          (rec) => void (results[i] = { rec }),
+          (e) => void (results[i] = { error: e instanceof OrchestratorError ? e : new OrchestratorError(500, (e as Error).message) }),
+        );
+      let next = early.length;
+      // Worker j goes on from child j when that one started early.
+      const worker = async (j: number) => {
+        if (j < early.length) await settle(early[j]!, j);
+        for (let i = next++; i < count; i = next++) await settle(this.createFromCheckpoint(src, cp, timeoutS), i);
       };
-      await Promise.all(Array.from({ length: Math.min(count, this.opts.forkParallelism ?? 4) }, worker));
+      await Promise.all(Array.from({ length: Math.min(count, this.opts.forkParallelism ?? 4) }, (_, j) => worker(j)));
       this.collectCheckpointsLater();
       return results;
+    } catch (e) {
+      await Promise.allSettled(early); // each gave back what it took (createFromCheckpoint)
+      throw e;
     } finally {
       const p = preparing;
       if (p) void p.sent.then(() => this.prepareDevices(p.cp, src.diskSizeMB, 0));
+      if (pinned) this.memDevices.unpin(pinned); // its children hold it now
     }
   }
 
-  private async createFromCheckpoint(src: SandboxRecord, cp: VmCheckpoint, timeoutS: number | undefined): Promise<SandboxRecord> {
+  /** A fork child; `ready`: see startFrom. */
+  private async createFromCheckpoint(src: SandboxRecord, cp: VmCheckpoint, timeoutS: number | undefined, ready?: Promise<void>): Promise<SandboxRecord> {
     if (this.store.count() >= this.opts.maxSandboxes)
       throw new OrchestratorError(429, `this node holds its maximum of ${this.opts.maxSandboxes} sandboxes`);
     const startedAt = this.store.nextStartedAt();
@@ -975,7 +1037,7 @@ export class Orchestrator {
     return this.track(rec.id, "create", async () => {
       try {
         const clock = new PhaseClock();
-        const runtime = await this.startFrom(rec, cp, clock);
+        const runtime = await this.startFrom(rec, cp, clock, { ready });
         const out = this.store.transition(rec.id, ["creating"], "running", { runtime, endAt: Date.now() + ttl })!;
         clock.lap("record");
         this.timings.add("fork-child", rec.id, clock);

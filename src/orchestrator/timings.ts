@@ -6,9 +6,11 @@ export const TIMING_LOG_MAX = 256;
 
 /**
  * Phases spent in the VMM or the guest, or writing the guest's dirty memory (the snapshot's
- * payload: it grows with what the guest dirtied), not in the node: the rest is our own overhead.
+ * payload: it grows with what the guest dirtied), not in the node, or (a fork child's
+ * "checkpoint") waiting for the source's checkpoint, timed in its own row: the rest is our own
+ * overhead.
  */
-export const EXTERNAL_PHASES = new Set(["vmm", "guest", "init", "memory"]);
+export const EXTERNAL_PHASES = new Set(["vmm", "guest", "init", "memory", "checkpoint"]);
 
 export class PhaseClock {
   private t = performance.now();

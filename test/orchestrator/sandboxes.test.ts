@@ -109,10 +109,18 @@ describe.skipIf(!!skip)("node API + orchestrator with the e2b SDK (QEMU, blockd,
   }, 180_000);
 
   test("fork: children diverge, the source is untouched and keeps running", async () => {
-    const res = await fetch(`${base}/sandboxes/${sbx.sandboxId}/fork`, { method: "POST", headers: { "x-api-key": KEY, "content-type": "application/json" }, body: JSON.stringify({ count: 2 }) });
+    const res = await fetch(`${base}/sandboxes/${sbx.sandboxId}/fork`, { method: "POST", headers: { "x-api-key": KEY, "content-type": "application/json" }, body: JSON.stringify({ count: 3 }) });
     expect(res.status).toBe(201);
     const results = (await res.json()) as { sandbox?: { sandboxID: string } }[];
-    expect(results.length).toBe(2);
+    expect(results.length).toBe(3);
+    // The first two (forkParallelism) took their slots and devices during the checkpoint and waited
+    // for it ("checkpoint"); the third started after it, as a create does ("slot").
+    const starts = new Map(orch.timings.recent("fork-child").map((t) => [t.id, Object.keys(t.phases)]));
+    const phases = results.map((r) => starts.get(r.sandbox!.sandboxID)!);
+    expect(phases.map((p) => p.includes("checkpoint"))).toEqual([true, true, false]);
+    expect(phases.map((p) => p.includes("slot"))).toEqual([false, false, true]);
+    await Sandbox.kill(results[2]!.sandbox!.sandboxID, opts());
+    results.pop();
     const kids = await Promise.all(results.map((r) => Sandbox.connect(r.sandbox!.sandboxID, opts())));
     expect(new Set(kids.map((k) => k.sandboxId)).size).toBe(2);
     // One memory device for both: the source's memory layers and the fork's new one on top.
@@ -130,9 +138,19 @@ describe.skipIf(!!skip)("node API + orchestrator with the e2b SDK (QEMU, blockd,
     expect(await kids[1]!.files.read("/tmp/keep.txt")).toBe("child 1");
     expect(await sbx.files.read("/tmp/keep.txt")).toBe("kept across pause");
     for (const k of kids) expect(await k.kill()).toBe(true);
+    // A fork no larger than forkParallelism prepares no devices; its children's memory stack is
+    // unpinned all the same once they started, as the larger fork's is.
+    const one = await fetch(`${base}/sandboxes/${sbx.sandboxId}/fork`, { method: "POST", headers: { "x-api-key": KEY, "content-type": "application/json" }, body: JSON.stringify({ count: 1 }) });
+    expect(one.status).toBe(201);
+    const only = ((await one.json()) as { sandbox: { sandboxID: string } }[])[0]!.sandbox.sandboxID;
+    const onlyMem = (store.get(only)!.runtime as SandboxRuntime).memLayers!;
+    expect(await Sandbox.kill(only, opts())).toBe(true);
+    const pinned = (stack: string[]) => orch.pinnedMemoryStacks().some((s) => s.join() === stack.join());
+    await until(() => !pinned(kidRt[0]!.memLayers!) && !pinned(onlyMem), 10_000, "both forks' memory stacks unpinned");
+    expect(pinned(srcMem.slice(0, 1))).toBe(true); // the template's stays
   }, 300_000);
 
-  test("a fork whose checkpoint fails after the seal (its VMM killed): 500, no child, and the memory device taken ahead goes back", async () => {
+  test("a fork whose checkpoint fails after the seal (its VMM killed): 500, the children started early are given back, and so is the memory device taken ahead", async () => {
     const victim = await Sandbox.create("busybox", opts());
     const rt = store.get(victim.sandboxId)!.runtime as SandboxRuntime;
     const rows = store.count();
@@ -155,10 +173,11 @@ describe.skipIf(!!skip)("node API + orchestrator with the e2b SDK (QEMU, blockd,
     await killer;
     expect(res.status).toBe(500);
     expect(await res.json()).toMatchObject({ code: 500 });
-    expect(orch.creates.fails - fails).toBe(0); // no child was started
+    // Both early children were made (a row, a slot, a device each) and rolled back.
+    expect(orch.creates.fails - fails).toBe(2);
     expect(store.count()).toBe(rows);
     expect(pool.stats().leased).toBe(leased);
-    await until(async () => (await acquired()).join() === before.join(), 10_000, "the memory device taken ahead given back");
+    await until(async () => (await acquired()).join() === before.join(), 10_000, "the memory device taken ahead and the children's devices given back");
     await Sandbox.kill(victim.sandboxId, opts());
   }, 120_000);
 
