@@ -78,12 +78,8 @@ export class Image {
   attachUpper(upper: WritableLayer, above: ReadOnlyLayer[] = []): void {
     if (this.upperLayer) throw new ConfigError("the image already has a writable layer");
     if (upper.index.size) throw new ConfigError("only a fresh upper (one that maps nothing) can be attached", upper.dataPath);
-    if (this.lowers.length + above.length > MAX_LOWERS) throw new ConfigError(`${this.lowers.length + above.length} lowers exceed ${MAX_LOWERS}`);
     // `above`: more lowers between the open ones and the upper (a sandbox's own sealed layers over its template's).
-    for (const l of above) {
-      this.lowers.push(l);
-      this.addToMerged(l, this.lowers.length - 1);
-    }
+    this.addLowers(above);
     this.upperLayer = upper;
   }
   /**

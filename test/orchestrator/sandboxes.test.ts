@@ -128,8 +128,8 @@ describe.skipIf(!!skip)("node API + orchestrator with the e2b SDK (QEMU, blockd,
     const kidRt = kids.map((k) => store.get(k.sandboxId)!.runtime as SandboxRuntime);
     expect(new Set(kidRt.map((r) => r.memDevice)).size).toBe(1);
     expect(kidRt[0]!.memLayers!.slice(0, -1)).toEqual(srcMem);
-    const memDev = (await client.call<{ id: string; config: { lowers: { file: string }[] } }[]>("list")).find((d) => d.id === kidRt[0]!.memDevice)!;
-    expect(memDev.config.lowers.map((l) => l.file)).toEqual(kidRt[0]!.memLayers!);
+    const memDev = (await client.call<DeviceView[]>("list")).find((d) => d.id === kidRt[0]!.memDevice)!;
+    expect(memDev.config!.lowers.map((l) => l.file)).toEqual(kidRt[0]!.memLayers!);
     for (const [i, k] of kids.entries()) {
       expect(await k.files.read("/tmp/keep.txt")).toBe("kept across pause");
       await k.files.write("/tmp/keep.txt", `child ${i}`);
