@@ -1221,10 +1221,14 @@ export class Orchestrator {
         await vm.pause();
         await mkdir(dir, { recursive: true });
       }
-      const restack = () => this.blockd.call("restack", { id: rt.rootfsDevice, layerPath: layer }).then(() => {
-        sealed = true;
-        o.onSealed?.(cp);
-      });
+      const restack = () => {
+        // The restack ends a recording on the device: it is written first, as far as it got.
+        if (rt.rootfsDevice) this.traces.endOn(rt.rootfsDevice);
+        return this.blockd.call("restack", { id: rt.rootfsDevice, layerPath: layer }).then(() => {
+          sealed = true;
+          o.onSealed?.(cp);
+        });
+      };
       const sealing = early ? restack() : undefined;
       const snap = vm.snapshot(dir, { resumable: o.resumable });
       const vmm = snap.then(async (info) => {
@@ -1342,6 +1346,7 @@ export class Orchestrator {
       // A VM this process does not hold (started before a restart): stopped only if it is still
       // the one recorded in its run directory (pids are reused).
       if (!live && rt.runDir) await this.driver.adopt(rt.runDir).then((vm) => vm.stop()).catch(() => {});
+      if (rt.rootfsDevice) this.traces.endOn(rt.rootfsDevice); // before the device goes back
       await this.release(id, rt);
       if (rt.upperDir) await rm(rt.upperDir, { recursive: true, force: true });
       // A paused sandbox's memory device, kept open for its resume, is not wanted any more.

@@ -39,9 +39,20 @@ export interface TracedDevice {
   shared?: boolean;
 }
 
+/** A recording under way: its device, blockd's number for it (once traceStart answered), and its timer. */
+interface Recording {
+  id: string;
+  recording?: number;
+  timer: Timer;
+  /** envd answered: the recording is kept when it ends. */
+  windowOpen: boolean;
+  /** traceStop sent. */
+  ending?: boolean;
+}
+
 export class StartTraces {
   /** Trace files being recorded, by path: one recording per file at a time. */
-  private readonly recording = new Map<string, Timer>();
+  private readonly recording = new Map<string, Recording>();
   /** Paths seen on disk: a later start needs no stat (a create's hot path costs no file system round trip). */
   private readonly known = new Set<string>();
   /** `device trace` pairs asked to replay: a shared memory device replays its trace once, not per VM. */
@@ -61,7 +72,7 @@ export class StartTraces {
    * Returns what to call once envd answered (the recordings end `windowMs` later).
    */
   async begin(dir: string, devices: TracedDevice[]): Promise<() => void> {
-    const started: { id: string; path: string; recording: number }[] = [];
+    const started: string[] = [];
     await Promise.all(
       devices.map(async (d) => {
         const path = join(dir, d.file);
@@ -79,11 +90,11 @@ export class StartTraces {
         if (this.recording.size >= MAX_RECORDING || tried >= MAX_ATTEMPTS) return;
         this.attempts.set(path, tried + 1);
         if (this.attempts.size > MAX_KNOWN) this.attempts.delete(this.attempts.keys().next().value!);
-        let recording: number | undefined;
-        this.recording.set(path, setTimeout(() => this.end(d.id, path, false, recording), TRACE_ABANDON_MS));
+        const r: Recording = { id: d.id, timer: setTimeout(() => this.end(path), TRACE_ABANDON_MS), windowOpen: false };
+        this.recording.set(path, r);
         try {
-          ({ recording } = await this.blockd.call<{ recording: number }>("traceStart", { id: d.id }));
-          started.push({ id: d.id, path, recording });
+          ({ recording: r.recording } = await this.blockd.call<{ recording: number }>("traceStart", { id: d.id }));
+          started.push(path);
         } catch (e) {
           this.clear(path);
           log(`recording ${path} on ${d.id}`, e);
@@ -91,19 +102,36 @@ export class StartTraces {
       }),
     );
     return () => {
-      for (const { id, path, recording } of started) {
-        if (!this.recording.has(path)) continue;
-        clearTimeout(this.recording.get(path));
-        this.recording.set(path, setTimeout(() => this.end(id, path, true, recording), this.windowMs));
+      for (const path of started) {
+        const r = this.recording.get(path);
+        if (!r || r.ending) continue;
+        clearTimeout(r.timer);
+        r.windowOpen = true;
+        r.timer = setTimeout(() => this.end(path), this.windowMs);
       }
     };
   }
 
   /**
-   * The recording on `id` ends; kept: written to `path`. Named by its number: a device given back
-   * since (its id reused by another VM's, which may record its own) refuses the stop (logged).
+   * Device `id` is about to change under its VM (a restack: pause, fork, snapshot) or go back to
+   * blockd (teardown): its recordings end now, kept when envd had answered (a shorter trace beats
+   * none, and the device would drop it anyway).
    */
-  private end(id: string, path: string, keep: boolean, recording: number | undefined): void {
+  endOn(id: string): void {
+    for (const [path, r] of this.recording) if (r.id === id && r.recording !== undefined) this.end(path);
+  }
+
+  /**
+   * The recording of `path` ends (once); kept, when its window had opened: written to `path`. Named
+   * by its number: a device given back since (its id reused by another VM's, which may record its
+   * own) refuses the stop (logged).
+   */
+  private end(path: string): void {
+    const r = this.recording.get(path);
+    if (!r || r.ending) return;
+    r.ending = true;
+    clearTimeout(r.timer);
+    const { id, recording, windowOpen: keep } = r;
     this.blockd
       .call("traceStop", { id, recording, ...(keep ? { out: path } : {}) })
       .then(() => {
@@ -116,13 +144,14 @@ export class StartTraces {
   }
 
   private clear(path: string): void {
-    clearTimeout(this.recording.get(path));
+    const r = this.recording.get(path);
+    if (r) clearTimeout(r.timer);
     this.recording.delete(path);
   }
 
   /** Timers of recordings under way go (the node is closing); their devices drop them when given back. */
   close(): void {
-    for (const t of this.recording.values()) clearTimeout(t);
+    for (const r of this.recording.values()) clearTimeout(r.timer);
     this.recording.clear();
   }
 }

@@ -7,7 +7,7 @@ import { join } from "node:path";
 import { Sandbox } from "e2b";
 import { decodeTrace } from "../../src/blockdev/trace.ts";
 import type { SlotPool } from "../../src/network/index.ts";
-import type { Orchestrator } from "../../src/orchestrator/orchestrator.ts";
+import type { Orchestrator, SandboxRuntime } from "../../src/orchestrator/orchestrator.ts";
 import { MEMORY_TRACE, ROOTFS_TRACE, TRACE_WINDOW_MS } from "../../src/orchestrator/start_traces.ts";
 import type { SandboxStore } from "../../src/orchestrator/store.ts";
 import type { TemplateStore } from "../../src/orchestrator/templates.ts";
@@ -67,5 +67,24 @@ describe.skipIf(!!skip)("prefetch traces of a template's starts", async () => {
     expect(s.prefetchErrors).toBe(0);
     expect(await second.kill()).toBe(true);
     expect(await first.kill()).toBe(true);
+  }, 300_000);
+
+  test("a sandbox paused inside its recording window leaves its rootfs trace as far as it got", async () => {
+    // A snapshot's checkpoint has no traces yet: its first start records them.
+    const src = await Sandbox.create("busybox", opts());
+    const snap = await src.createSnapshot();
+    expect(await src.kill()).toBe(true);
+    const cpDir = templates.resolve(snap.snapshotId.replace(/:default$/, ""))!.checkpoint!.dir;
+    const s = await Sandbox.create(snap.snapshotId, opts());
+    const rootfsDevice = (store.get(s.sandboxId)!.runtime as SandboxRuntime).rootfsDevice!;
+    expect((await client.call("stats", { id: rootfsDevice })).traceEntries).toBeGreaterThan(0);
+    expect(existsSync(join(cpDir, ROOTFS_TRACE))).toBe(false);
+    // The pause restacks the device, which would drop the recording: it is written first, well
+    // inside the window (TRACE_WINDOW_MS after envd answered).
+    expect(await s.pause()).toBe(true);
+    await until(() => existsSync(join(cpDir, ROOTFS_TRACE)), 1_000, "the rootfs trace written at the pause");
+    expect(decodeTrace(new Uint8Array(readFileSync(join(cpDir, ROOTFS_TRACE)))).entries.length).toBeGreaterThan(0);
+    expect(await Sandbox.kill(s.sandboxId, opts())).toBe(true);
+    expect(await Sandbox.deleteSnapshot(snap.snapshotId, opts())).toBe(true);
   }, 300_000);
 });
