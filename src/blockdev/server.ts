@@ -963,12 +963,13 @@ export class Blockd {
    * not replaced past the last). All or nothing: a refill that fails restores the target it replaced.
    */
   private async prepare(p: Record<string, unknown>) {
-    const config = checkConfig(p.lowers);
-    if (!config.lowers.length) throw new BlockdError("BadRequest", "a prepared stack needs at least one layer");
-    const size = checkSize(p.size);
     const count = p.count;
     if (!Number.isSafeInteger(count) || (count as number) < 0 || (count as number) > MAX_PREPARED_PER_STACK)
       throw new BlockdError("BadRequest", `"count" must be an integer 0..${MAX_PREPARED_PER_STACK}`);
+    if (count === 0) return this.retirePrepared(p);
+    const config = checkConfig(p.lowers);
+    if (!config.lowers.length) throw new BlockdError("BadRequest", "a prepared stack needs at least one layer");
+    const size = checkSize(p.size);
     const acquires = p.acquires;
     if (acquires !== undefined && (!Number.isSafeInteger(acquires) || (acquires as number) < (count as number) || (acquires as number) > MAX_TARGET_ACQUIRES))
       throw new BlockdError("BadRequest", `"acquires" must be an integer ${count as number}..${MAX_TARGET_ACQUIRES} ("count" or more)`);
@@ -990,6 +991,28 @@ export class Blockd {
       throw target.error;
     }
     return { lowers: config.lowers.map((l, i) => resolveLayerPath(l, i)), size, count: target.count, ready };
+  }
+
+  /**
+   * prepare with count 0: the target of these lowers and size ends and its devices are retired.
+   * Its layer files may be gone (the checkpoint removed after its last sandbox): a target is
+   * matched by the lowers as it was asked for, when they no longer resolve.
+   */
+  private async retirePrepared(p: Record<string, unknown>) {
+    const size = checkSize(p.size);
+    const asked = parseImageConfig({ lowers: checkLowers(p.lowers) }).lowers;
+    if (!asked.length) throw new BlockdError("BadRequest", "a prepared stack needs at least one layer");
+    let key: string | undefined;
+    try {
+      key = stackKey({ lowers: asked }, size);
+    } catch {
+      const refs = JSON.stringify(asked);
+      key = [...this.targets].find(([, t]) => t.size === size && JSON.stringify(t.lowers) === refs)?.[0];
+    }
+    if (key === undefined) return { lowers: asked.map((l) => l.file ?? l.dir ?? l.digest ?? ""), size, count: 0, ready: 0 };
+    this.targets.delete(key);
+    await this.refillPrepared();
+    return { lowers: (JSON.parse(key) as [string[], number])[0], size, count: 0, ready: this.preparedCount(key) };
   }
 
   /** Plain idle devices free to take now. */

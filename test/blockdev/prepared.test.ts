@@ -4,7 +4,7 @@
 // upperDir, racing acquires get distinct devices, and a blockd killed with -9 (its table written
 // or not) comes back with every acquired device and no prepared leftovers.
 import { describe, expect, test } from "bun:test";
-import { existsSync, mkdirSync, readdirSync, readFileSync, rmSync, writeFileSync } from "node:fs";
+import { copyFileSync, existsSync, mkdirSync, readdirSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { Image } from "../../src/storage/image.ts";
 import { WRITABLE_DATA, WRITABLE_INDEX, WritableLayer } from "../../src/storage/lsmt/writable_layer.ts";
@@ -256,6 +256,19 @@ describe.skipIf(!haveFuse)("prepared pool devices", async () => {
     expect(preparedOf(await list())).toEqual([]);
     expect(preparedFolders(state)).toEqual([]);
     for (const id of before) expect(mountsAt(join(state, "dev", id))).toEqual([]);
+  }, 60_000);
+
+  test("count 0 retires a stack whose layer files are gone (its checkpoint removed first); a stack never prepared is nothing to retire", async () => {
+    const gone = join(dir, "gone.sealed");
+    copyFileSync(top, gone);
+    const stack = [base, gone];
+    await client.call("prepare", { lowers: stack, size: SIZE, count: 1 });
+    await settled(1);
+    rmSync(gone);
+    expect(await client.call("prepare", { lowers: stack, size: SIZE, count: 0 })).toMatchObject({ lowers: stack, count: 0, ready: 0 });
+    await settled(0);
+    expect(await client.call("prepare", { lowers: [join(dir, "never.sealed")], size: SIZE, count: 0 })).toMatchObject({ count: 0, ready: 0 });
+    expect((await failure(client.call("prepare", { lowers: [], size: SIZE, count: 0 })))?.name).toBe("BadRequest");
   }, 60_000);
 });
 
