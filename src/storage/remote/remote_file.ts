@@ -187,10 +187,12 @@ export class RemoteFile implements ReadableFile {
     if (l !== undefined && offset >= 0) {
       const n = Math.min(buf.length, this.opts.size - offset);
       const i = Math.floor(offset / this.chunkSize);
-      // One load of the word, both tested and compared after: a second load could see EVICTING,
-      // and a pread that matched it would return punched bytes.
-      const w = Atomics.load(l.words, i);
-      if (n > 0 && offset + n <= (i + 1) * this.chunkSize && isReadable(w) && this.raMark![i] === 0) return this.preadCached(l, i, w, n === buf.length ? buf : buf.subarray(0, n), offset);
+      if (n > 0 && offset + n <= (i + 1) * this.chunkSize && this.raMark![i] === 0) {
+        // One load of the word, both tested and compared after: a second load could see EVICTING,
+        // and a pread that matched it would return punched bytes.
+        const w = Atomics.load(l.words, i);
+        if (isReadable(w)) return this.preadCached(l, i, w, n === buf.length ? buf : buf.subarray(0, n), offset);
+      }
     }
     return this.preadSlow(buf, offset);
   }
