@@ -128,6 +128,26 @@ export interface SandboxRuntime {
   memLayers?: string[];
   /** The blockd read-only device over memLayers that the VMM maps, while it runs. */
   memDevice?: string | null;
+  /** Set while paused (the last RESUME_READY_MAX to pause): its resume's rootfs device, acquired at the pause. */
+  resumeDevice?: ResumeDevice | null;
+}
+
+/** A device as blockd's `list` describes it (the fields recover reads). */
+interface ListedDevice {
+  id: string;
+  kind: string;
+  path: string;
+  readOnly: boolean;
+  acquired?: boolean;
+  refs: number;
+  config?: { lowers?: unknown[]; upper?: { data?: string } };
+}
+
+/** A rootfs device over a paused sandbox's stack with a fresh upper, held for its resume (no blockd call then). */
+export interface ResumeDevice {
+  id: string;
+  path: string;
+  upperDir: string;
 }
 
 export interface CreateOptions {
@@ -147,7 +167,7 @@ export const MEMORY_LAYERS_MAX = 32;
 
 /** Devices prepared ahead for a fork's children, at most (blockd's bound per stack). */
 export const FORK_PREPARED_MAX = 16;
-/** The most recently paused sandboxes whose whole stack blockd keeps open on a device for their resume. */
+/** The most recently paused sandboxes that hold their resume's rootfs device (ResumeDevice). */
 export const RESUME_READY_MAX = 4;
 
 /** Bounds of the API's inputs that reach the orchestrator (extensionParamsBytes: customExtensionParams as JSON). */
@@ -593,14 +613,21 @@ export class Orchestrator {
     return this.tools;
   }
 
-  /** The tools disk and a rootfs with a fresh upper; the rootfs id is pushed to `devices` once made. */
-  private async devices(devices: string[], layers: TemplateLayer[], upperDir: string, diskSizeMB: number): Promise<{ drives: DriveSpec[] }> {
+  /**
+   * The tools disk and a rootfs with a fresh upper (`held`: one already acquired, a resume's);
+   * the rootfs id is pushed to `devices` once made.
+   */
+  private async devices(devices: string[], layers: TemplateLayer[], upperDir: string, diskSizeMB: number, held?: ResumeDevice): Promise<{ drives: DriveSpec[] }> {
     const tools = await this.toolsDisk();
-    mkdirSync(join(upperDir, ".."), { recursive: true });
-    // From blockd's pool: for a prepared stack, a device with the lowers already open.
-    const rootfs = await this.blockd.call("acquire", { lowers: await this.lowers(layers), upperDir, size: diskSizeMB * 1024 * 1024 });
-    devices.push(rootfs.id);
+    const rootfs = held ?? (await this.acquireRootfs(layers, upperDir, diskSizeMB));
+    if (!held) devices.push(rootfs.id);
     return { drives: [{ path: tools.path, readOnly: true }, { path: rootfs.path }] };
+  }
+
+  /** From blockd's pool: for a prepared stack, a device with the lowers already open. */
+  private async acquireRootfs(layers: TemplateLayer[], upperDir: string, diskSizeMB: number): Promise<{ id: string; path: string }> {
+    mkdirSync(join(upperDir, ".."), { recursive: true });
+    return this.blockd.call("acquire", { lowers: await this.lowers(layers), upperDir, size: diskSizeMB * 1024 * 1024 });
   }
 
   /** A stack as blockd's lowers: files as they are, remote layers as the node hands them over now. */
@@ -628,30 +655,53 @@ export class Orchestrator {
     }).catch(failed);
   }
 
-  /** Paused sandboxes with a device prepared for their resume, oldest first (at most RESUME_READY_MAX). */
-  private readonly resumeReady = new Map<string, { cp: VmCheckpoint; diskSizeMB: number }>();
+  /** Paused sandboxes whose row names a ResumeDevice, oldest first (RESUME_READY_MAX, past it while resumes take theirs). */
+  private readonly resumeReady = new Set<string>();
 
   /**
-   * A device with the paused stack's lowers open, for one acquire (its resume): blockd's target
-   * ends with it. The oldest past RESUME_READY_MAX is retired. Best effort, as prepareDevices.
+   * Acquires the rootfs device of paused sandbox `id`'s resume (its paused stack, a fresh upper)
+   * and records it in its row; run in the pause's cleanup, which its resume and kill wait for.
+   * The oldest holders past RESUME_READY_MAX give theirs back. Best effort: a resume without one
+   * acquires its device as a create does.
    */
-  private readyForResume(id: string, cp: VmCheckpoint, diskSizeMB: number): Promise<void> {
-    this.resumeReady.delete(id);
-    this.resumeReady.set(id, { cp, diskSizeMB });
-    while (this.resumeReady.size > RESUME_READY_MAX) this.unreadyForResume(this.resumeReady.keys().next().value!);
-    // Answered once the device is ready: a resume waits for the pause's cleanup, so it then finds it.
-    return this.lowers(cp.layers)
-      .then((lowers) => this.blockd.call("prepare", { lowers, size: diskSizeMB * 1024 * 1024, count: 1, acquires: 1 }))
-      .then(() => {}, (e: Error) => console.error(`orchestrator: a device for the resume of ${id}: ${e.message}`));
+  private async acquireForResume(id: string, cp: VmCheckpoint, diskSizeMB: number): Promise<void> {
+    const upperDir = join(this.opts.home, "sandboxes", id, `upper-${randomId(6)}`);
+    let d: { id: string; path: string };
+    try {
+      d = await this.acquireRootfs(cp.layers, upperDir, diskSizeMB);
+    } catch (e) {
+      console.error(`orchestrator: a device for the resume of ${id}: ${(e as Error).message}`);
+      return void (await rm(upperDir, { recursive: true, force: true }));
+    }
+    const rec = this.store.get(id);
+    const rt = rec?.runtime as SandboxRuntime | null | undefined;
+    if (rec?.state !== "paused" || rt?.paused?.dir !== cp.dir) {
+      // Unreachable while resume and kill wait for the cleanup; given back rather than leaked.
+      await this.giveBackDevice(d.id);
+      return void (await rm(upperDir, { recursive: true, force: true }));
+    }
+    this.store.setRuntime(id, { ...rt, resumeDevice: { id: d.id, path: d.path, upperDir } });
+    this.resumeReady.add(id);
+    await this.trimResumeDevices();
   }
 
-  private unreadyForResume(id: string): void {
-    const r = this.resumeReady.get(id);
-    if (!r) return;
+  /** The oldest paused holders past RESUME_READY_MAX give their devices back (a sandbox in an operation keeps its own). */
+  private async trimResumeDevices(): Promise<void> {
+    for (const id of [...this.resumeReady]) {
+      if (this.resumeReady.size <= RESUME_READY_MAX) return;
+      if (!this.inflight.has(id) && this.store.get(id)?.state === "paused") await this.dropResumeDevice(id);
+    }
+  }
+
+  /** Paused sandbox `id` gives back its ResumeDevice: its row stops naming it first. */
+  private async dropResumeDevice(id: string): Promise<void> {
     this.resumeReady.delete(id);
-    this.lowers(r.cp.layers)
-      .then((lowers) => this.blockd.call("prepare", { lowers, size: r.diskSizeMB * 1024 * 1024, count: 0 }))
-      .catch((e: Error) => console.error(`orchestrator: retiring the resume device of ${id}: ${e.message}`));
+    const rt = this.store.get(id)?.runtime as SandboxRuntime | null | undefined;
+    const d = rt?.resumeDevice;
+    if (!d) return;
+    this.store.setRuntime(id, { ...rt, resumeDevice: null });
+    await this.giveBackDevice(d.id);
+    await rm(d.upperDir, { recursive: true, force: true });
   }
 
   /** At node start: devices ready for every template that has a checkpoint. */
@@ -666,16 +716,20 @@ export class Orchestrator {
    * are still being written; the slot and the rootfs device are taken meanwhile, the memory device
    * and the snapshot after it, and the clock charges our steps only for what outlasts it
    * ("checkpoint": the source's, timed in its own row).
+   * `resume` (a paused sandbox's): its rootfs is `held`, the device acquired at its pause, if given.
    */
-  private async startFrom(rec: SandboxRecord, cp: VmCheckpoint, clock = new PhaseClock(), o: { traced?: boolean; ready?: Promise<void> } = {}): Promise<SandboxRuntime> {
-    const devices: string[] = [];
-    const upperDir = join(this.opts.home, "sandboxes", rec.id, `upper-${randomId(6)}`);
+  private async startFrom(rec: SandboxRecord, cp: VmCheckpoint, clock = new PhaseClock(), o: { traced?: boolean; ready?: Promise<void>; resume?: { held?: ResumeDevice } } = {}): Promise<SandboxRuntime> {
+    const held = o.resume?.held;
+    const devices: string[] = held ? [held.id] : [];
+    const upperDir = held?.upperDir ?? join(this.opts.home, "sandboxes", rec.id, `upper-${randomId(6)}`);
+    // A resume's row keeps naming its checkpoint until it runs: a restart mid-way pauses it again.
     const rt: SandboxRuntime = {
-      slot: null, toolsDevice: null, rootfsDevice: null, upperDir, layers: cp.layers, vmPid: null,
-      runDir: join(this.opts.runRoot, rec.id), paused: null, checkpoints: checkpointDirs(cp), memLayers: cp.memLayers, memDevice: null,
+      slot: null, toolsDevice: null, rootfsDevice: held?.id ?? null, upperDir, layers: cp.layers, vmPid: null,
+      runDir: join(this.opts.runRoot, rec.id), paused: o.resume ? cp : null, checkpoints: checkpointDirs(cp), memLayers: cp.memLayers, memDevice: null,
     };
     // Recorded before each step, so a crash or a kill mid-way can find what to give back.
     const save = () => this.store.setRuntime(rec.id, rt);
+    if (held) save(); // the row names the held device as this start's, and no longer as the paused one's
     // One memory device per memory stack, shared by every VM restored from it (blockd counts
     // them), asked for alongside the rootfs device once the stack is written.
     const takeMemory = () =>
@@ -698,7 +752,7 @@ export class Orchestrator {
       await this.applyEgress(rec.id, slot);
       if (!o.ready) clock.lap("slot");
       try {
-        return { slot, drives: (await this.devices(devices, cp.layers, upperDir, rec.diskSizeMB)).drives };
+        return { slot, drives: (await this.devices(devices, cp.layers, upperDir, rec.diskSizeMB, held)).drives };
       } finally {
         rt.rootfsDevice = devices[0] ?? null;
       }
@@ -831,8 +885,8 @@ export class Orchestrator {
           await this.release(id, rt);
           // Its resume will want its own memory stack: opened now, kept while it is among the last left.
           if (cp.memLayers) this.memDevices.warm(cp.memLayers);
-          await this.readyForResume(id, cp, rec.diskSizeMB);
           await rm(join(this.opts.home, "sandboxes", id), { recursive: true, force: true });
+          await this.acquireForResume(id, cp, rec.diskSizeMB);
           // A paused sandbox's memory lives on disk, not in the host's page cache.
           for (const f of ["mem", "mem.layer", "vmstate"]) await dropCache(join(cp.dir, f));
           await this.collectCheckpoints();
@@ -876,20 +930,21 @@ export class Orchestrator {
       const rt = this.runtime(id);
       const cp = rt.paused;
       if (!cp) throw new OrchestratorError(500, `paused sandbox ${id} has no checkpoint`);
+      // Its device acquired at the pause, if it holds one: from here on the resume's (startFrom records it).
+      const held = rt.resumeDevice ?? undefined;
+      this.resumeReady.delete(id);
       try {
         const clock = new PhaseClock();
-        const started = await this.startFrom(now, cp, clock);
-        // Its prepared device served the acquire (which ended that target) or came too late: retired either way.
-        this.unreadyForResume(id);
+        const started = await this.startFrom(now, cp, clock, { resume: { held } });
         const until = Date.now() + timeoutS * 1000;
         const end = o.extendOnly ? Math.max(this.store.get(id)?.endAt ?? 0, until) : until;
-        const out = this.store.transition(id, ["resuming"], "running", { runtime: started, endAt: end })!;
+        const out = this.store.transition(id, ["resuming"], "running", { runtime: { ...started, paused: null }, endAt: end })!;
         clock.lap("record");
         this.timings.add("resume", id, clock);
         return out;
       } catch (e) {
         await this.teardown(id, { keepPaused: true });
-        this.store.transition(id, ["resuming"], "paused", { runtime: rt });
+        this.store.transition(id, ["resuming"], "paused", { runtime: { ...rt, resumeDevice: null } });
         throw asOrchestratorError(e, `resume of ${id} failed`);
       }
     });
@@ -1351,7 +1406,7 @@ export class Orchestrator {
       if (rt.upperDir) await rm(rt.upperDir, { recursive: true, force: true });
       // A paused sandbox's memory device, kept open for its resume, is not wanted any more.
       if (!o.keepPaused && rt.paused?.memLayers) this.memDevices.forget(rt.paused.memLayers);
-      if (!o.keepPaused) this.unreadyForResume(id);
+      if (!o.keepPaused) await this.dropResumeDevice(id);
     }
     if (!o.keepPaused) {
       this.samples.delete(id);
@@ -1446,14 +1501,19 @@ export class Orchestrator {
    */
   async recover(): Promise<{ adopted: string[]; lost: string[]; paused: string[] }> {
     const out = { adopted: [] as string[], lost: [] as string[], paused: [] as string[] };
-    const devices = await this.blockd.call<{ id: string; kind: string; path: string; readOnly: boolean; acquired?: boolean; refs: number; config?: { lowers?: unknown[] } }[]>("list");
+    const devices = await this.blockd.call<ListedDevice[]>("list");
     for (const r of this.store.all()) {
       const rt = r.runtime as SandboxRuntime | null;
-      if (r.state === "paused") { out.paused.push(r.id); continue; }
+      if (r.state === "paused") {
+        await this.reloadResumeDevice(r.id, devices);
+        out.paused.push(r.id);
+        continue;
+      }
       if (r.state === "resuming" && rt?.paused) {
         // The restore never finished: give back what it took and stay paused.
         await this.teardown(r.id, { keepPaused: true });
-        this.store.transition(r.id, ["resuming"], "paused", { runtime: { ...rt, slot: null, toolsDevice: null, rootfsDevice: null, upperDir: null, vmPid: null, runDir: null } });
+        this.store.transition(r.id, ["resuming"], "paused", { runtime: { ...rt, slot: null, toolsDevice: null, rootfsDevice: null, upperDir: null, vmPid: null, runDir: null, memDevice: null } });
+        await this.reloadResumeDevice(r.id, devices);
         out.paused.push(r.id);
         continue;
       }
@@ -1488,8 +1548,35 @@ export class Orchestrator {
       if (d.acquired) await this.blockd.call("release", { id: d.id }).catch(() => {});
       else if (d.kind === "ro") for (let i = 0; i < Math.max(1, d.refs); i++) await this.blockd.call("delete", { id: d.id }).catch(() => {});
     }
+    // Rootfs devices acquired for a sandbox (their upper under sandboxes/) that no row names: the old
+    // process died between blockd's answer and its record.
+    const named = new Set<string>();
+    for (const r of this.store.all()) {
+      const rt = r.runtime as SandboxRuntime | null;
+      if (rt?.rootfsDevice) named.add(rt.rootfsDevice);
+      if (rt?.resumeDevice) named.add(rt.resumeDevice.id);
+    }
+    const sandboxes = `${join(this.opts.home, "sandboxes")}/`;
+    for (const d of await this.blockd.call<ListedDevice[]>("list")) {
+      if (d.acquired && !d.readOnly && !named.has(d.id) && d.config?.upper?.data?.startsWith(sandboxes)) await this.giveBackDevice(d.id);
+    }
+    await this.trimResumeDevices();
     this.collectCheckpointsLater();
     return out;
+  }
+
+  /**
+   * After a restart: a paused sandbox's ResumeDevice is its again if blockd still holds it
+   * acquired with its upper (a blockd restarted meanwhile has not); otherwise its row stops naming it.
+   */
+  private async reloadResumeDevice(id: string, devices: ListedDevice[]): Promise<void> {
+    const rt = this.store.get(id)?.runtime as SandboxRuntime | null | undefined;
+    const d = rt?.resumeDevice;
+    if (!d) return;
+    const live = devices.find((l) => l.id === d.id);
+    if (live?.acquired && live.path === d.path && live.config?.upper?.data?.startsWith(`${d.upperDir}/`)) return void this.resumeReady.add(id);
+    this.store.setRuntime(id, { ...rt, resumeDevice: null });
+    await rm(d.upperDir, { recursive: true, force: true });
   }
 
   // ─── reaper ────────────────────────────────────────────────────────────────

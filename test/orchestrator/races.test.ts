@@ -5,10 +5,10 @@ import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { readdirSync } from "node:fs";
 import { join } from "node:path";
 import { Sandbox } from "e2b";
-import type { Orchestrator } from "../../src/orchestrator/orchestrator.ts";
+import { type Orchestrator, RESUME_READY_MAX, type SandboxRuntime } from "../../src/orchestrator/orchestrator.ts";
 import type { SandboxStore } from "../../src/orchestrator/store.ts";
 import type { TemplateStore } from "../../src/orchestrator/templates.ts";
-import { startBlockd } from "../blockdev/harness.ts";
+import { type DeviceView, startBlockd } from "../blockdev/harness.ts";
 import { qemuPids, rmrf, runRoot } from "../vmm/harness.ts";
 import { nodeParts, serveParts, sandboxSkipReason } from "./harness.ts";
 
@@ -75,6 +75,48 @@ describe.skipIf(!!skip)("races, disconnects and leaks on the node API", async ()
     expect(store.get(t.sandboxId)).toBeUndefined();
     expect(qemuPids(root)).toEqual([]);
   }, 180_000);
+
+  test(`the last ${RESUME_READY_MAX} sandboxes to pause hold their resume's rootfs device: a resume takes it, a kill racing a resume gives it back`, async () => {
+    const made: Sandbox[] = [];
+    for (let i = 0; i <= RESUME_READY_MAX; i++) made.push(await Sandbox.create("busybox", opts()));
+    for (const s of made) {
+      await s.files.write("/tmp/who", s.sandboxId);
+      expect(await s.pause()).toBe(true);
+    }
+    await orch.settledCleanups();
+    const rt = (s: Sandbox) => store.get(s.sandboxId)!.runtime as SandboxRuntime;
+    const held = made.map((s) => rt(s).resumeDevice ?? null);
+    // The first to pause gave its device back when the fifth took one.
+    expect(held.map((h) => h !== null)).toEqual([false, ...Array<boolean>(RESUME_READY_MAX).fill(true)]);
+    const listed = await client.call<DeviceView[]>("list");
+    for (const [i, h] of held.entries()) {
+      if (!h) continue;
+      const d = listed.find((l) => l.id === h.id)!;
+      expect(d.acquired).toBe(true);
+      expect(d.path).toBe(h.path);
+      expect(d.config!.upper!.data.startsWith(`${h.upperDir}/`)).toBe(true);
+      expect(d.config!.lowers.map((l) => l.file)).toEqual(rt(made[i]!).paused!.layers as string[]);
+    }
+    // A resume runs on the device it holds; one without a device acquires as a create does.
+    const last = made.at(-1)!;
+    const back = await Sandbox.connect(last.sandboxId, opts());
+    expect(rt(last).rootfsDevice).toBe(held.at(-1)!.id);
+    expect(rt(last).resumeDevice ?? null).toBeNull();
+    expect(await back.files.read("/tmp/who")).toBe(last.sandboxId);
+    const first = await Sandbox.connect(made[0]!.sandboxId, opts());
+    expect(await first.files.read("/tmp/who")).toBe(made[0]!.sandboxId);
+    // A kill and a resume at once on a sandbox that holds its device: the kill wins either way
+    // (after the resume, or with the resume refused), and the device goes back.
+    const racer = made[1]!.sandboxId;
+    const [k, c] = await Promise.all([api(`/sandboxes/${racer}`, "DELETE"), api(`/v2/sandboxes/${racer}/connect`)]);
+    expect(k.status).toBe(204);
+    expect([201, 404, 409]).toContain(c.status);
+    expect(store.get(racer)).toBeUndefined();
+    const after = (await client.call<DeviceView[]>("list")).find((l) => l.id === held[1]!.id);
+    expect(after?.acquired && after.config?.upper?.data.startsWith(`${held[1]!.upperDir}/`)).toBeFalsy();
+    for (const s of made) await Sandbox.kill(s.sandboxId, opts());
+    expect(qemuPids(root)).toEqual([]);
+  }, 300_000);
 
   test("a client that goes away mid-create does not stop the create: the sandbox runs", async () => {
     const before = new Set(store.all().map((r) => r.id));
