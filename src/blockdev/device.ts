@@ -8,7 +8,8 @@ import type { ImageConfig, UpperRef } from "../storage/image_config.ts";
 import type { ControlOp, WorkerInit } from "./device_worker.ts";
 import { FdLedger } from "./fd_ledger.ts";
 import { BlockdError } from "./protocol.ts";
-import type { PrefetchStats, Trace } from "./trace.ts";
+import type { Trace } from "../storage/trace_file.ts";
+import type { PrefetchStats } from "./trace.ts";
 
 export type DeviceCall = ControlOp["op"] | "start";
 

@@ -14,7 +14,8 @@ import { IoRangeError } from "../storage/errors.ts";
 import { IoLimiter } from "../storage/io_limiter.ts";
 import { crashThread, faultArg, hangThread } from "./fault.ts";
 import { FdLedger, closeHeldFd, heldFd, installFdLedger } from "./fd_ledger.ts";
-import { Prefetcher, type PrefetchStats, type Trace, TraceError, TraceRecorder } from "./trace.ts";
+import { type Trace, TraceError } from "../storage/trace_file.ts";
+import { Prefetcher, type PrefetchStats, TraceRecorder } from "./trace.ts";
 
 declare const self: Worker;
 

@@ -20,7 +20,8 @@ import { IoLimiter } from "../storage/io_limiter.ts";
 import { Image } from "../storage/image.ts";
 import { UblkControl } from "./ublk/control.ts";
 import { UblkDevice } from "./ublk/frontend.ts";
-import { TRACE_DEFAULT_MS, TRACE_GRANULE, TRACE_MAX_ENTRIES, TRACE_MAX_FILE, TRACE_MAX_MS, TraceError, checkGranule, decodeTrace, encodeTrace } from "./trace.ts";
+import { TRACE_MAX_ENTRIES, TRACE_MAX_FILE, TraceError, checkGranule, decodeTrace, encodeTrace } from "../storage/trace_file.ts";
+import { TRACE_DEFAULT_MS, TRACE_GRANULE, TRACE_MAX_MS } from "./trace.ts";
 import { BlockdError, FrameReader, FrameWriter, PROTOCOL_VERSION, encodeFrame, errorOf, type Reply, type Request } from "./protocol.ts";
 
 

@@ -1,7 +1,7 @@
 // A template's boot trace travels with its image (docs/templates.md, Prefetch traces in images):
-// a push uploads the trace file (blockd's AETRACE1 format, docs/blockd.md) as one more blob and names
-// it in two manifest annotations; a lazy pull fetches it, bounded and digest checked, and hands the
-// bytes on for the build VM's rootfs device to replay. Best effort both ways: a trace that is
+// a push uploads the trace file (AETRACE1, src/storage/trace_file.ts) as one more blob and names it
+// in two manifest annotations; a lazy pull fetches it, bounded, digest and checksum checked, and hands
+// the bytes on for the build VM's rootfs device to replay. Best effort both ways: a trace that is
 // missing, too large, unreadable or not a trace is logged and left out, never a failed push or pull.
 
 import { readFile, rm, stat } from "node:fs/promises";
@@ -9,23 +9,24 @@ import { join } from "node:path";
 import type { ImageLocation } from "./image_location.ts";
 import type { Descriptor } from "./registry/manifest.ts";
 import { isLayerDigest } from "../storage/remote/source.ts";
+import { TRACE_MAX_FILE, TRACE_MIN_FILE, decodeTrace } from "../storage/trace_file.ts";
 
 /** The trace blob's media type (ours). */
 export const PREFETCH_TRACE_MEDIA = "application/vnd.aenv.prefetch-trace.v1";
 /** Manifest annotations: the rootfs boot trace's blob digest, and its size in bytes. */
 export const PREFETCH_ROOTFS_ANNOTATION = "org.aenv.prefetch.rootfs";
 export const PREFETCH_ROOTFS_SIZE_ANNOTATION = "org.aenv.prefetch.rootfs.size";
-/** A trace blob's bound: 1 MiB (blockd writes at most 256 KiB: 65536 granules of 4 bytes and a header). */
-export const MAX_PREFETCH_TRACE_BYTES = 1 << 20;
-/** A trace's first 8 bytes; blockd checks the rest (checksum, device size) before it replays one. */
-const TRACE_MAGIC = "AETRACE1";
-/** Smallest trace: magic, device size (u64), granule and count (u32 each), checksum (u32). */
-const MIN_TRACE_BYTES = 28;
 /** A pull waits at most this long for the trace blob (its transport retries inside it). */
 export const TRACE_FETCH_MS = 15_000;
 
-function looksLikeTrace(b: Uint8Array): boolean {
-  return b.length >= MIN_TRACE_BYTES && b.length <= MAX_PREFETCH_TRACE_BYTES && new TextDecoder().decode(b.subarray(0, 8)) === TRACE_MAGIC;
+/** Why `b` is not a whole trace file (TraceError's message), or undefined when it is one; blockd checks its fit to the device. */
+function notATrace(b: Uint8Array): string | undefined {
+  try {
+    decodeTrace(b);
+    return undefined;
+  } catch (e) {
+    return (e as Error).message;
+  }
 }
 
 /** A trace file for a push: its bytes, or undefined (missing: silently; too large or not a trace: said why). */
@@ -33,13 +34,14 @@ export async function traceForPush(path: string | undefined, say: (m: string) =>
   if (!path) return undefined;
   const st = await stat(path).catch(() => undefined);
   if (!st?.isFile()) return undefined;
-  if (st.size > MAX_PREFETCH_TRACE_BYTES) {
-    say(`prefetch trace ${path} left out: ${st.size} bytes, more than ${MAX_PREFETCH_TRACE_BYTES}`);
+  if (st.size > TRACE_MAX_FILE) {
+    say(`prefetch trace ${path} left out: ${st.size} bytes, more than ${TRACE_MAX_FILE}`);
     return undefined;
   }
   const bytes = new Uint8Array(await readFile(path).catch(() => new Uint8Array()));
-  if (!looksLikeTrace(bytes)) {
-    say(`prefetch trace ${path} left out: not an ${TRACE_MAGIC} trace`);
+  const bad = notATrace(bytes);
+  if (bad) {
+    say(`prefetch trace ${path} left out: ${bad}`);
     return undefined;
   }
   return bytes;
@@ -50,8 +52,8 @@ export function traceDescriptor(annotations: Record<string, string> | undefined,
   const digest = annotations?.[PREFETCH_ROOTFS_ANNOTATION];
   if (digest === undefined) return undefined;
   const size = Number(annotations?.[PREFETCH_ROOTFS_SIZE_ANNOTATION]);
-  if (!isLayerDigest(digest) || !Number.isSafeInteger(size) || size < MIN_TRACE_BYTES || size > MAX_PREFETCH_TRACE_BYTES) {
-    say(`prefetch trace ignored: annotations ${PREFETCH_ROOTFS_ANNOTATION}=${digest.slice(0, 80)}, ${PREFETCH_ROOTFS_SIZE_ANNOTATION}=${annotations?.[PREFETCH_ROOTFS_SIZE_ANNOTATION]?.slice(0, 20)} (a sha256 digest and 28..${MAX_PREFETCH_TRACE_BYTES} bytes)`);
+  if (!isLayerDigest(digest) || !Number.isSafeInteger(size) || size < TRACE_MIN_FILE || size > TRACE_MAX_FILE) {
+    say(`prefetch trace ignored: annotations ${PREFETCH_ROOTFS_ANNOTATION}=${digest.slice(0, 80)}, ${PREFETCH_ROOTFS_SIZE_ANNOTATION}=${annotations?.[PREFETCH_ROOTFS_SIZE_ANNOTATION]?.slice(0, 20)} (a sha256 digest and ${TRACE_MIN_FILE}..${TRACE_MAX_FILE} bytes)`);
     return undefined;
   }
   return { mediaType: PREFETCH_TRACE_MEDIA, digest, size };
@@ -72,8 +74,9 @@ export async function fetchTrace(from: ImageLocation, desc: Descriptor, work: st
     });
     await Promise.race([fetched, late]);
     const bytes = new Uint8Array(await readFile(dest));
-    if (!looksLikeTrace(bytes)) {
-      say(`prefetch trace ${desc.digest} of ${from.name} ignored: not an ${TRACE_MAGIC} trace`);
+    const bad = notATrace(bytes);
+    if (bad) {
+      say(`prefetch trace ${desc.digest} of ${from.name} ignored: ${bad}`);
       return undefined;
     }
     return bytes;

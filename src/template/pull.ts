@@ -89,7 +89,7 @@ export interface PulledImage {
   /** Layers this pull converted (or took as native blobs), and layers it found in the cache. */
   converted: number;
   cached: number;
-  /** A lazy pull's boot trace (AETRACE1 bytes, at most 1 MiB), when the manifest names one that could be read. */
+  /** A lazy pull's boot trace (a whole AETRACE1 file), when the manifest names one that could be read. */
   rootfsTrace?: Uint8Array;
 }
 

@@ -5,7 +5,7 @@
 import { afterAll, describe, expect, test } from "bun:test";
 import { readFileSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
-import { decodeTrace, encodeTrace } from "../../src/blockdev/trace.ts";
+import { decodeTrace, encodeTrace } from "../../src/storage/trace_file.ts";
 import { failure, fuseTest, haveFuse, startBlockd, until } from "./harness.ts";
 import { preadDevice, remoteLayer, type RemoteLayerFixture } from "../helpers/remote_layer.ts";
 

@@ -5,7 +5,7 @@ import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { existsSync, readFileSync } from "node:fs";
 import { join } from "node:path";
 import { Sandbox } from "e2b";
-import { decodeTrace } from "../../src/blockdev/trace.ts";
+import { decodeTrace } from "../../src/storage/trace_file.ts";
 import type { SlotPool } from "../../src/network/index.ts";
 import type { Orchestrator, SandboxRuntime } from "../../src/orchestrator/orchestrator.ts";
 import { MEMORY_TRACE, ROOTFS_TRACE, TRACE_WINDOW_MS } from "../../src/orchestrator/start_traces.ts";

@@ -15,7 +15,8 @@ import { RegistryAuthFiles } from "../../src/node/registry_auth.ts";
 import { LayerCache } from "../../src/template/layer_cache.ts";
 import { pullImage, type RemoteLayerRef } from "../../src/template/pull.ts";
 import { pushImage } from "../../src/template/push.ts";
-import { MAX_PREFETCH_TRACE_BYTES, PREFETCH_ROOTFS_ANNOTATION, PREFETCH_ROOTFS_SIZE_ANNOTATION } from "../../src/template/prefetch_trace.ts";
+import { PREFETCH_ROOTFS_ANNOTATION, PREFETCH_ROOTFS_SIZE_ANNOTATION } from "../../src/template/prefetch_trace.ts";
+import { TRACE_MAX_FILE } from "../../src/storage/trace_file.ts";
 import { MEDIA, OVERLAYBD_ANNOTATION, RegistryClient } from "../../src/template/registry.ts";
 import { haveFuse, startBlockd } from "../blockdev/harness.ts";
 import { scratchDir } from "../helpers/tmp.ts";
@@ -213,11 +214,18 @@ describe.skipIf(!!skip)("templates in a registry, lazily (layer level)", async (
     // A missing trace file and one over the bound leave the image exactly as without one.
     expect((await pushImage(`${reg.host}/remote/tpl:3`, [layer], config, { registry: client, workDir: dir, rootfsTrace: join(dir, "none.trace") })).manifestDigest).toBe(untraced);
     const huge = join(dir, "huge.trace");
-    writeFileSync(huge, Buffer.concat([Buffer.from("AETRACE1"), Buffer.alloc(MAX_PREFETCH_TRACE_BYTES)]));
+    writeFileSync(huge, Buffer.concat([Buffer.from("AETRACE1"), Buffer.alloc(TRACE_MAX_FILE)]));
     const hugeSaid: string[] = [];
     const hugePush = await pushImage(`${reg.host}/remote/tpl:4`, [layer], config, { registry: client, workDir: dir, rootfsTrace: huge, onProgress: (m) => hugeSaid.push(m) });
     expect(hugePush.manifestDigest).toBe(untraced);
-    expect(hugeSaid.some((m) => m.includes("left out") && m.includes(String(MAX_PREFETCH_TRACE_BYTES)))).toBe(true);
+    expect(hugeSaid.some((m) => m.includes("left out") && m.includes(String(TRACE_MAX_FILE)))).toBe(true);
+    // So does a trace with one byte changed: the push checks it whole.
+    const flipped = join(dir, "flipped.trace");
+    writeFileSync(flipped, traceBytes.map((b, i) => (i === traceBytes.length - 6 ? b ^ 1 : b)));
+    const flippedSaid: string[] = [];
+    const flippedPush = await pushImage(`${reg.host}/remote/tpl:5`, [layer], config, { registry: client, workDir: dir, rootfsTrace: flipped, onProgress: (m) => flippedSaid.push(m) });
+    expect(flippedPush.manifestDigest).toBe(untraced);
+    expect(flippedSaid.some((m) => m.includes("left out") && m.includes("checksum mismatch"))).toBe(true);
 
     // A lazy pull hands the trace on; blockd replays it on a device over the remote layer.
     const logs: string[] = [];
@@ -246,8 +254,8 @@ describe.skipIf(!!skip)("templates in a registry, lazily (layer level)", async (
     const manifest = JSON.parse(new TextDecoder().decode((await client.getManifest(ref)).bytes)) as { annotations: Record<string, string> };
     const notTrace = await client.pushBlob(ref, new TextEncoder().encode("this is no trace at all, just some bytes"), {});
     const cases: [string, Record<string, string>, string][] = [
-      ["bad", { [PREFETCH_ROOTFS_ANNOTATION]: notTrace.digest, [PREFETCH_ROOTFS_SIZE_ANNOTATION]: String(notTrace.size) }, "not an AETRACE1 trace"],
-      ["big", { [PREFETCH_ROOTFS_ANNOTATION]: traceDigest, [PREFETCH_ROOTFS_SIZE_ANNOTATION]: String(2 * MAX_PREFETCH_TRACE_BYTES) }, "prefetch trace ignored: annotations"],
+      ["bad", { [PREFETCH_ROOTFS_ANNOTATION]: notTrace.digest, [PREFETCH_ROOTFS_SIZE_ANNOTATION]: String(notTrace.size) }, "not a trace file (bad magic)"],
+      ["big", { [PREFETCH_ROOTFS_ANNOTATION]: traceDigest, [PREFETCH_ROOTFS_SIZE_ANNOTATION]: String(2 * TRACE_MAX_FILE) }, "prefetch trace ignored: annotations"],
       ["gone", { [PREFETCH_ROOTFS_ANNOTATION]: `sha256:${"0".repeat(64)}`, [PREFETCH_ROOTFS_SIZE_ANNOTATION]: "64" }, "ignored"],
       ["short", { [PREFETCH_ROOTFS_ANNOTATION]: traceDigest, [PREFETCH_ROOTFS_SIZE_ANNOTATION]: String(traceBytes.length - 1) }, "ignored"],
     ];
