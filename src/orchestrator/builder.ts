@@ -90,15 +90,7 @@ export interface PulledImage {
 }
 
 /** What a template's image carries besides its layers (the OCI config's run fields). */
-export interface PushedConfig {
-  env: Record<string, string>;
-  user: string;
-  workdir: string;
-  entrypoint?: string[];
-  cmd?: string[];
-  exposed?: string[];
-  labels?: Record<string, string>;
-}
+export type PushedConfig = Required<Pick<TemplateConfig, "env" | "user" | "workdir">> & Pick<TemplateConfig, "entrypoint" | "cmd" | "exposed" | "labels">;
 
 /** A pushed image: its manifest's digest and each layer's blob (uploaded: false when the registry had it). */
 export interface PushResult {

@@ -3,6 +3,7 @@
 // from the caller (the node's s3_* settings, docs/node.md).
 import { S3Client } from "bun";
 import { join } from "node:path";
+import { S3UrlError, parseS3Url } from "../storage/s3_url.ts";
 import { type BlobFromPeers, SnapshotCache } from "./cache.ts";
 import { DEFAULT_LIMITS, type StoreLimits } from "./deadline.ts";
 import { DirSnapshotStore } from "./dir_store.ts";
@@ -38,8 +39,6 @@ export interface S3Settings {
 export const S3_ENDPOINT = /^https?:\/\/[^\s/]+(\/.*)?$/;
 
 export const DEFAULT_CACHE_BYTES = 32 * 1024 ** 3;
-const BUCKET_RE = /^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$/;
-const PREFIX_PART_RE = /^[A-Za-z0-9._-]{1,128}$/;
 
 /** The store a setting names; BadConfig when the setting or S3's credentials are wrong. */
 export function openSnapshotStore(setting: string | undefined, o: OpenOptions): SnapshotStore {
@@ -51,10 +50,13 @@ export function openSnapshotStore(setting: string | undefined, o: OpenOptions): 
     return new DirSnapshotStore(s, limits);
   }
   if (!s.startsWith("s3://")) throw new SnapshotStoreError("BadConfig", `AENV_SNAPSHOT_STORE=${s}: expected an absolute directory or s3://bucket/prefix`);
-  const [bucket = "", ...parts] = s.slice(5).split("/");
-  if (!BUCKET_RE.test(bucket)) throw new SnapshotStoreError("BadConfig", `AENV_SNAPSHOT_STORE=${s}: bad bucket name '${bucket}'`);
-  const path = parts.filter((p) => p !== "");
-  if (!path.every((p) => PREFIX_PART_RE.test(p) && p !== "..")) throw new SnapshotStoreError("BadConfig", `AENV_SNAPSHOT_STORE=${s}: prefix parts are 1-128 of [A-Za-z0-9._-]`);
+  let bucket: string;
+  let path: string[];
+  try {
+    ({ bucket, parts: path } = parseS3Url(s));
+  } catch (e) {
+    throw e instanceof S3UrlError ? new SnapshotStoreError("BadConfig", `AENV_SNAPSHOT_STORE=${s}: ${e.message}`) : e;
+  }
   const prefix = path.length === 0 ? "" : `${path.join("/")}/`;
   const { accessKeyId, secretAccessKey } = o.s3 ?? {};
   if (!accessKeyId || !secretAccessKey) throw new SnapshotStoreError("BadConfig", `AENV_SNAPSHOT_STORE=${s}: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY must be set`);

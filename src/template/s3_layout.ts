@@ -14,6 +14,7 @@ import { open, rename, rm } from "node:fs/promises";
 import { S3RangeSource } from "../storage/remote/s3_source.ts";
 import type { ChunkSource, LayerDigest } from "../storage/remote/source.ts";
 import type { OriginSpec } from "../storage/remote/spec.ts";
+import { S3UrlError, parseS3Url } from "../storage/s3_url.ts";
 import type { ImageLocation } from "./image_location.ts";
 import type { FetchBlobOptions, FetchedBlob } from "./registry/blob_fetch.ts";
 import { type LocatedImage, type ManifestBytes, resolveManifests } from "./registry/client.ts";
@@ -43,10 +44,6 @@ export const OCI_LAYOUT_FILE = "oci-layout";
 export const OCI_LAYOUT_VERSION = "1.0.0";
 export const REF_NAME_ANNOTATION = "org.opencontainers.image.ref.name";
 
-/** S3's bucket names: 3-63 of [a-z0-9.-], a letter or digit at each end. */
-const BUCKET_RE = /^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$/;
-/** Prefix parts: 1-128 of [A-Za-z0-9._-] (no `.` or `..` parts). */
-const PREFIX_PART_RE = /^[A-Za-z0-9._-]{1,128}$/;
 /** A registry's tag grammar. */
 const TAG_RE = /^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$/;
 /** A location is at most this long (the API's bound on a reference). */
@@ -65,22 +62,24 @@ const MAX_LAYOUT_FILE = 4 << 10;
 /** `s3://bucket/prefix[:tag]` → its parts; BadReference for anything else. */
 export function parseS3Location(s: string): S3LayoutRef {
   const bad = (why: string) => new RegistryError("BadReference", `${JSON.stringify(s.slice(0, 200))} is not an S3 image location (s3://bucket/prefix[:tag]): ${why}`);
-  if (!s.startsWith("s3://")) throw bad("it does not start with s3://");
   if (s.length > MAX_LOCATION) throw bad(`longer than ${MAX_LOCATION} characters`);
-  const [bucket = "", ...rest] = s.slice(5).split("/");
-  if (!BUCKET_RE.test(bucket)) throw bad(`bucket '${bucket}' is not 3-63 of [a-z0-9.-]`);
-  const parts = rest.filter((p) => p !== "");
+  // The tag ends the last prefix part (`…/name:tag`, trailing slashes aside).
+  const trimmed = s.replace(/\/+$/, "");
+  const lastPart = trimmed.lastIndexOf("/");
+  const at = trimmed.lastIndexOf(":");
   let tag: string | undefined;
-  const last = parts.at(-1);
-  if (last?.includes(":")) {
-    const at = last.lastIndexOf(":");
-    tag = last.slice(at + 1);
+  let location = s;
+  if (s.startsWith("s3://") && trimmed.indexOf("/", 5) !== -1 && at > lastPart) {
+    tag = trimmed.slice(at + 1);
     if (!TAG_RE.test(tag)) throw bad(`tag '${tag}' is not [A-Za-z0-9_][A-Za-z0-9_.-]{0,127}`);
-    parts[parts.length - 1] = last.slice(0, at);
-    if (parts.at(-1) === "") parts.pop();
+    location = trimmed.slice(0, at);
   }
-  if (!parts.every((p) => PREFIX_PART_RE.test(p) && p !== "." && p !== "..")) throw bad("prefix parts are 1-128 of [A-Za-z0-9._-]");
-  return { bucket, prefix: parts.join("/"), ...(tag !== undefined ? { tag } : {}) };
+  try {
+    const { bucket, parts } = parseS3Url(location);
+    return { bucket, prefix: parts.join("/"), ...(tag !== undefined ? { tag } : {}) };
+  } catch (e) {
+    throw e instanceof S3UrlError ? bad(e.message) : e;
+  }
 }
 
 const sha256Hex = (b: Uint8Array) => new Bun.CryptoHasher("sha256").update(b).digest("hex");

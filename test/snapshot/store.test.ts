@@ -530,6 +530,7 @@ describe("openSnapshotStore", () => {
     expect(bad("/a/../b")).toBe("BadConfig");
     expect(bad("s3://Bad_Bucket/x")).toBe("BadConfig");
     expect(bad("s3://bucket/../x")).toBe("BadConfig");
+    expect(bad("s3://bucket/./x")).toBe("BadConfig"); // one grammar with image layouts in S3 (src/storage/s3_url.ts)
     expect(bad("s3://bucket/x", {})).toBe("BadConfig");
     expect(bad("gs://bucket/x")).toBe("BadConfig");
     expect(bad("s3://bucket/x", { accessKeyId: "k", secretAccessKey: "s", endpoint: "ftp://x" })).toBe("BadConfig");
