@@ -167,7 +167,7 @@ export const MEMORY_LAYERS_MAX = 32;
 
 /** Devices prepared ahead for a fork's children, at most (blockd's bound per stack). */
 export const FORK_PREPARED_MAX = 16;
-/** The most recently paused sandboxes that hold their resume's rootfs device (ResumeDevice). */
+/** The most recently paused sandboxes that hold their resume's rootfs device (ResumeDevice; ~8.5 MiB of blockd's memory each). */
 export const RESUME_READY_MAX = 4;
 
 /** Bounds of the API's inputs that reach the orchestrator (extensionParamsBytes: customExtensionParams as JSON). */
