@@ -69,7 +69,7 @@ export function parseS3Location(s: string): S3LayoutRef {
   const at = trimmed.lastIndexOf(":");
   let tag: string | undefined;
   let location = s;
-  if (s.startsWith("s3://") && trimmed.indexOf("/", 5) !== -1 && at > lastPart) {
+  if (s.startsWith("s3://") && lastPart > 4 && at > lastPart) { // a part after the bucket ends in :tag
     tag = trimmed.slice(at + 1);
     if (!TAG_RE.test(tag)) throw bad(`tag '${tag}' is not [A-Za-z0-9_][A-Za-z0-9_.-]{0,127}`);
     location = trimmed.slice(0, at);
