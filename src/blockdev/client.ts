@@ -47,6 +47,7 @@ export interface BlockdClientOptions {
 export class BlockdClient {
   private nextId = 0;
   private reader = new FrameReader();
+  private readonly pending = new Map<string, number>();
 
   private constructor(
     private link: ClientLink,
@@ -115,7 +116,16 @@ export class BlockdClient {
   call<T = any>(method: string, params: Record<string, unknown> = {}, o: { timeoutMs?: number } = {}): Promise<T> {
     const id = ++this.nextId;
     const timeoutMs = o.timeoutMs ?? (SLOW_CALLS.has(method) ? (this.opts.slowTimeoutMs ?? SLOW_CALL_TIMEOUT_MS) : (this.opts.timeoutMs ?? CALL_TIMEOUT_MS));
-    return this.link.call(id, method, timeoutMs, encodeFrame({ v: PROTOCOL_VERSION, id, method, params })) as Promise<T>;
+    const p = this.link.call(id, method, timeoutMs, encodeFrame({ v: PROTOCOL_VERSION, id, method, params })) as Promise<T>;
+    this.pending.set(method, (this.pending.get(method) ?? 0) + 1);
+    const done = () => void this.pending.set(method, this.pending.get(method)! - 1);
+    p.then(done, done);
+    return p;
+  }
+
+  /** Calls of `method` sent and not yet answered (or timed out). */
+  inFlight(method: string): number {
+    return this.pending.get(method) ?? 0;
   }
 
   /** Raw bytes on the socket (tests of malformed input). */

@@ -6,8 +6,7 @@
 import { existsSync, readFileSync, renameSync } from "node:fs";
 import { open, rename } from "node:fs/promises";
 import { join } from "node:path";
-import { parseImageConfig } from "../storage/image_config.ts";
-import type { DeviceRecord } from "./server.ts";
+import { type ImageConfig, parseImageConfig } from "../storage/image_config.ts";
 import { ublkBlockPath } from "./ublk/control.ts";
 
 /** Device ids: what blockd hands out and what `create` accepts. */
@@ -16,6 +15,34 @@ export const ID_RE = /^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$/;
 export const MAX_TABLE_BYTES = 64 << 20;
 const LOOP_RE = /^\/dev\/loop\d{1,6}$/;
 const KINDS = ["rw", "ro", "pool"];
+
+/** What the table on disk keeps of a device: enough to bring it back after a crash. */
+export interface DeviceRecord {
+  id: string;
+  kind: "rw" | "ro" | "pool";
+  path: string;
+  config: ImageConfig | null;
+  readOnly: boolean;
+  refs: number;
+  /** Key of a shared read-only device (its lowers). */
+  key?: string;
+  loop?: string;
+  /** Pool devices: true while handed out by acquire. */
+  acquired?: boolean;
+  frontend?: "fuse" | "ublk";
+  /** ublk device id (the device is /dev/ublkb<id>). */
+  ublkId?: number;
+  /** Device size in bytes (ublk needs it before the image is open). */
+  size?: number;
+  /**
+   * Absent while the device serves as it always has. "lost": it serves again, but its connection
+   * died once (blockd and the fd keeper both gone, or its worker), so what had it open got errors.
+   * "failed": it does not serve (its worker died, or it could not be brought back). Both stay
+   * until the device is deleted; `reason` says what happened.
+   */
+  state?: "lost" | "failed";
+  reason?: string;
+}
 
 export interface LoadedTable {
   records: DeviceRecord[];

@@ -14,7 +14,14 @@ if (!stateDir || !Number.isInteger(pool) || pool < 0 || pool > MAX_POOL) {
   process.exit(2);
 }
 // A start that fails says why in one line and exits non-zero (Blockd.start lets an idle keeper go).
-const blockd = await Blockd.start({ stateDir, pool }).catch((e: Error) => {
+// AENV_BLOCKD_POOL_IDLE_MS: how long the pool's surplus stays (test-only, not a node setting).
+const poolIdleEnv = process.env.AENV_BLOCKD_POOL_IDLE_MS;
+const poolIdleMs = poolIdleEnv === undefined ? undefined : Number(poolIdleEnv);
+if (poolIdleMs !== undefined && !(Number.isInteger(poolIdleMs) && poolIdleMs >= 100)) {
+  console.error(`AENV_BLOCKD_POOL_IDLE_MS=${poolIdleEnv}: expected an integer of at least 100 (ms)`);
+  process.exit(2);
+}
+const blockd = await Blockd.start({ stateDir, pool, poolIdleMs }).catch((e: Error) => {
   console.error(`blockd: start failed: ${e.name === "Error" ? "" : `${e.name}: `}${e.message}`);
   process.exit(1);
 });
