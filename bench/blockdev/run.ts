@@ -1,8 +1,9 @@
 // blockd benchmarks: fio against our device (FUSE file + loop with direct I/O here; ublk where
-// present) vs a loop device on a raw image file, measured in the same run. Prints IOPS, MB/s
-// and CPU time per I/O, and both as ratios. Each row alternates the two devices over --rounds
-// rounds (baseline first in even rounds, ours first in odd ones) and prints the round with the
-// median throughput ratio, with the range: this machine's disk drifts by up to 2× within a minute.
+// present) vs a loop device on a raw image file (the raw file itself for the rows on our FUSE
+// file), measured in the same run. Prints IOPS, MB/s and CPU time per I/O, and both as ratios.
+// Each row alternates the two devices over --rounds rounds (baseline first in even rounds, ours
+// first in odd ones) and prints the round with the median throughput ratio, with the range: this
+// machine's disk drifts by up to 2× within a minute.
 //
 // Reads compare the same cache state on both sides. "cold": nothing of the device's data is in
 // the page cache: ours has its layer files dropped (fdatasync + DONTNEED) before each run, which is
@@ -10,6 +11,10 @@
 // serves its queue one request at a time from a kworker: QD32 reads would reach the disk at QD1).
 // "warm": the data is in the page cache on both sides: ours has its layer files read whole first,
 // and the baseline is a second loop device without direct I/O, on the raw file read whole first.
+// Rows "on the FUSE file" take the loop hop out of both sides: fio on our FUSE file (O_DIRECT, as
+// QEMU and Firecracker open it; FOPEN_DIRECT_IO sends every read to blockd whatever the flag)
+// against fio on the raw file itself, buffered (O_DIRECT there would read the disk, not the warm
+// pages), both with --invalidate=0 so fio drops no cached pages first.
 // Writes go to the loop device with direct I/O, as ours do from 64 KiB (docs/storage.md).
 //
 // CPU per I/O counts fio, blockd (ours only) and every kworker on the host: the loop devices do
@@ -78,12 +83,19 @@ interface Fio {
   kworkerCpu: number;
 }
 
+/** How fio opens its target: O_DIRECT or buffered, and whether it drops the target's cached pages first (fio's default). */
+interface FioOpen {
+  direct: boolean;
+  invalidate: boolean;
+}
+const BLOCK_DEVICE: FioOpen = { direct: true, invalidate: true };
+
 /** One fio run: time-based, or (once) a single pass over the device. */
-function fio(dev: string, rw: string, bs: string, qd: number, pid?: number, once = false): Fio {
+function fio(dev: string, rw: string, bs: string, qd: number, pid?: number, once = false, how: FioOpen = BLOCK_DEVICE): Fio {
   const before = pid ? cpuTicks(pid) : 0;
   const kw = kworkerTicks();
   const r = Bun.spawnSync(
-    ["fio", "--name=b", `--filename=${dev}`, `--rw=${rw}`, `--bs=${bs}`, `--iodepth=${qd}`, "--ioengine=io_uring", "--direct=1",
+    ["fio", "--name=b", `--filename=${dev}`, `--rw=${rw}`, `--bs=${bs}`, `--iodepth=${qd}`, "--ioengine=io_uring", `--direct=${how.direct ? 1 : 0}`, `--invalidate=${how.invalidate ? 1 : 0}`,
       ...(once ? [] : [`--runtime=${SECONDS}`, "--time_based"]), `--size=${SIZE}`, "--output-format=json"],
     { stdout: "pipe", stderr: "pipe" },
   );
@@ -151,22 +163,23 @@ const base = loopAttach(rawPath);
 const baseBuffered = loopAttach(rawPath, { directIo: false });
 console.log(
   `# blockdev bench: ${SIZE >> 20} MiB, ${SECONDS}s per timed run, median of ${ROUNDS} rounds; ours = ${ours.loop} on FUSE file ${ours.path}; ` +
-    `baseline = ${base.path} (dio ${base.directIo}: writes, cold reads) and ${baseBuffered.path} (buffered: warm reads) on ${rawPath}` +
+    `baseline = ${base.path} (dio ${base.directIo}: writes, cold reads) and ${baseBuffered.path} (buffered: warm reads) on ${rawPath}, ` +
+    `and for the FUSE file rows ${rawPath} itself (fio buffered)` +
     (ring ? `; ring mode = ${ring.dev.loop} on ${ring.dev.path}` : `; no ring mode rows (${FUSE_ENABLE_URING_PARAM} is missing)`),
 );
 console.log("# CPU/IO = fio + blockd (ours) + host kworkers; ratios are ours / baseline");
 try {
   const us = (sec: number, f: Fio) => ((sec / f.ios) * 1e6).toFixed(1);
-  const line = (name: string, o: Fio, b: Fio, ratio: number, target?: number, spread = "") => {
+  const line = (name: string, o: Fio, b: Fio, ratio: number, target?: number, spread = "", baseName = "loop-on-raw") => {
     console.log(
       `${name.padEnd(30)} ours ${o.iops.toFixed(0).padStart(7)} IOPS ${o.mbps.toFixed(0).padStart(6)} MB/s ${((o.cpuSec / o.ios) * 1e6).toFixed(1).padStart(6)} µs CPU/IO | ` +
-        `loop-on-raw ${b.iops.toFixed(0).padStart(7)} IOPS ${b.mbps.toFixed(0).padStart(6)} MB/s ${((b.cpuSec / b.ios) * 1e6).toFixed(1).padStart(6)} µs CPU/IO | ` +
+        `${baseName} ${b.iops.toFixed(0).padStart(7)} IOPS ${b.mbps.toFixed(0).padStart(6)} MB/s ${((b.cpuSec / b.ios) * 1e6).toFixed(1).padStart(6)} µs CPU/IO | ` +
         `ratio ${ratio.toFixed(2)}×${spread} CPU/IO ${(o.cpuSec / o.ios / (b.cpuSec / b.ios)).toFixed(2)}×` +
         (target ? ` (target ≥ ${target}×${ratio >= target ? "" : "  MISSED"})` : ""),
     );
     console.log(
       `${"".padEnd(30)} µs CPU/IO: ours fio ${us(o.fioCpu, o)} + blockd ${us(o.blockdCpu, o)} + kworkers ${us(o.kworkerCpu, o)} | ` +
-        `loop-on-raw fio ${us(b.fioCpu, b)} + kworkers ${us(b.kworkerCpu, b)}`,
+        `${baseName} fio ${us(b.fioCpu, b)} + kworkers ${us(b.kworkerCpu, b)}`,
     );
   };
   // The first pass fills both (so reads hit mapped data rather than holes): every write
@@ -187,7 +200,7 @@ try {
   }
   type Cache = "cold" | "warm" | "";
   // The "FUSE file" rows are where the loop hop goes: fio on our FUSE file itself, as QEMU and
-  // Firecracker open it, against the same loop-on-raw baseline.
+  // Firecracker open it, against fio on the raw file itself (see the top of this file).
   const rows: [string, string, string, number, Cache, number?, ("file" | "ring" | "ring-file")?][] = [
     ["4 KiB random read QD32, cold", "randread", "4k", 32, "cold"],
     ["1 MiB sequential read, cold", "read", "1M", 8, "cold"],
@@ -204,12 +217,16 @@ try {
   for (const [name, rw, bs, qd, cache, target, on] of rows) {
     const side = on?.startsWith("ring") ? ring : main;
     if (!side) continue; // no FUSE ring in this kernel
-    const ourDev = on?.endsWith("file") ? side.dev.path : side.dev.loop;
-    const baseDev = cache === "warm" ? baseBuffered.path : base.path;
+    const onFile = on?.endsWith("file") ?? false;
+    if (onFile && cache !== "warm") throw new Error(`${name}: the FUSE file rows have a baseline for warm reads only`);
+    const ourDev = onFile ? side.dev.path : side.dev.loop;
+    const baseDev = onFile ? rawPath : cache === "warm" ? baseBuffered.path : base.path;
+    const ourOpen: FioOpen = onFile ? { direct: true, invalidate: false } : BLOCK_DEVICE;
+    const baseOpen: FioOpen = onFile ? { direct: false, invalidate: false } : BLOCK_DEVICE;
     const run = async (which: "ours" | "base"): Promise<Fio> => {
       const files = which === "ours" ? side.files : [rawPath];
       for (const f of files) await (cache === "cold" ? dropCache(f) : cache === "warm" ? warmCache(f) : Promise.resolve());
-      return which === "ours" ? fio(ourDev, rw, bs, qd, side.pid, cache === "cold") : fio(baseDev, rw, bs, qd, undefined, cache === "cold");
+      return which === "ours" ? fio(ourDev, rw, bs, qd, side.pid, cache === "cold", ourOpen) : fio(baseDev, rw, bs, qd, undefined, cache === "cold", baseOpen);
     };
     const runs: { o: Fio; b: Fio; ratio: number }[] = [];
     for (let r = 0; r < ROUNDS; r++) {
@@ -226,7 +243,7 @@ try {
     runs.sort((x, y) => x.ratio - y.ratio);
     const mid = runs[Math.floor(runs.length / 2)]!;
     const spread = runs.length > 1 ? ` [${runs[0]!.ratio.toFixed(2)}–${runs[runs.length - 1]!.ratio.toFixed(2)}]` : "";
-    line(name, mid.o, mid.b, mid.ratio, target, spread);
+    line(name, mid.o, mid.b, mid.ratio, target, spread, onFile ? "raw-file" : "loop-on-raw");
   }
 } finally {
   loopDetach(baseBuffered.path);

@@ -2,18 +2,25 @@
 // a baseline taken in the same run:
 // - pause (VMM stop + dirty-page scan + device state, then the memory layer written by blockd) vs
 //   MiB dirtied (1, 64, 512 in a 1 GiB guest), against a full snapshot of the same VM (QEMU's
-//   migration stream with its RAM in it, what a snapshot cost before memory layers);
+//   migration stream with its RAM in it, what a snapshot cost before memory layers): --pairs
+//   fresh restores per size, each measured both ways, the full snapshot first in even pairs and
+//   ours first in odd ones; medians with their range;
 // - resume (restore until the guest answers) from stacks of 1, 4 and 16 memory layers;
-// - host memory (PSS of the VMMs, which counts shared page cache and tmpfs RAM files in shares)
-//   of 16 VMs restored from one snapshot vs 16 cold boots;
+// - host memory of 16 VMs restored from one snapshot (one memory device, as the node shares it)
+//   vs 16 cold boots, each phase on a blockd of its own: the VMMs' PSS (which counts the mapped
+//   device pages and tmpfs RAM files in shares), plus that blockd's PSS growth over the phase,
+//   plus the page cache of the layer files and uppers the phase reads (fincore; dropped before it
+//   starts);
 // - an idle restored VM's private memory before and after free page reporting returns what a
 //   workload freed.
-//   npx bun bench/memory/run.ts [--guest-mib N] [--vms N] [--json]
-import { mkdirSync, mkdtempSync, readFileSync, rmSync, statSync } from "node:fs";
+//   npx bun bench/memory/run.ts [--guest-mib N] [--vms N] [--pairs N] [--dirty-mib 1,64,512] [--json]
+import { closeSync, mkdirSync, mkdtempSync, openSync, readdirSync, readFileSync, rmSync, statSync } from "node:fs";
 import { join } from "node:path";
+import { posixFadvise, POSIX_FADV_DONTNEED } from "../../ffi/libc.ts";
 import { guestCmdline } from "../../src/template/artifacts.ts";
 import { BlockdClient } from "../../src/blockdev/client.ts";
 import { QemuDriver } from "../../src/vmm/qemu.ts";
+import { QmpFdSession } from "../../src/vmm/qmp.ts";
 import type { SnapshotInfo, Vmm } from "../../src/vmm/types.ts";
 import { anonymousBytes, freePort, guestFixture, guestRun, waitHttp } from "../../test/vmm/harness.ts";
 
@@ -24,30 +31,67 @@ const flag = (name: string, dflt: number) => {
 };
 const GUEST_MIB = flag("--guest-mib", 1024);
 const VMS = flag("--vms", 16);
-const DIRTY_MIB = [1, 64, 512];
+const PAIRS = flag("--pairs", 5);
+const DIRTY_MIB = argv.includes("--dirty-mib") ? argv[argv.indexOf("--dirty-mib") + 1]!.split(",").map(Number) : [1, 64, 512];
 const STACKS = [1, 4, 16];
 const GUEST_PORT = 8080;
 const MiB = 1 << 20;
 const r1 = (x: number) => Math.round(x * 10) / 10;
+const r2 = (x: number) => Math.round(x * 100) / 100;
+/** Median and range of samples, rounded to 0.1. */
+function spread(xs: number[]): { median: number; min: number; max: number } {
+  const s = [...xs].sort((a, b) => a - b);
+  const mid = s.length >> 1;
+  return { median: r1(s.length % 2 ? s[mid]! : (s[mid - 1]! + s[mid]!) / 2), min: r1(s[0]!), max: r1(s.at(-1)!) };
+}
 const results: Record<string, unknown> = {};
 
 const fx = await guestFixture();
 mkdirSync("/var/tmp/aenv-bench", { recursive: true });
 const work = mkdtempSync("/var/tmp/aenv-bench/memory-");
 const runRoot = mkdtempSync("/dev/shm/aenv-bench-memory-");
-const state = join(work, "blockd");
-mkdirSync(state, { recursive: true });
-const blockd = await BlockdClient.ensure(state, {});
 const driver = new QemuDriver();
-const tools = await blockd.call("createReadOnly", { lowers: [fx.toolsLayer] });
-const devices: string[] = [tools.id];
+const upperDirs: string[] = [];
 const live = new Set<Vmm>();
 let n = 0;
 
+/** A blockd and the devices made on it, the tools disk first. */
+interface Blockd {
+  client: BlockdClient;
+  pid: number;
+  tools: { id: string; path: string };
+  devices: string[];
+}
+const blockds: Blockd[] = [];
+async function startBlockd(name: string): Promise<Blockd> {
+  const state = join(work, name);
+  mkdirSync(state, { recursive: true });
+  const client = await BlockdClient.ensure(state, {});
+  const tools = await client.call<{ id: string; path: string }>("createReadOnly", { lowers: [fx.toolsLayer] });
+  const b = { client, pid: Number(readFileSync(join(state, "blockd.pid"), "utf8").trim()), tools, devices: [tools.id] };
+  blockds.push(b);
+  return b;
+}
+async function stopBlockd(b: Blockd) {
+  for (const id of b.devices.splice(0)) await b.client.call("delete", { id }).catch(() => {});
+  await b.client.call("shutdown", {}).catch(() => {});
+  blockds.splice(blockds.indexOf(b), 1);
+}
+const main = await startBlockd("blockd");
+/** Where VMs get their devices: the bench's blockd, or a host-memory phase's own (hostMemory). */
+let blockd = main;
+
 async function drives(name: string) {
-  const d = await blockd.call("create", { lowers: [fx.rootfsLayer], upperDir: join(work, "uppers", name), size: 64 * MiB });
-  devices.push(d.id);
-  return [{ path: tools.path as string, readOnly: true }, { path: d.path as string }];
+  const upperDir = join(work, "uppers", name);
+  const d = await blockd.client.call("create", { lowers: [fx.rootfsLayer], upperDir, size: 64 * MiB });
+  blockd.devices.push(d.id);
+  upperDirs.push(upperDir);
+  return [{ path: blockd.tools.path, readOnly: true }, { path: d.path as string }];
+}
+
+/** Deletes the devices made on the bench's blockd since `mark` (a length of its `devices`). */
+async function deleteDevicesFrom(mark: number) {
+  for (const id of main.devices.splice(mark)) await main.client.call("delete", { id });
 }
 const net = (port: number) => ({ user: { forwards: [{ hostPort: port, guestPort: GUEST_PORT }] } });
 async function cold(memMiB: number) {
@@ -62,11 +106,12 @@ async function cold(memMiB: number) {
   return { vm, port };
 }
 
-async function restore(snap: SnapshotInfo, layers: string[]) {
+/** A VM restored from `snap` on a memory device over `layers`, its own unless `shared` is given. */
+async function restore(snap: SnapshotInfo, layers: string[], shared?: { id: string; path: string }) {
   const name = `r${n++}`;
   const port = freePort();
-  const mem = await blockd.call("createReadOnly", { lowers: layers });
-  devices.push(mem.id);
+  const mem = shared ?? (await blockd.client.call<{ id: string; path: string }>("createReadOnly", { lowers: layers }));
+  if (!shared) blockd.devices.push(mem.id);
   const t0 = performance.now();
   const vm = await driver.restore(snap, { id: name, runDir: join(runRoot, name), drives: await drives(name), net: net(port), memImage: mem.path });
   live.add(vm);
@@ -79,7 +124,7 @@ async function stop(vm: Vmm) {
   live.delete(vm);
 }
 
-/** Pause into a memory layer: the VMM's part (stop, dirty scan, device state) and blockd's (the layer). */
+/** Pause into a memory layer: the VMM's part (stop, dirty scan, device state) and blockd's (the layer); the VM is left paused. */
 async function pause(vm: Vmm, below: string[]) {
   const dir = join(work, `p${n++}`);
   const t0 = performance.now();
@@ -87,32 +132,89 @@ async function pause(vm: Vmm, below: string[]) {
   const t1 = performance.now();
   const d = snap.delta!;
   const out = join(dir, "mem.layer");
-  await blockd.call("memoryLayer", { out, size: d.size, from: { pid: d.pid, address: d.address, pagesFile: d.pagesFile } });
+  await main.client.call("memoryLayer", { out, size: d.size, from: { pid: d.pid, address: d.address, pagesFile: d.pagesFile } });
   const t2 = performance.now();
-  await stop(vm);
   return { snap, layers: [...below, out], vmmMs: t1 - t0, layerMs: t2 - t1, dirtyMiB: (d.pages * 4096) / MiB, layerMiB: statSync(out).size / MiB };
 }
 
-/** The same moment as a full snapshot: QEMU's stream with the RAM in it (a restored VM's RAM is private). */
+/**
+ * The same moment as a full snapshot: QEMU's stream with the RAM in it (a restored VM's RAM is
+ * private), into a file handed to QEMU as a descriptor (`getfd`, `fd:` migration): under -runas it
+ * cannot open ours, and under -sandbox spawn=deny an `exec:` migration kills it.
+ */
 async function fullSnapshot(vm: Vmm): Promise<{ ms: number; mib: number }> {
-  const qmp = (vm as unknown as { monitor: { execute<T>(c: string, a?: unknown): Promise<T> } }).monitor;
+  const { fdMonitor } = (vm as unknown as { launch: { fdMonitor: string } }).launch;
   const path = join(work, `full${n++}`);
-  const t0 = performance.now();
-  await qmp.execute("migrate-set-parameters", { "max-bandwidth": 100 * 1024 * MiB });
-  await qmp.execute("migrate", { uri: `exec:cat > ${path}` });
-  for (;;) {
-    const m = await qmp.execute<{ status: string }>("query-migrate");
-    if (m.status === "completed") break;
-    if (m.status === "failed") throw new Error("full snapshot failed");
-    await Bun.sleep(2);
+  const file = openSync(path, "w", 0o600);
+  const session = await QmpFdSession.open(fdMonitor);
+  try {
+    const t0 = performance.now();
+    await session.execute("getfd", { fdname: "full" }, file);
+    await session.execute("migrate-set-parameters", { "max-bandwidth": 100 * 1024 * MiB });
+    await session.execute("migrate", { uri: "fd:full" });
+    for (;;) {
+      const m = await session.execute<{ status: string; "error-desc"?: string }>("query-migrate");
+      if (m.status === "completed") break;
+      if (m.status === "failed") throw new Error(`full snapshot failed: ${m["error-desc"] ?? "no reason given"}`);
+      await Bun.sleep(2);
+    }
+    const ms = performance.now() - t0;
+    return { ms, mib: statSync(path).size / MiB };
+  } finally {
+    session.close();
+    closeSync(file);
+    rmSync(path, { force: true });
   }
-  const ms = performance.now() - t0;
-  const mib = statSync(path).size / MiB;
-  rmSync(path, { force: true });
-  return { ms, mib };
 }
 
 const pss = (pid: number) => Number(/\nPss:\s+(\d+) kB/.exec(readFileSync(`/proc/${pid}/smaps_rollup`, "utf8"))![1]) / 1024;
+
+/** The files of the uppers made since `mark` (a length of `upperDirs`). */
+const upperFilesFrom = (mark: number) => upperDirs.slice(mark).flatMap((d) => readdirSync(d).map((f) => join(d, f)).filter((f) => statSync(f).isFile()));
+
+/** MiB of `files` in the page cache (fincore, util-linux). */
+function cachedMiB(files: string[]): number {
+  const r = Bun.spawnSync(["fincore", "--bytes", "--noheadings", "--output", "RES", ...files], { stdout: "pipe", stderr: "pipe" });
+  if (r.exitCode !== 0) throw new Error(`fincore: ${r.stderr.toString()}`);
+  return r.stdout.toString().trim().split("\n").reduce((a, l) => a + Number(l), 0) / MiB;
+}
+
+/** Drops `files`' pages from the page cache (read-only here: nothing dirty to write first). */
+function dropCache(files: string[]): void {
+  for (const f of files) {
+    const fd = openSync(f, "r");
+    try {
+      posixFadvise(fd, 0, 0, POSIX_FADV_DONTNEED, f);
+    } finally {
+      closeSync(fd);
+    }
+  }
+}
+
+/**
+ * Host memory of the VMs `start` brings up, once settled, on a blockd of the phase's own (so no
+ * other phase's devices or freed heap are in its numbers): the VMs' PSS, that blockd's PSS growth
+ * from when it held only the tools disk, and the page cache of `layers` (dropped first) and of the
+ * phase's uppers. The VMs and that blockd are gone after.
+ */
+async function hostMemory(layers: string[], start: () => Promise<Vmm[]>) {
+  blockd = await startBlockd(`blockd-${n++}`);
+  try {
+    const uppersMark = upperDirs.length;
+    dropCache(layers);
+    const blockd0 = pss(blockd.pid);
+    const vms = await start();
+    await Bun.sleep(2000);
+    const vmmPssMiB = vms.reduce((a, vm) => a + pss(vm.pid), 0);
+    const blockdPssMiB = pss(blockd.pid) - blockd0;
+    const pageCacheMiB = cachedMiB([...layers, ...upperFilesFrom(uppersMark)]);
+    for (const vm of vms) await stop(vm);
+    return { vmmPssMiB: r1(vmmPssMiB), blockdPssMiB: r1(blockdPssMiB), pageCacheMiB: r1(pageCacheMiB), totalMiB: r1(vmmPssMiB + blockdPssMiB + pageCacheMiB) };
+  } finally {
+    await stopBlockd(blockd);
+    blockd = main;
+  }
+}
 try {
   // ---- the base: a cold boot's RAM file as one layer ---------------------------------------------
   const c = await cold(GUEST_MIB);
@@ -120,20 +222,34 @@ try {
   await stop(c.vm);
   const base = join(work, "base.mem.layer");
   const t0 = performance.now();
-  const b = await blockd.call("memoryLayer", { out: base, size: GUEST_MIB * MiB, from: { file: baseSnap.memPath } });
+  const b = await main.client.call("memoryLayer", { out: base, size: GUEST_MIB * MiB, from: { file: baseSnap.memPath } });
   results.base = { guestMiB: GUEST_MIB, layerMiB: r1(b.bytes / MiB), ms: r1(performance.now() - t0) };
 
   // ---- pause vs MiB dirtied -------------------------------------------------------------------------
   const pauses: Record<string, unknown>[] = [];
   for (const mib of DIRTY_MIB) {
-    const r = await restore(baseSnap, [base]);
-    await guestRun(r.port, `dd if=/dev/urandom of=/dev/shm/dirty bs=1M count=${mib} 2>/dev/null`, 600_000);
-    await r.vm.pause();
-    const full = await fullSnapshot(r.vm);
-    const p = await pause(r.vm, [base]);
-    const ours = p.vmmMs + p.layerMs;
-    pauses.push({ dirtiedMiB: mib, dirtyMiB: r1(p.dirtyMiB), layerMiB: r1(p.layerMiB), vmmMs: r1(p.vmmMs), layerMs: r1(p.layerMs), pauseMs: r1(ours),
-      fullSnapshotMs: r1(full.ms), fullSnapshotMiB: r1(full.mib), speedup: r1(full.ms / ours) });
+    const pairs: { p: Awaited<ReturnType<typeof pause>>; full: Awaited<ReturnType<typeof fullSnapshot>> }[] = [];
+    for (let i = 0; i < PAIRS; i++) {
+      const mark = main.devices.length;
+      const r = await restore(baseSnap, [base]);
+      await guestRun(r.port, `dd if=/dev/urandom of=/dev/shm/dirty bs=1M count=${mib} 2>/dev/null`, 600_000);
+      await r.vm.pause();
+      // The full snapshot goes first in even pairs, ours in odd ones.
+      let full = i % 2 === 0 ? await fullSnapshot(r.vm) : undefined;
+      const p = await pause(r.vm, [base]);
+      full ??= await fullSnapshot(r.vm);
+      pairs.push({ p, full });
+      await stop(r.vm);
+      rmSync(p.snap.dir, { recursive: true, force: true });
+      await deleteDevicesFrom(mark);
+    }
+    const ours = pairs.map(({ p }) => p.vmmMs + p.layerMs);
+    pauses.push({
+      dirtiedMiB: mib, pairs: PAIRS, dirtyMiB: spread(pairs.map(({ p }) => p.dirtyMiB)), layerMiB: spread(pairs.map(({ p }) => p.layerMiB)),
+      vmmMs: spread(pairs.map(({ p }) => p.vmmMs)), layerMs: spread(pairs.map(({ p }) => p.layerMs)), pauseMs: spread(ours),
+      fullSnapshotMs: spread(pairs.map(({ full }) => full.ms)), fullSnapshotMiB: spread(pairs.map(({ full }) => full.mib)),
+      speedup: spread(pairs.map(({ full }, i) => full.ms / ours[i]!)),
+    });
   }
   results.pause = pauses;
 
@@ -151,6 +267,7 @@ try {
     }
     await guestRun(r.port, `dd if=/dev/urandom of=/dev/shm/l${depth} bs=1M count=1 2>/dev/null`);
     ({ layers, snap } = await pause(r.vm, layers));
+    await stop(r.vm);
   }
   results.resumeMs = stacks;
 
@@ -160,18 +277,21 @@ try {
   const smallSnap = await sc.vm.snapshot(join(work, "small"));
   await stop(sc.vm);
   const smallBase = join(work, "small.mem.layer");
-  await blockd.call("memoryLayer", { out: smallBase, size: SMALL * MiB, from: { file: smallSnap.memPath } });
-  const restored: Vmm[] = [];
-  for (let i = 0; i < VMS; i++) restored.push((await restore(smallSnap, [smallBase])).vm);
-  await Bun.sleep(2000);
-  const restoredPss = restored.reduce((a, vm) => a + pss(vm.pid), 0);
-  for (const vm of restored) await stop(vm);
-  const colds: Vmm[] = [];
-  for (let i = 0; i < VMS; i++) colds.push((await cold(SMALL)).vm);
-  await Bun.sleep(2000);
-  const coldPss = colds.reduce((a, vm) => a + pss(vm.pid), 0);
-  for (const vm of colds) await stop(vm);
-  results.hostMemory = { vms: VMS, guestMiB: SMALL, restoredPssMiB: r1(restoredPss), coldPssMiB: r1(coldPss), ratio: r1(restoredPss / coldPss) };
+  await main.client.call("memoryLayer", { out: smallBase, size: SMALL * MiB, from: { file: smallSnap.memPath } });
+  const disks = [fx.toolsLayer, fx.rootfsLayer];
+  const restored = await hostMemory([...disks, smallBase], async () => {
+    const mem = await blockd.client.call<{ id: string; path: string }>("createReadOnly", { lowers: [smallBase] });
+    blockd.devices.push(mem.id);
+    const vms: Vmm[] = [];
+    for (let i = 0; i < VMS; i++) vms.push((await restore(smallSnap, [smallBase], mem)).vm);
+    return vms;
+  });
+  const colds = await hostMemory(disks, async () => {
+    const vms: Vmm[] = [];
+    for (let i = 0; i < VMS; i++) vms.push((await cold(SMALL)).vm);
+    return vms;
+  });
+  results.hostMemory = { vms: VMS, guestMiB: SMALL, restored, cold: colds, ratio: r2(restored.totalMiB / colds.totalMiB), vmmPssRatio: r2(restored.vmmPssMiB / colds.vmmPssMiB) };
 
   // ---- free page reporting ---------------------------------------------------------------------------
   const f = await restore(baseSnap, [base]);
@@ -188,12 +308,11 @@ try {
   results.freePageReporting = { idleMiB: r1(idle), afterWriteMiB: r1(busy), afterFreeMiB: r1(after) };
 } finally {
   for (const vm of live) await vm.stop().catch(() => {});
-  for (const id of devices) await blockd.call("delete", { id }).catch(() => {});
-  await blockd.call("shutdown", {}).catch(() => {});
+  for (const b of [...blockds]) await stopBlockd(b);
   rmSync(runRoot, { recursive: true, force: true });
   await Bun.sleep(1000);
   rmSync(work, { recursive: true, force: true });
 }
 
 if (argv.includes("--json")) console.log(JSON.stringify(results, null, 1));
-else console.log(results);
+else console.log(Bun.inspect(results, { depth: 6 }));

@@ -45,7 +45,7 @@ if (skip) {
 const dir = join("/var/tmp/aenv-bench", `prefetch-node-${process.pid}`);
 mkdirSync(dir, { recursive: true });
 const reg = await startRegistry({ dir: join(dir, "registry"), accessLog: true });
-const client = new RegistryClient({ dockerConfigPath: null });
+const client = new RegistryClient({ dockerConfigPath: null, insecureRegistries: [reg.host] });
 
 /** The proxy B pulls through: each answer waits `delayMs`, then the registry's answer streams on. */
 let delayMs = 0;
@@ -103,7 +103,7 @@ async function buildOnA(a: NodeProc, image: string): Promise<string> {
 }
 
 let a: NodeProc | undefined;
-const setupA = nodeSetup("pfa", 243, KEY_A);
+const setupA = nodeSetup("pfa", 243, KEY_A, { AENV_INSECURE_REGISTRIES: reg.host });
 try {
   // The image: busybox, a bash that is busybox's sh (the build's login shell), the files the boot reads, and 16 MiB nobody reads.
   const root = await busyboxRoot(join(dir, "root"));
@@ -145,7 +145,7 @@ try {
 
   /** One fresh node B: POST /sandboxes-cold of `ref` (through the proxy) to the first command's output. */
   const coldStart = async (ref: string): Promise<{ ms: number; bytes: number; createMs: number }> => {
-    const setupB: NodeSetup = nodeSetup("pfb", 244, KEY_B, { AENV_BLOCK_CACHE_DOWNLOAD: "0", AENV_P2P: "0" });
+    const setupB: NodeSetup = nodeSetup("pfb", 244, KEY_B, { AENV_BLOCK_CACHE_DOWNLOAD: "0", AENV_P2P: "0", AENV_INSECURE_REGISTRIES: `${reg.host},${via}` });
     let b: NodeProc | undefined;
     try {
       b = await startNode(setupB.env, FIRST_START_MS);

@@ -114,7 +114,7 @@ if (only.includes("cold") && origins.includes("registry")) {
     const reg = await startRegistry({ dir: join(dir, "registry") });
     registry = reg;
     cleanups.push(() => void reg.stop());
-    await new RegistryClient({ dockerConfigPath: null }).pushBlob(`${reg.host}/bench/remote:1`, layer.path);
+    await new RegistryClient({ dockerConfigPath: null, insecureRegistries: [reg.host] }).pushBlob(`${reg.host}/bench/remote:1`, layer.path);
     const url = `http://${reg.host}/v2/bench/remote/blobs/${layer.digest}`;
     coldOrigins.push({ label: "registry", url, source: () => new RegistryRangeSource({ url }) });
   }

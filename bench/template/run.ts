@@ -139,9 +139,9 @@ if (want("convert")) {
 if (want("pull") || want("rebuild")) {
   const skip = nodeSkipReason() ?? (want("pull") ? registrySkipReason() : undefined);
   if (skip) throw new Error(`the pull and rebuild rows need a node: ${skip} (or run --only convert)`);
-  const setup = nodeSetup("btp", 219, KEY);
-  let node: NodeProc | undefined;
   const reg = want("pull") ? await startRegistry({ dir: join(work, "registry") }) : undefined;
+  const setup = nodeSetup("btp", 219, KEY, reg ? { AENV_INSECURE_REGISTRIES: reg.host } : {});
+  let node: NodeProc | undefined;
   try {
     const t0 = performance.now();
     node = await startNode(setup.env, FIRST_START_MS);
@@ -158,7 +158,7 @@ if (want("pull") || want("rebuild")) {
       await sh(["cp", "-a", "/usr/lib/python3.11", "/usr/lib/gcc", join(top, "usr/lib/")]);
       await Bun.write(join(top, "etc/bench-id"), `${crypto.randomUUID()}\n`);
       const ref = `${reg.host}/bench/app:${process.pid}`;
-      const pushed = await pushImage(new RegistryClient({ dockerConfigPath: null }), ref, { layers: [root, top], config: BUSYBOX_CONFIG });
+      const pushed = await pushImage(new RegistryClient({ dockerConfigPath: null, insecureRegistries: [reg.host] }), ref, { layers: [root, top], config: BUSYBOX_CONFIG });
       const imageMiB = pushed.layers.reduce((a, l) => a + l.size, 0) / 2 ** 20;
 
       const logs: LogEntry[] = [];

@@ -3,9 +3,9 @@
 // Swagger UI. Routes are added by the caller (`.use(...)`); src/api/server.ts serves it beside the proxy.
 import { Elysia, t } from "elysia";
 import { swagger } from "@elysiajs/swagger";
-import { timingSafeEqual } from "node:crypto";
 import { ApiError, badRequest, errorBody, notFound, unauthorized } from "./errors.ts";
 import { readBoundedJson } from "./body.ts";
+import { secretMatches } from "./secret.ts";
 import { swaggerUiResponse } from "./swagger_ui.ts";
 import { isUploadRequest } from "./templates.ts";
 
@@ -24,12 +24,6 @@ const UNREAD_BODY = Object.freeze({});
 /** Paths answered without an API key (E2B and AgentENV leave these open). */
 const OPEN_PATHS = new Set(["/health", "/metrics", "/swagger", "/swagger/", "/swagger/json"]);
 
-function keyMatches(given: string | null, key: Buffer): boolean {
-  if (given === null) return false;
-  const b = Buffer.from(given);
-  return b.length === key.length && timingSafeEqual(b, key);
-}
-
 function presentedKey(headers: Headers): string | null {
   const x = headers.get("x-api-key");
   if (x !== null) return x;
@@ -37,13 +31,21 @@ function presentedKey(headers: Headers): string | null {
   return auth !== null && auth.startsWith("Bearer ") ? auth.slice(7) : null;
 }
 
+/** Whether `request` to `path` may go on: an open path, a signed upload (its route checks the URL), or the right key. */
+function authorised(request: Request, path: string, apiKey: string): boolean {
+  if (OPEN_PATHS.has(path) || path.startsWith("/swagger/assets/")) return true;
+  if (isUploadRequest(request.method, path)) return true;
+  return secretMatches(presentedKey(request.headers), apiKey);
+}
+
 export function createApi(opts: ApiOptions) {
-  const key = Buffer.from(opts.apiKey);
   return new Elysia()
     .onRequest(({ request }) => {
       const path = new URL(request.url).pathname;
       // The plugin's own page loads its assets from a CDN: this node serves /swagger instead.
       if (path === PLUGIN_UI) return notFound("route not found: the API's UI is /swagger").response();
+      // The key before anything reads the body: a caller without it learns nothing of a route's schema.
+      if (!authorised(request, path, opts.apiKey)) return unauthorized().response();
       return swaggerUiResponse(path);
     })
     .onParse(async ({ request, contentType, path }) => {
@@ -56,11 +58,6 @@ export function createApi(opts: ApiOptions) {
       // Every API body is a JSON object; anything else is refused before validation, whose
       // normalizing would turn an array or a string into an object.
       if (body !== undefined && (body === null || typeof body !== "object" || Array.isArray(body))) throw badRequest("the body must be a JSON object");
-    })
-    .onBeforeHandle(({ request, path }) => {
-      if (OPEN_PATHS.has(path) || path.startsWith("/swagger/assets/")) return;
-      if (isUploadRequest(request.method, path)) return; // signed URL, checked by the route
-      if (!keyMatches(presentedKey(request.headers), key)) throw unauthorized();
     })
     .onError(({ code, error, request, path }) => {
       if (error instanceof ApiError) return error.response();

@@ -26,7 +26,8 @@ export const tooLarge = (limit: number) => new ApiError(413, `request body is la
 /** What each error status means on this API: the OpenAPI document's description of its `{code, message}` body. */
 const MEANING: Record<number, string> = {
   400: "bad input (the message names the field)",
-  401: "missing or wrong API key (an upload: a wrong signature)",
+  401: "missing or wrong API key",
+  403: "refused by the node's own rules (an S3 bucket outside AENV_S3_BUCKETS, a registry outside AENV_INSECURE_REGISTRIES at an internal address), or an upload URL that is expired or altered",
   404: "unknown sandbox, template, snapshot, build or node",
   409: "wrong state (e.g. pausing a paused sandbox), or a name that is taken",
   413: "request body over AENV_MAX_BODY_BYTES",
@@ -34,6 +35,7 @@ const MEANING: Record<number, string> = {
   429: "the node is full (AENV_MAX_SANDBOXES, or builds running and waiting)",
   500: "a part failed (the message says which and why)",
   503: "the node is starting (the message names the step)",
+  507: "the node's disk: less free than AENV_DISK_RESERVE_MB, or a disk above AENV_MAX_DISK_SIZE_MB",
 };
 
 const errorSchema = (description: string) =>

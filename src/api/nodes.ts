@@ -27,6 +27,8 @@ export interface NodeRoutesOptions {
   version: string;
   /** The state directory: its filesystem is the node's disk. */
   home: string;
+  /** Bytes on disk of a sandbox's upper layer (aenv_sandbox_upper_bytes); unset: not exported. */
+  upperBytes?: (sandboxId: string) => Promise<number>;
 }
 
 /** A node is its own cluster: E2B's cluster IDs are UUIDs, this one is the nil UUID. */
@@ -89,7 +91,15 @@ const nodeFields = {
   createSuccesses: Num("creates (fork children too) since the node started"), createFails: Num(),
 };
 const Node = t.Object({ ...nodeFields, sandboxStartingCount: Num("being created") });
-const NodeDetail = t.Object({ ...nodeFields, cachedBuilds: t.Array(t.String(), { description: "templates and snapshots this node restores from its own checkpoints" }) }, { description: "this node" });
+const HeldDevice = t.Object({
+  id: t.String(), kind: t.String({ description: "pool, ro (read-only, shared) or rw" }), acquired: t.Boolean(), readOnly: t.Boolean(),
+  holder: t.String({ description: "who holds it: a sandbox and what for, a memory stack's users, the tools disk, blockd's pool; \"orphan\": nobody (given back by the reaper's next sweep)" }),
+}, { description: "a blockd device" });
+const NodeDetail = t.Object({
+  ...nodeFields,
+  cachedBuilds: t.Array(t.String(), { description: "templates and snapshots this node restores from its own checkpoints" }),
+  devices: t.Array(HeldDevice, { description: "blockd's devices with their holders (the leak report)" }),
+}, { description: "this node" });
 const ClusterQuery = t.Object({ clusterID: t.Optional(t.String({ description: `this node's is ${CLUSTER_ID}` })) });
 
 export function nodeRoutes(o: NodeRoutesOptions) {
@@ -160,6 +170,14 @@ export function nodeRoutes(o: NodeRoutesOptions) {
       lines.push("# HELP aenv_sandbox_creates_total Sandbox creates (fork children too) since the node started, by result.", "# TYPE aenv_sandbox_creates_total counter");
       lines.push(`aenv_sandbox_creates_total{result="success"} ${creates.successes}`, `aenv_sandbox_creates_total{result="fail"} ${creates.fails}`);
     }
+    if (o.upperBytes) {
+      const rows = o.store.all();
+      const bytes = await Promise.all(rows.map((r) => o.upperBytes!(r.id).catch(() => 0)));
+      lines.push("# HELP aenv_sandbox_upper_bytes Bytes on disk of each sandbox's upper layer (its writes to its rootfs).", "# TYPE aenv_sandbox_upper_bytes gauge");
+      rows.forEach((r, i) => lines.push(`aenv_sandbox_upper_bytes{sandbox="${r.id}"} ${bytes[i]}`));
+    }
+    const orphans = o.orch()?.orphansReclaimed;
+    if (orphans !== undefined) lines.push("# HELP aenv_orphans_reclaimed_total blockd devices nobody held, given back by the reaper.", "# TYPE aenv_orphans_reclaimed_total counter", `aenv_orphans_reclaimed_total ${orphans}`);
     const streams = o.openStreams();
     if (streams !== undefined) lines.push("# HELP aenv_proxy_open_streams Proxied requests in flight.", "# TYPE aenv_proxy_open_streams gauge", `aenv_proxy_open_streams ${streams}`);
     const p2p = await o.p2p?.().catch(() => undefined);
@@ -174,10 +192,10 @@ export function nodeRoutes(o: NodeRoutesOptions) {
   const tag = { tags: ["node"] };
   return new Elysia({ name: "nodes" })
     .get("/metrics", async () => new Response(await prometheus(), { headers: { "content-type": "text/plain; version=0.0.4" } }), {
-      response: { 200: t.String({ description: "Prometheus text format 0.0.4: aenv_sandboxes{state}, aenv_ready, aenv_sandbox_creates_total{result}, aenv_proxy_open_streams, aenv_p2p_served_bytes_total, aenv_p2p_fetched_bytes_total, aenv_p2p_fetch_misses_total" }) },
+      response: { 200: t.String({ description: "Prometheus text format 0.0.4: aenv_sandboxes{state}, aenv_ready, aenv_sandbox_creates_total{result}, aenv_sandbox_upper_bytes{sandbox}, aenv_proxy_open_streams, aenv_p2p_served_bytes_total, aenv_p2p_fetched_bytes_total, aenv_p2p_fetch_misses_total" }) },
       detail: {
         ...tag, summary: "Prometheus metrics (no API key)", security: [],
-        responses: { 200: { description: "Prometheus text format 0.0.4: aenv_sandboxes{state}, aenv_ready, aenv_sandbox_creates_total{result}, aenv_proxy_open_streams, aenv_p2p_served_bytes_total, aenv_p2p_fetched_bytes_total, aenv_p2p_fetch_misses_total", content: { "text/plain": { schema: { type: "string" } } } } },
+        responses: { 200: { description: "Prometheus text format 0.0.4: aenv_sandboxes{state}, aenv_ready, aenv_sandbox_creates_total{result}, aenv_sandbox_upper_bytes{sandbox}, aenv_proxy_open_streams, aenv_p2p_served_bytes_total, aenv_p2p_fetched_bytes_total, aenv_p2p_fetch_misses_total", content: { "text/plain": { schema: { type: "string" } } } } },
       },
     })
     .get("/nodes", async ({ query }) => (query.clusterID !== undefined && query.clusterID !== CLUSTER_ID ? [] : [await snapshot()]), {
@@ -188,11 +206,12 @@ export function nodeRoutes(o: NodeRoutesOptions) {
     .get("/nodes/:nodeID", async ({ params, query }) => {
       if (params.nodeID !== id || (query.clusterID !== undefined && query.clusterID !== CLUSTER_ID)) throw notFound(`node ${params.nodeID} not found: this node is ${id}`);
       const { sandboxStartingCount: _, ...node } = await snapshot();
-      return { ...node, cachedBuilds: [...o.templates.list("template"), ...o.templates.list("snapshot")].filter((x) => x.checkpoint).map((x) => x.id) };
+      const devices = (await o.orch()?.devicesReport()) ?? [];
+      return { ...node, cachedBuilds: [...o.templates.list("template"), ...o.templates.list("snapshot")].filter((x) => x.checkpoint).map((x) => x.id), devices };
     }, {
       params: t.Object({ nodeID: t.String({ minLength: 1, maxLength: 255 }) }),
       query: ClusterQuery,
       response: { 200: NodeDetail, ...errorResponses(400, 401, 404, 500) },
-      detail: { ...tag, summary: "This node, with the builds it has cached" },
+      detail: { ...tag, summary: "This node, with the builds it has cached and blockd's devices with their holders" },
     });
 }

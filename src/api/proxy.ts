@@ -3,39 +3,93 @@
 // path is `/proxy/{id}/{port}/...`. Bodies stream both ways unbuffered (bytes pass as they are:
 // no decompression); a killed sandbox's open streams are cut. A paused sandbox with auto-resume
 // is resumed by its traffic (one resume however many requests wait on it); without auto-resume
-// it answers 502 "not found", E2B's answer, which the SDK's isRunning() reads.
+// it answers 502 "not found", E2B's answer, which the SDK's isRunning() reads. A path to envd is
+// checked and forwarded in one form (envdPath); a WebSocket relay reads one side only while the
+// other's backlog is under WS_BUFFERED_MAX.
+import { posix } from "node:path";
 import type { Server, ServerWebSocket, WebSocketHandler } from "bun";
 import type { Orchestrator } from "../orchestrator/orchestrator.ts";
 import type { SandboxRecord } from "../orchestrator/store.ts";
 import { ENVD_PORT } from "../orchestrator/envd.ts";
 import { AUTO_RESUME_MIN_TIMEOUT_S } from "./sandboxes.ts";
+import { secretMatches } from "./secret.ts";
 
 export interface ProxyOptions {
   /** Sandbox domain for host routing; empty: any host shaped `{port}-{id}.<anything>`. */
   domain: string;
 }
 
-/** envd paths only the orchestrator may call (E2B's proxy refuses them for public traffic). */
+/**
+ * envd paths only the orchestrator may call (E2B's proxy refuses them for public traffic), checked
+ * on envdPath's form in lower case: envd routes by exact path, and no route of it differs from
+ * these by case alone, so refusing every case costs nothing.
+ */
 const ENVD_INTERNAL = new Set(["/init", "/freeze", "/unfreeze", "/collapse", "/fsfreeze", "/fsthaw", "/upgrade"]);
+/** RFC 3986's unreserved characters: percent-encoded they name the same path, so they are decoded. */
+const UNRESERVED = /^[A-Za-z0-9._~-]$/;
+/** Encoded '/' or '\': refused, since a server that decodes them would route other segments than were checked. */
+const ENCODED_SEPARATOR = /%(2f|5c)/i;
+/** A '%' not followed by two hex digits. */
+const BAD_ESCAPE = /%(?![0-9A-Fa-f]{2})/;
 const HOP_BY_HOP = ["connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "transfer-encoding", "upgrade", "host", "content-length"];
 const SANDBOX_ID = /^[a-z0-9]{1,64}$/;
 /** Messages from the sandbox held while the client's side of a WebSocket is opening. */
 const WS_PENDING_MAX = 1 << 20;
 const WS_CONNECT_TIMEOUT_MS = 10_000;
+/**
+ * Bytes a WebSocket relay lets queue toward one side before it stops reading the other: 1 MiB keeps
+ * a fast link busy for several round trips and bounds what a side that does not read costs the node.
+ */
+export const WS_BUFFERED_MAX = 1 << 20;
+/** How often a client paused for the sandbox's backlog is resumed once it drained (Bun's WebSocket client has no drain event). */
+const WS_DRAIN_POLL_MS = 10;
 
 export interface WsData {
   upstream: WebSocket;
   client: ServerWebSocket<WsData> | undefined;
   pending: (string | Uint8Array)[];
   pendingBytes: number;
+  /** Set while the client's reading is paused for the sandbox's backlog. */
+  drainPoll: ReturnType<typeof setInterval> | undefined;
   done: () => void;
 }
 
 export interface ProxyTarget {
   id: string;
   port: number;
-  /** Path and query to send upstream. */
+  /** Path and query as the request gave them. */
   path: string;
+}
+
+/** Where an admitted request goes: the sandbox's address and the path and query to send it. */
+interface Upstream {
+  host: string;
+  port: number;
+  path: string;
+  hostHeader?: string;
+}
+
+/**
+ * The one form of a path to envd that is both checked and forwarded: unreserved characters
+ * percent-decoded (others kept, in upper case), duplicate slashes collapsed, `.` and `..`
+ * resolved, no trailing slash. Undefined (refused) when it holds an encoded separator or a bad escape.
+ */
+function envdPath(pathname: string): string | undefined {
+  if (BAD_ESCAPE.test(pathname) || ENCODED_SEPARATOR.test(pathname)) return undefined;
+  const decoded = pathname.replace(/%([0-9A-Fa-f]{2})/g, (escape, hex: string) => {
+    const c = String.fromCharCode(parseInt(hex, 16));
+    return UNRESERVED.test(c) ? c : escape.toUpperCase();
+  });
+  const path = posix.normalize(`/${decoded}`);
+  return path.length > 1 && path.endsWith("/") ? path.slice(0, -1) : path;
+}
+
+/** The path and query sent to port `port`: envd's in envdPath's form, another port's as given; undefined when refused. */
+function upstreamPath(port: number, pathAndQuery: string): string | undefined {
+  if (port !== ENVD_PORT) return pathAndQuery;
+  const q = pathAndQuery.indexOf("?");
+  const path = envdPath(q < 0 ? pathAndQuery : pathAndQuery.slice(0, q));
+  return path === undefined ? undefined : path + (q < 0 ? "" : pathAndQuery.slice(q));
 }
 
 /** Where a request goes, or undefined when it is not for a sandbox. */
@@ -89,6 +143,8 @@ export class SandboxProxy {
   readonly streams = new OpenStreams();
   /** Resumes started by traffic, one per sandbox (so at most one per sandbox the node holds); requests for it wait on it. */
   private readonly resuming = new Map<string, Promise<SandboxRecord>>();
+  /** Open WebSocket relays (so their buffers can be counted). */
+  private readonly relays = new Set<WsData>();
 
   constructor(private readonly orch: Orchestrator, private readonly opts: ProxyOptions) {
     orch.onGone((id) => this.streams.cut(id));
@@ -109,6 +165,13 @@ export class SandboxProxy {
     });
   }
 
+  /** Bytes the WebSocket relays hold now: messages waiting for a client to open, and what either side's socket has not yet taken. */
+  wsBufferedBytes(): number {
+    let n = 0;
+    for (const d of this.relays) n += d.pendingBytes + d.upstream.bufferedAmount + (d.client?.getBufferedAmount() ?? 0);
+    return n;
+  }
+
   /** Bun's WebSocket handlers for upgraded sandbox connections (pass as `websocket` to Bun.serve). */
   readonly websocket: WebSocketHandler<WsData> = {
     open: (ws) => {
@@ -117,9 +180,17 @@ export class SandboxProxy {
       for (const m of d.pending) ws.send(m);
       d.pending.length = 0;
       d.pendingBytes = 0;
+      if (ws.getBufferedAmount() > WS_BUFFERED_MAX) d.upstream.pause();
     },
     message: (ws, msg) => {
-      if (ws.data.upstream.readyState === WebSocket.OPEN) ws.data.upstream.send(msg);
+      const up = ws.data.upstream;
+      if (up.readyState !== WebSocket.OPEN) return;
+      up.send(msg);
+      if (up.bufferedAmount > WS_BUFFERED_MAX) pauseClient(ws);
+    },
+    // The client's socket took its backlog: the sandbox's side is read again.
+    drain: (ws) => {
+      if (ws.getBufferedAmount() <= WS_BUFFERED_MAX) ws.data.upstream.resume();
     },
     close: (ws, code, reason) => {
       ws.data.done();
@@ -128,9 +199,13 @@ export class SandboxProxy {
   };
 
   /** Checks that `r` may go through: the sandbox exists and runs (resumed if it auto-resumes), the port is open to the public. */
-  private async admit(req: Request, r: ProxyTarget): Promise<Response | { host: string; port: number; hostHeader?: string }> {
+  private async admit(req: Request, r: ProxyTarget): Promise<Response | Upstream> {
     if (!SANDBOX_ID.test(r.id)) return proxyError(400, r.id, "invalid sandbox ID: expected [a-z0-9]+");
     if (!Number.isInteger(r.port) || r.port < 1 || r.port > 65535) return proxyError(400, r.id, `invalid port ${r.port}`);
+    const path = upstreamPath(r.port, r.path);
+    if (path === undefined) return proxyError(400, r.id, "the path has an encoded '/' or '\\', or a '%' that is not an escape");
+    const pathOnly = path.split("?")[0]!;
+    if (r.port === ENVD_PORT && ENVD_INTERNAL.has(pathOnly.toLowerCase())) return proxyError(403, r.id, `${pathOnly} is not reachable through the proxy`);
     let rec = this.orch.store.get(r.id);
     if (!rec || rec.state === "killing" || rec.state === "creating") return proxyError(502, r.id, "The sandbox was not found");
     if (rec.state === "paused" || rec.state === "pausing" || rec.state === "resuming") {
@@ -141,19 +216,17 @@ export class SandboxProxy {
         return proxyError(502, r.id, `The sandbox could not be resumed: ${(e as Error).message}`);
       }
     }
-    const path = r.path.split("?")[0]!;
-    if (r.port === ENVD_PORT && ENVD_INTERNAL.has(path)) return proxyError(403, r.id, `${path} is not reachable through the proxy`);
     if (r.port !== ENVD_PORT && rec.trafficAccessToken !== null) {
       const given = req.headers.get("e2b-traffic-access-token");
       if (given === null) return proxyError(403, r.id, "Sandbox is secured with traffic access token. Token header 'e2b-traffic-access-token' is missing");
-      if (given !== rec.trafficAccessToken) return proxyError(403, r.id, "Sandbox is secured with traffic access token. Provided token in header 'e2b-traffic-access-token' is invalid");
+      if (!secretMatches(given, rec.trafficAccessToken)) return proxyError(403, r.id, "Sandbox is secured with traffic access token. Provided token in header 'e2b-traffic-access-token' is invalid");
     }
     const target = this.orch.target(r.id, r.port);
     if (!target) return proxyError(502, r.id, "The sandbox was not found");
     // E2B's maskRequestHost: non-envd ports see this Host, ${PORT} replaced.
     const mask = (rec.network as { maskRequestHost?: unknown } | null)?.maskRequestHost;
-    if (r.port !== ENVD_PORT && typeof mask === "string") return { ...target, hostHeader: mask.replaceAll("${PORT}", String(r.port)) };
-    return target;
+    if (r.port !== ENVD_PORT && typeof mask === "string") return { ...target, path, hostHeader: mask.replaceAll("${PORT}", String(r.port)) };
+    return { ...target, path };
   }
 
   /**
@@ -173,7 +246,7 @@ export class SandboxProxy {
   }
 
   /** Streams the request to the sandbox and its response back, neither buffered. */
-  private async forward(req: Request, r: ProxyTarget, target: { host: string; port: number; hostHeader?: string }): Promise<Response> {
+  private async forward(req: Request, r: ProxyTarget, target: Upstream): Promise<Response> {
     const headers = new Headers(req.headers);
     for (const h of HOP_BY_HOP) headers.delete(h);
     headers.delete("e2b-traffic-access-token");
@@ -183,7 +256,7 @@ export class SandboxProxy {
     req.signal.addEventListener("abort", () => abort.abort(), { once: true });
     let upstream: Response;
     try {
-      upstream = await fetch(`http://${target.host}:${target.port}${r.path}`, {
+      upstream = await fetch(`http://${target.host}:${target.port}${target.path}`, {
         method: req.method,
         headers,
         body: req.method === "GET" || req.method === "HEAD" ? undefined : req.body,
@@ -228,19 +301,33 @@ export class SandboxProxy {
     return new Response(body, { status: upstream.status, headers: out });
   }
 
-  private async upgrade(req: Request, r: ProxyTarget, target: { host: string; port: number }, server: Server<WsData>): Promise<Response | undefined> {
+  private async upgrade(req: Request, r: ProxyTarget, target: Upstream, server: Server<WsData>): Promise<Response | undefined> {
     const protocols = req.headers.get("sec-websocket-protocol")?.split(",").map((p) => p.trim()).filter(Boolean);
-    const upstream = new WebSocket(`ws://${target.host}:${target.port}${r.path}`, protocols);
+    const upstream = new WebSocket(`ws://${target.host}:${target.port}${target.path}`, protocols);
     upstream.binaryType = "arraybuffer";
     const abort = new AbortController();
-    const data: WsData = { upstream, pending: [], pendingBytes: 0, client: undefined, done: this.streams.add(r.id, abort) };
+    const forget = this.streams.add(r.id, abort);
+    const data: WsData = {
+      upstream, pending: [], pendingBytes: 0, client: undefined, drainPoll: undefined,
+      done: () => {
+        forget();
+        clearInterval(data.drainPoll);
+        this.relays.delete(data);
+      },
+    };
+    this.relays.add(data);
     abort.signal.addEventListener("abort", () => {
       data.client?.close(1001, "sandbox is gone");
       upstream.close();
     }, { once: true });
     upstream.onmessage = (e) => {
       const m = typeof e.data === "string" ? e.data : new Uint8Array(e.data as ArrayBuffer);
-      if (data.client) return void data.client.send(m);
+      if (data.client) {
+        data.client.send(m);
+        // The client's socket backs up: stop reading the sandbox until drain() sees it take the backlog.
+        if (data.client.getBufferedAmount() > WS_BUFFERED_MAX) upstream.pause();
+        return;
+      }
       data.pendingBytes += typeof m === "string" ? m.length : m.byteLength;
       if (data.pendingBytes > WS_PENDING_MAX) upstream.close(1009, "client not ready");
       else data.pending.push(m);
@@ -264,4 +351,17 @@ export class SandboxProxy {
     upstream.close();
     return proxyError(400, r.id, "WebSocket upgrade failed");
   }
+}
+
+/** Stops reading a client whose messages back up toward the sandbox, until that backlog is under WS_BUFFERED_MAX. */
+function pauseClient(ws: ServerWebSocket<WsData>): void {
+  const d = ws.data;
+  if (d.drainPoll !== undefined) return;
+  ws.pause();
+  d.drainPoll = setInterval(() => {
+    if (d.upstream.readyState === WebSocket.OPEN && d.upstream.bufferedAmount > WS_BUFFERED_MAX) return;
+    clearInterval(d.drainPoll);
+    d.drainPoll = undefined;
+    ws.resume();
+  }, WS_DRAIN_POLL_MS);
 }

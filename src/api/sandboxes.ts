@@ -380,7 +380,7 @@ export function sandboxRoutes(getOrch: () => Orchestrator, o: SandboxRoutesOptio
   const idParams = t.Object({ sandboxID: SandboxID });
   const tags = (tag: string, summary: string) => ({ detail: { tags: [tag], summary } });
   const metadataQuery = t.Optional(t.String({ description: "k=v&k2=v2, each key and value URL-encoded, then the whole (E2B's)" }));
-  const created = { body: NewSandbox, transform: rawObjects("network", "customExtensionParams"), response: { 201: sandboxOut("created; header x-agentenv-sandbox-id: its ID"), ...bodyFails(404, 429) } };
+  const created = { body: NewSandbox, transform: rawObjects("network", "customExtensionParams"), response: { 201: sandboxOut("created; header x-agentenv-sandbox-id: its ID"), ...bodyFails(404, 429, 507) } };
   const connected = {
     params: idParams,
     body: t.Object({ timeout: t.Optional(Timeout), memory: t.Optional(t.Boolean()) }),
@@ -393,7 +393,7 @@ export function sandboxRoutes(getOrch: () => Orchestrator, o: SandboxRoutesOptio
     .post("/v2/sandboxes", create, { ...created, ...tags("sandboxes", "Create a sandbox from a template or snapshot (alias, ID or name:tag)") })
     .post("/sandboxes-cold", createCold, {
       body: NewColdSandbox, transform: rawObjects("network", "customExtensionParams"),
-      response: { 201: sandboxOut("created; its template (cold-…) was built from the image on first use"), ...bodyFails(404, 429) },
+      response: { 201: sandboxOut("created; its template (cold-…) was built from the image on first use"), ...bodyFails(404, 429, 507) },
       ...tags("sandboxes", "Create a sandbox from an OCI image (AgentENV): pulled, converted and booted once per image and size, a restore after"),
     })
     .get("/sandboxes", async ({ query }) => (await list(query, true)).items.map(listedBody), {

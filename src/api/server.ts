@@ -36,6 +36,7 @@ export function serveNode(app: RequestHandler, o: ServeOptions): Server<WsData> 
     websocket: {
       open: (s) => void ws().open?.(s),
       message: (s, m) => void ws().message?.(s, m),
+      drain: (s) => void ws().drain?.(s),
       close: (s, c, r) => void ws().close?.(s, c, r),
     },
   });

@@ -4,10 +4,11 @@
 // Handlers validate and shape; the builder (src/orchestrator/builder.ts) holds the builds.
 import { Elysia, t } from "elysia";
 import { ApiError, bodyFailures as bodyFails, failures as fails } from "./errors.ts";
+import { UploadUrls } from "./upload_url.ts";
 import { OrchestratorError } from "../orchestrator/orchestrator.ts";
 import { LOG_PAGE, TemplateBuildError, type BuildSpec, type LogLevel, type TemplateBuilder } from "../orchestrator/builder.ts";
 
-/** The archive upload: its URL carries a signature instead of the API key (the SDK sends none). */
+/** The archive upload: its URL carries a signature and an expiry instead of the API key (the SDK sends none). */
 const UPLOAD_PATH = /^\/templates\/[^/]+\/files\/[^/]+$/;
 
 /** A PUT of a COPY archive: its body is streamed by the route, not parsed, and it is authorised by its URL's signature. */
@@ -87,11 +88,14 @@ const Pushed = t.Object({
 export interface TemplateRouteOptions {
   /** Lifts the server's idle timeout from a request whose answer takes long (a push). */
   keepOpen?: (req: Request) => void;
+  /** How long an upload URL stays valid (default UPLOAD_URL_TTL_S). */
+  uploadUrlTtlS?: number;
 }
 
 /** The routes over `getBuilder`, which returns the builder or throws (503 while the node starts). */
 export function templateRoutes(getBuilder: () => TemplateBuilder, opts: TemplateRouteOptions = {}) {
   const tag = { tags: ["templates"] };
+  const uploads = new UploadUrls(opts.uploadUrlTtlS);
   return new Elysia({ name: "templates" })
     .post("/templates/:templateID/push", ({ params, body, request }) => call(async () => {
       if ((body.username === undefined) !== (body.password === undefined)) throw new ApiError(400, "username and password: give both or neither");
@@ -100,7 +104,7 @@ export function templateRoutes(getBuilder: () => TemplateBuilder, opts: Template
     }), {
       params: t.Object({ templateID: t.String({ minLength: 1, maxLength: 256, description: "ID or name" }) }),
       body: PushBody,
-      response: { 200: Pushed, ...bodyFails(404, 502, 504) },
+      response: { 200: Pushed, ...bodyFails(403, 404, 502, 504) },
       detail: { ...tag, summary: "aenv's: push a template's rootfs layers (base first) and its env, user and workdir to a registry or S3 as an overlaybd image; blobs already there are not sent" },
     })
     .post("/v3/templates", ({ body, set }) => call(() => {
@@ -144,25 +148,29 @@ export function templateRoutes(getBuilder: () => TemplateBuilder, opts: Template
       detail: { ...tag, summary: `A build's log entries from cursor (up to ${LOG_PAGE})` },
     })
     .get("/templates/:templateID/files/:hash", ({ params, request, set }) => call(async () => {
-      const st = await getBuilder().fileStatus(params.templateID, params.hash);
+      const present = await getBuilder().fileStatus(params.templateID, params.hash);
       set.status = 201;
       // The URL is given even when present: the SDK re-uploads on forceUpload only when it has one.
-      return { present: st.present, url: `${new URL(request.url).origin}${st.uploadPath}` };
+      return { present, url: `${new URL(request.url).origin}${uploads.pathFor(params.templateID, params.hash)}` };
     }), {
       params: FileParams,
-      response: { 201: t.Object({ present: t.Boolean(), url: t.String({ description: "signed: PUT the archive here, no API key" }) }, { description: "whether the archive is here, and where to upload it" }), ...fails(400, 404) },
+      response: { 201: t.Object({ present: t.Boolean(), url: t.String({ description: "signed and expiring: PUT the archive here, no API key" }) }, { description: "whether the archive is here, and where to upload it" }), ...fails(400, 404) },
       detail: { ...tag, summary: "Whether a COPY archive (by the SDK's files hash) is here, and the URL to PUT it to" },
     })
     .put("/templates/:templateID/files/:hash", ({ params, query, request, set }) => call(async () => {
-      await getBuilder().putFile(params.templateID, params.hash, query.signature ?? "", request.body);
+      uploads.check(params.templateID, params.hash, query.expires, query.signature);
+      await getBuilder().putFile(params.templateID, params.hash, request.body);
       set.status = 200;
       return {};
     }), {
       params: FileParams,
-      query: t.Object({ signature: t.Optional(t.String({ description: "from the URL the files route gave" })) }),
-      response: { 200: t.Object({}, { description: "stored" }), ...fails(400, 404, 413) },
+      query: t.Object({
+        expires: t.Optional(t.String({ description: "from the URL the files route gave: unix seconds" })),
+        signature: t.Optional(t.String({ description: "from the URL the files route gave" })),
+      }),
+      response: { 200: t.Object({}, { description: "stored, or already here (the stored archive is kept)" }), ...fails(400, 403, 404, 409, 413) },
       detail: {
-        ...tag, summary: "Upload a COPY archive (tar or tar.gz) to the signed URL the files route gave", security: [],
+        ...tag, summary: "Upload a COPY archive (tar or tar.gz) to the signed URL the files route gave, before it expires; a hash already here keeps its archive", security: [],
         requestBody: { required: true, content: { "application/octet-stream": { schema: { type: "string", format: "binary" } } } },
       },
     })

@@ -2,14 +2,17 @@
 // One side is `ID:PATH`, the other a local path (or `-` for stdin/stdout). As with cp(1), a
 // destination that is an existing directory receives the source under its own name. Regular files
 // and directories are copied; symlinks and special files are skipped with a note. A downloaded
-// file keeps its mode bits and appears only once complete.
+// file keeps its permission bits (setuid, setgid and sticky dropped) and appears only once complete.
+// Names and paths the sandbox answers with are the guest's: each is checked before it names a
+// local file (one name per part, never empty, `.`, `..`, or with `/` or NUL; inside the
+// destination); a copy out with any that is not writes nothing and fails with UnsafePath.
 
 import { chmodSync, mkdirSync, readdirSync, statSync } from "node:fs";
-import { basename, join } from "node:path";
+import { basename, isAbsolute, join, relative, resolve, sep } from "node:path";
 import { posix } from "node:path";
 import { FileType, type Sandbox } from "e2b";
 import { UsageError, type ParsedArgs } from "./args.ts";
-import { NODE_OPTIONS, onNode, openSandbox, resolveTarget, sandboxId } from "./node_client.ts";
+import { NODE_OPTIONS, NodeError, onNode, openSandbox, resolveTarget, sandboxId } from "./node_client.ts";
 import { withOutputs } from "./outputs.ts";
 import type { Verb } from "./verbs.ts";
 
@@ -63,8 +66,25 @@ async function downloadFile(sbx: Sandbox, remote: string, local: string, mode: n
   const stream = await sbx.files.read(remote, { format: "stream" });
   await withOutputs({ outs: [local], inputs: [], force: true }, async ([tmp]) => {
     await Bun.write(tmp!, new Response(stream));
-    chmodSync(tmp!, mode & 0o7777);
+    chmodSync(tmp!, mode & 0o777);
   });
+}
+
+/** A refusal of what the sandbox answered: it would name a file outside the destination. */
+const hostile = (what: string) => new NodeError("UnsafePath", `the sandbox answered ${what}: refusing to copy (a name must be one path part, not empty, '.' or '..', without '/' or NUL)`);
+
+/** `name` as one part of a local path, or the refusal naming `where`. */
+function guestName(name: string, where: string): string {
+  if (name === "" || name === "." || name === ".." || name.includes("/") || name.includes("\0")) throw hostile(`${where} ${JSON.stringify(name)}`);
+  return name;
+}
+
+/** The local path of `parts` under `root`, which it must stay under (the parts are checked names already). */
+function under(root: string, parts: string[]): string {
+  const to = join(root, ...parts);
+  const rel = relative(resolve(root), resolve(to));
+  if (rel === "" || rel === ".." || rel.startsWith(`..${sep}`) || isAbsolute(rel)) throw hostile(`a path that leaves ${root}: ${JSON.stringify(parts.join("/"))}`);
+  return to;
 }
 
 async function download(sbx: Sandbox, remote: string, local: string): Promise<void> {
@@ -74,15 +94,23 @@ async function download(sbx: Sandbox, remote: string, local: string): Promise<vo
     for await (const chunk of await sbx.files.read(remote, { format: "stream" })) process.stdout.write(chunk);
     return;
   }
-  const target = statSync(local, { throwIfNoEntry: false })?.isDirectory() ? join(local, posix.basename(info.path)) : local;
+  // The source's own name comes from the sandbox too: as a name of the destination folder it is checked.
+  const name = posix.basename(info.path);
+  const target = statSync(local, { throwIfNoEntry: false })?.isDirectory() && name !== "" ? under(local, [guestName(name, "a source named")]) : local;
   if (info.type === FileType.FILE) return downloadFile(sbx, info.path, target, info.mode);
   if (info.type !== FileType.DIR) throw new UsageError(`${remote}: not a regular file or a directory`);
-  mkdirSync(target, { recursive: true });
   const entries = (await sbx.files.list(info.path, { depth: MAX_DEPTH })).sort((x, y) => x.path.localeCompare(y.path));
-  for (const e of entries) {
-    const rel = posix.relative(info.path, e.path);
-    if (rel === "" || rel.startsWith("..")) continue;
-    const to = join(target, ...rel.split("/"));
+  const prefix = `${info.path.replace(/\/+$/, "")}/`;
+  // Every entry is checked before anything is written: its path is the listed folder's, then checked parts, the last its name.
+  const planned = entries.map((e) => {
+    guestName(e.name, "an entry named");
+    if (!e.path.startsWith(prefix)) throw hostile(`an entry ${JSON.stringify(e.path)} outside ${JSON.stringify(info.path)}`);
+    const parts = e.path.slice(prefix.length).split("/").filter((p) => p !== "").map((p) => guestName(p, `an entry ${JSON.stringify(e.path)} with a part`));
+    if (parts.at(-1) !== e.name) throw hostile(`an entry named ${JSON.stringify(e.name)} at ${JSON.stringify(e.path)}`);
+    return { e, to: under(target, parts) };
+  });
+  mkdirSync(target, { recursive: true });
+  for (const { e, to } of planned) {
     if (e.type === FileType.DIR) mkdirSync(to, { recursive: true });
     else if (e.type === FileType.FILE) {
       mkdirSync(join(to, ".."), { recursive: true });

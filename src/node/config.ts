@@ -4,6 +4,8 @@
 import { chmodSync, closeSync, existsSync, mkdirSync, openSync, readFileSync, renameSync, writeSync } from "node:fs";
 import { dirname, join, resolve } from "node:path";
 import { S3_ENDPOINT } from "../snapshot/open.ts";
+import { INSECURE_HOST } from "../storage/remote/destination.ts";
+import { parseS3Url } from "../storage/s3_url.ts";
 
 export class ConfigError extends Error {
   constructor(message: string) { super(message); this.name = "ConfigError"; }
@@ -38,6 +40,24 @@ function matching(re: RegExp, what: string): Parse<string> {
   };
 }
 
+/** A comma-separated list, each entry checked; empty entries dropped. */
+function listOf(check: (entry: string) => boolean, what: string): Parse<string[]> {
+  return (raw, name) => {
+    const entries = raw.split(",").map((e) => e.trim()).filter(Boolean);
+    const bad = entries.find((e) => !check(e));
+    if (bad !== undefined) throw new ConfigError(`${name}=${raw}: '${bad}' is not ${what}`);
+    return entries;
+  };
+}
+const isS3Scope = (e: string) => {
+  try {
+    parseS3Url(`s3://${e}`);
+    return true;
+  } catch {
+    return false;
+  }
+};
+
 interface Setting<T> { env: string; toml: string; default: string; parse: Parse<T>; doc: string }
 function setting<T>(env: string, toml: string, def: string, parse: Parse<T>, doc: string): Setting<T> {
   return { env, toml, default: def, parse, doc };
@@ -69,6 +89,7 @@ export const SETTINGS = {
   slotPrefix: setting("AENV_SLOT_PREFIX", "slot_prefix", "aenv-", str, "names of this node's network namespaces and host veths"),
   maxBuilds: setting("AENV_MAX_BUILDS", "max_builds", "2", int(1, 64), "template builds running at once; up to 8 more wait, past that: 429"),
   buildTimeoutS: setting("AENV_BUILD_TIMEOUT_S", "build_timeout_s", "3600", int(60, 86_400), "a template build's limit, boot to checkpoint"),
+  uploadUrlTtlS: setting("AENV_UPLOAD_URL_TTL_S", "upload_url_ttl_s", "3600", int(60, 86_400), "how long a COPY archive's upload URL (GET /templates/{id}/files/{hash}) stays valid (E2B: 1 hour)"),
   stepCacheMB: setting("AENV_STEP_CACHE_MB", "step_cache_mb", "20480", int(0, 1 << 24), "template builds' step layers kept; past it the least recently used go (a template's layers stay)"),
   layerCacheMB: setting("AENV_LAYER_CACHE_MB", "layer_cache_mb", "65536", int(64, 1 << 24), "pulled images' converted layers kept; above 90 % the least recently used go until 70 % (a template's, snapshot's or sandbox's layers stay)"),
   blockCacheDir: setting("AENV_BLOCK_CACHE_DIR", "block_cache_dir", "$AENV_HOME/block-cache", str, "chunks of remote layers (overlaybd images pulled lazily) and the layers promoted whole; blockd's workers and the node share it"),
@@ -99,6 +120,11 @@ export const SETTINGS = {
   s3SecretAccessKey: setting("AWS_SECRET_ACCESS_KEY", "s3_secret_access_key", "", str, "secret key of S3 (required for an s3:// snapshot store or image)"),
   s3SessionToken: setting("AWS_SESSION_TOKEN", "s3_session_token", "", str, "session token of S3; empty: none"),
   dockerConfig: setting("DOCKER_CONFIG", "docker_config", "", str, "folder of Docker's config.json, registry credentials for fromImage builds; empty: ~/.docker"),
+  insecureRegistries: setting("AENV_INSECURE_REGISTRIES", "insecure_registries", "", listOf((e) => INSECURE_HOST.test(e), "host or host:port"), "registries (comma-separated host or host:port) spoken to over plain http and allowed at loopback, link-local or this machine's addresses; any other registry, redirect, token realm or upload Location is https to a public address"),
+  maxBlobMB: setting("AENV_MAX_BLOB_MB", "max_blob_mb", "10240", int(1, 1 << 24), "largest blob (image layer) a pull takes, by its descriptor or its Content-Length"),
+  maxDiskSizeMB: setting("AENV_MAX_DISK_SIZE_MB", "max_disk_size_mb", "65536", int(256, 1 << 24), "largest disk a pulled image (converted size or overlaybd virtual size) or a created sandbox may have"),
+  diskReserveMB: setting("AENV_DISK_RESERVE_MB", "disk_reserve_mb", "2048", int(0, 1 << 24), "free space a create leaves on $AENV_HOME's filesystem; below it creates are refused with 507"),
+  s3Buckets: setting("AENV_S3_BUCKETS", "s3_buckets", "", listOf(isS3Scope, "bucket or bucket/prefix"), "buckets and prefixes (comma-separated bucket or bucket/prefix) s3:// images may be in, read and written with the node's S3 credentials; empty: the snapshot store's bucket when it is in S3, else none"),
 };
 
 export type SettingName = keyof typeof SETTINGS;
@@ -140,6 +166,20 @@ export function loadConfig(env: Record<string, string | undefined> = process.env
     out[name] = s.parse(raw, where);
   }
   return out as NodeConfig;
+}
+
+/**
+ * The buckets and prefixes s3:// images may use the node's S3 credentials on: s3_buckets, or when
+ * it is empty the snapshot store's bucket (when the store is in S3), else none.
+ */
+export function s3Scopes(cfg: Pick<NodeConfig, "s3Buckets" | "snapshotStore">): string[] {
+  if (cfg.s3Buckets.length > 0) return cfg.s3Buckets;
+  if (!cfg.snapshotStore.startsWith("s3://")) return [];
+  try {
+    return [parseS3Url(cfg.snapshotStore.trim()).bucket];
+  } catch {
+    return []; // the store's own check names the malformed setting
+  }
 }
 
 /** E2B's key format: `e2b_` and 40 hex digits (SDK 2.45 checks it). */

@@ -6,8 +6,10 @@
 // Range through the node's block cache ($AENV_HOME/block-cache, AENV_BLOCK_CACHE_MB), with the
 // registry's Authorization from a headers file the node keeps fresh (registry_auth.ts). An
 // `s3://bucket/prefix` image is an OCI image layout in S3 (src/template/s3_layout.ts), read and
-// written with the node's S3 settings only. Templates are pushed back as overlaybd images
-// (src/template/push.ts), to a registry or to S3.
+// written with the node's S3 settings only, and only inside the buckets and prefixes of s3_buckets
+// (403 elsewhere); an S3 origin outside them gets no credentials. Templates are pushed back as
+// overlaybd images (src/template/push.ts), to a registry or to S3. Pulls refuse a layer above
+// max_blob_mb and a disk above max_disk_size_mb.
 import { mkdir, mkdtemp, rm } from "node:fs/promises";
 import { join } from "node:path";
 import type { BlockdClient } from "../blockdev/client.ts";
@@ -21,7 +23,8 @@ import { LayerCache } from "../template/layer_cache.ts";
 import { pullImage, type PulledLayer, type PullProgress } from "../template/pull.ts";
 import { pushImage } from "../template/push.ts";
 import { parseImageRef, RegistryClient, type RegistryClientOptions, RegistryError } from "../template/registry.ts";
-import { type S3Access, S3Layout } from "../template/s3_layout.ts";
+import { parseS3Location, type S3Access, S3Layout } from "../template/s3_layout.ts";
+import { inS3Scope } from "../storage/s3_url.ts";
 import type { NodePeers } from "./peers.ts";
 import type { RegistryAuthFiles } from "./registry_auth.ts";
 
@@ -36,6 +39,8 @@ export interface NodeRemoteLayers {
   peers?: NodePeers;
   /** The node's S3 settings: an S3 origin's credentials, added at each use (never in a record). */
   s3?: S3Access;
+  /** Buckets and prefixes (s3_buckets) whose S3 origins get the credentials [none]. */
+  s3Buckets?: readonly string[];
 }
 
 /**
@@ -48,7 +53,7 @@ export async function remoteLayerView(l: RemoteLayer, r: NodeRemoteLayers): Prom
   // Peers first: the node puts its peer facade (an http source over a unix socket) ahead of the
   // origins at each use; records name origins only (views go to blockd, never into a record).
   const origins = await Promise.all(l.remote.sources.map(async (s) => {
-    if (s.kind === "s3") return { ...s, ...s3Credentials(r.s3) };
+    if (s.kind === "s3") return inS3Scope(r.s3Buckets ?? [], s.bucket, s.key) ? { ...s, ...s3Credentials(r.s3) } : s;
     const headersFile = await r.auth.fileFor(s.url);
     return headersFile ? { ...s, headersFile } : s;
   }));
@@ -77,6 +82,12 @@ export interface NodeImagesOptions {
   remote?: NodeRemoteLayers;
   /** The node's S3 settings, for `s3://` images (a request may not bring other credentials). */
   s3?: S3Access;
+  /** Buckets and prefixes (`bucket` or `bucket/prefix`, s3_buckets) an `s3://` image may be in; elsewhere 403 [none]. */
+  s3Buckets?: readonly string[];
+  /** A pulled layer above this is refused (max_blob_mb) [DEFAULT_MAX_BLOB_BYTES]. */
+  maxBlobBytes?: number;
+  /** A pulled image's disk above this is refused (max_disk_size_mb) [DEFAULT_MAX_DISK_SIZE_MB]. */
+  maxDiskSizeMB?: number;
 }
 
 /** A progress line at most this often while a layer downloads or converts. */
@@ -106,6 +117,10 @@ export function nodeImages(o: NodeImagesOptions): { cache: LayerCache; source: I
   const locationOf = (ref: string, auth: { username: string; password: string } | undefined): ImageLocation => {
     if (!isS3Location(ref)) return new RegistryLocation(registryFor(ref, auth), ref);
     if (auth) throw new RegistryError("BadReference", `${ref}: an S3 image is read and written with the node's S3 settings; a request may not carry credentials for it`);
+    const at = parseS3Location(ref);
+    if (!inS3Scope(o.s3Buckets ?? [], at.bucket, at.prefix)) {
+      throw new RegistryError("Forbidden", `${ref}: s3://${at.bucket}/${at.prefix} is not among the buckets and prefixes this node's S3 credentials may be used on (s3_buckets, AENV_S3_BUCKETS)`);
+    }
     return S3Layout.open(ref, o.s3);
   };
   const source: ImageSource = {
@@ -115,7 +130,7 @@ export function nodeImages(o: NodeImagesOptions): { cache: LayerCache; source: I
       let said = 0;
       let last: PullProgress | undefined;
       const img = await pullImage(from, {
-        cache, blockd: o.blockd,
+        cache, blockd: o.blockd, maxBlobBytes: o.maxBlobBytes, maxDiskSizeMB: o.maxDiskSizeMB,
         onProgress: (p) => {
           const downloaded = p.bytesTotal > 0 && p.bytesDownloaded === p.bytesTotal && last?.bytesDownloaded !== p.bytesDownloaded;
           const step = !last || p.phase !== last.phase || p.layersDone !== last.layersDone || downloaded;
@@ -143,7 +158,7 @@ export function nodeImages(o: NodeImagesOptions): { cache: LayerCache; source: I
       try {
         // Remote layers are copied from their origins: registries with the node's Docker config, S3 with its settings.
         const registry = to instanceof RegistryLocation ? to.client : registryFor(ref, undefined);
-        const pushed = await pushImage(to, image.layers as PulledLayer[], image.config, { registry, s3: o.s3, workDir: work, ...(image.rootfsTrace ? { rootfsTrace: image.rootfsTrace } : {}) });
+        const pushed = await pushImage(to, image.layers as PulledLayer[], image.config, { registry, s3: o.s3, s3Buckets: o.s3Buckets ?? [], workDir: work, ...(image.rootfsTrace ? { rootfsTrace: image.rootfsTrace } : {}) });
         // Its local layer files hashed to these digests: peers may fetch them from this node.
         o.remote?.peers?.addPushed(pushed.layers.flatMap((l, i) => {
           const path = image.layers[i];

@@ -6,13 +6,14 @@
 // the state before it). startCmd runs in the background, readyCmd is polled, and the ready VM is
 // checkpointed: the template is published only then, so a failed build leaves nothing behind.
 import type { Database } from "bun:sqlite";
-import { createHash, createHmac, randomUUID, timingSafeEqual } from "node:crypto";
+import { createHash, randomUUID } from "node:crypto";
 import { mkdirSync } from "node:fs";
 import { mkdir, open, readdir, rename, rm, stat } from "node:fs/promises";
 import { join, posix } from "node:path";
 import { runProcess, uploadFile, type ProcessSpec } from "./envd_process.ts";
 import { StepCache } from "./step_cache.ts";
 import { BOOT_TRACE } from "./start_traces.ts";
+import { checkFilesHash } from "./files_hash.ts";
 import { Orchestrator, OrchestratorError, type BuildVm } from "./orchestrator.ts";
 import { layerKey, type TemplateConfig, type TemplateLayer, type TemplateRecord } from "./templates.ts";
 
@@ -258,7 +259,8 @@ export class TemplateBuilder {
   private readonly pendingNames = new Map<string, string>();
   private readonly queue: Build[] = [];
   private running = 0;
-  private readonly uploadSecret = crypto.getRandomValues(new Uint8Array(32));
+  /** Archives being uploaded (their paths): one upload of a hash at a time. */
+  private readonly uploading = new Set<string>();
   private readonly aborts = new Set<AbortController>();
   private readonly runs = new Set<Promise<void>>();
   private readonly steps: StepCache;
@@ -348,52 +350,59 @@ export class TemplateBuilder {
     return join(this.o.filesDir, templateId, `${hash}.tar`);
   }
 
-  /** The signature an upload URL carries (the SDK sends no API key with its PUT). */
-  uploadSignature(templateId: string, hash: string): string {
-    return createHmac("sha256", this.uploadSecret).update(`${templateId}/${hash}`).digest("hex");
-  }
-
-  /** GET /templates/{templateID}/files/{hash}: whether it is here; the path and query to PUT it to. */
-  async fileStatus(templateId: string, hash: string): Promise<{ present: boolean; uploadPath: string }> {
+  /** GET /templates/{templateID}/files/{hash}: whether its archive is here (the API signs the URL to PUT it to). */
+  async fileStatus(templateId: string, hash: string): Promise<boolean> {
     if (!HASH.test(hash)) throw new TemplateBuildError(400, "the files hash is 64 lowercase hex digits (sha256)");
     this.knownTemplate(templateId);
-    const present = await stat(this.archivePath(templateId, hash)).then(() => true, () => false);
-    return { present, uploadPath: `/templates/${templateId}/files/${hash}?signature=${this.uploadSignature(templateId, hash)}` };
+    return stat(this.archivePath(templateId, hash)).then(() => true, () => false);
   }
 
   /**
-   * PUT of a COPY archive (tar or tar.gz as the SDK makes it). The hash names it but cannot be
-   * checked here: the SDK hashes paths, modes, sizes and contents of the files, not the archive.
-   * So an archive is kept per template, and the step cache keys on the archive's own sha256.
+   * PUT of a COPY archive (tar or tar.gz as the SDK makes it; its URL checked by the API), at most
+   * maxUploadBytes. A hash already here keeps its archive and the body is not read (the SDK's
+   * forceUpload puts it again; a replay changes nothing); one upload of a hash runs at a time (409).
+   * The files hash covers the step's source and destination, so it is checked at the build's start.
    */
-  async putFile(templateId: string, hash: string, signature: string, body: ReadableStream<Uint8Array> | null): Promise<void> {
+  async putFile(templateId: string, hash: string, body: ReadableStream<Uint8Array> | null): Promise<void> {
     if (!HASH.test(hash)) throw new TemplateBuildError(400, "the files hash is 64 lowercase hex digits (sha256)");
-    const want = Buffer.from(this.uploadSignature(templateId, hash));
-    const got = Buffer.from(signature);
-    if (got.length !== want.length || !timingSafeEqual(got, want)) throw new TemplateBuildError(401, "upload URL signature does not match: ask GET /templates/{templateID}/files/{hash} for the URL");
     this.knownTemplate(templateId);
     if (!body) throw new TemplateBuildError(400, "the upload has no body");
+    const archive = this.archivePath(templateId, hash);
+    if (this.uploading.has(archive)) throw new TemplateBuildError(409, `files ${hash} of template ${templateId} are being uploaded: wait for that upload`);
+    this.uploading.add(archive);
     const dir = join(this.o.filesDir, templateId);
-    await mkdir(dir, { recursive: true });
     const tmp = join(dir, `.${hash}.${randomId(8)}`);
-    const fh = await open(tmp, "w");
-    const h = createHash("sha256");
-    let total = 0;
     try {
-      for await (const chunk of body) {
-        total += chunk.byteLength;
-        if (total > this.o.maxUploadBytes) throw new TemplateBuildError(413, `the archive is larger than ${this.o.maxUploadBytes} bytes`);
-        h.update(chunk);
-        await fh.write(chunk);
+      if (await stat(archive).then(() => true, () => false)) return;
+      await mkdir(dir, { recursive: true });
+      const fh = await open(tmp, "w");
+      const h = createHash("sha256");
+      let total = 0;
+      try {
+        for await (const chunk of body) {
+          total += chunk.byteLength;
+          if (total > this.o.maxUploadBytes) throw new TemplateBuildError(413, `the archive is larger than ${this.o.maxUploadBytes} bytes`);
+          h.update(chunk);
+          await fh.write(chunk);
+        }
+      } finally {
+        await fh.close();
       }
-      await fh.close();
-      await Bun.write(`${this.archivePath(templateId, hash)}.sha256`, h.digest("hex"));
-      await rename(tmp, this.archivePath(templateId, hash));
+      await Bun.write(`${archive}.sha256`, h.digest("hex"));
+      await rename(tmp, archive);
     } catch (e) {
-      await fh.close().catch(() => {});
       await rm(tmp, { force: true });
       throw e;
+    } finally {
+      this.uploading.delete(archive);
     }
+  }
+
+  /** An archive and its sum, gone (its hash is then uploaded again). */
+  private async dropArchive(templateId: string, hash: string): Promise<void> {
+    const archive = this.archivePath(templateId, hash);
+    await rm(archive, { force: true });
+    await rm(`${archive}.sha256`, { force: true });
   }
 
   // ─── start and status ──────────────────────────────────────────────────────
@@ -402,17 +411,20 @@ export class TemplateBuilder {
   async start(templateId: string, buildId: string, spec: BuildSpec): Promise<void> {
     const b = this.build(templateId, buildId);
     if (b.started) throw new TemplateBuildError(409, `build ${buildId} has already been started`);
-    await this.check(templateId, spec);
+    const notes = await this.check(templateId, spec);
     if (this.running >= this.o.maxConcurrent && this.queue.length >= this.o.maxQueued)
       throw new TemplateBuildError(429, `this node runs ${this.o.maxConcurrent} builds and queues ${this.o.maxQueued}: try again later`);
     b.started = true;
     b.spec = spec;
     b.log("info", `Build ${buildId} accepted`);
+    for (const n of notes) b.log("warn", n);
     this.queue.push(b);
     this.pump();
   }
 
-  private async check(templateId: string, spec: BuildSpec): Promise<void> {
+  /** Refuses a spec the build could not run (TemplateBuildError); what it could not check, as notes for the build's log. */
+  private async check(templateId: string, spec: BuildSpec): Promise<string[]> {
+    const notes: string[] = [];
     const hasImage = typeof spec.fromImage === "string" && spec.fromImage !== "";
     const hasTemplate = typeof spec.fromTemplate === "string" && spec.fromTemplate !== "";
     if (hasImage === hasTemplate) throw new TemplateBuildError(400, "give exactly one of fromImage and fromTemplate");
@@ -452,12 +464,29 @@ export class TemplateBuilder {
           if (args[3] && !/^[0-7]{3,4}$/.test(args[3])) throw new TemplateBuildError(400, `${where} (COPY): mode '${args[3]}' is not octal`);
           const present = await stat(this.archivePath(templateId, s.filesHash)).then(() => true, () => false);
           if (!present) throw new TemplateBuildError(400, `${where} (COPY ${args[0]}): files ${s.filesHash} were not uploaded (GET then PUT /templates/${templateId}/files/${s.filesHash})`);
+          const note = await this.checkFiles(templateId, where, s.type, args[0]!, args[1]!, s.filesHash);
+          if (note) notes.push(note);
           break;
         }
       }
     }
     for (const [k, v] of [["startCmd", spec.startCmd], ["readyCmd", spec.readyCmd]] as const)
       if (v !== undefined && v !== null && (typeof v !== "string" || Buffer.byteLength(v) > MAX_ARG_BYTES)) throw new TemplateBuildError(400, `${k}: a string of at most ${MAX_ARG_BYTES} bytes`);
+    return notes;
+  }
+
+  /**
+   * A COPY's uploaded archive against its files hash (the SDK's, over `COPY src dest` and the
+   * files): a mismatch is refused and the archive removed, so the SDK uploads it again; an
+   * archive that cannot be checked (a directory in it; an ADD, which the SDK does not hash) is a note.
+   */
+  private async checkFiles(templateId: string, where: string, type: string, src: string, dest: string, hash: string): Promise<string | undefined> {
+    if (type !== "COPY") return `${where} (${type} ${src}): files ${hash} not checked against their hash (the SDK hashes COPY steps only)`;
+    const verdict = await checkFilesHash(this.archivePath(templateId, hash), src, dest, hash);
+    if (verdict.kind === "match") return undefined;
+    if (verdict.kind === "unchecked") return `${where} (COPY ${src}): files ${hash} not checked against their hash: ${verdict.reason}`;
+    await this.dropArchive(templateId, hash);
+    throw new TemplateBuildError(400, `${where} (COPY ${src} ${dest}): the uploaded files do not match filesHash ${hash} (${verdict.detail}); they were removed: upload them again`);
   }
 
   /**
@@ -806,7 +835,9 @@ export class TemplateBuilder {
     } catch (e) {
       const status = (e as { status?: unknown }).status;
       if (typeof status !== "number") throw e;
-      throw new TemplateBuildError(status === 401 || status === 403 ? 400 : status, (e as Error).message);
+      // A registry's 401 or 403 is a refused credential (400); the node's own refusal (code Forbidden: s3_buckets, insecure_registries) stays 403.
+      const refusedByNode = (e as { code?: unknown }).code === "Forbidden";
+      throw new TemplateBuildError((status === 401 || status === 403) && !refusedByNode ? 400 : status, (e as Error).message);
     }
   }
 

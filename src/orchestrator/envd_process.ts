@@ -2,9 +2,16 @@
 // `/files` upload, for template builds: a command runs as a named user in a cwd with an env, its
 // output arrives chunk by chunk, and the call ends with the exit code. Each call has a deadline.
 
+import { readBoundedText } from "./envd.ts";
+
 export class EnvdProcessError extends Error {
   constructor(message: string) { super(message); this.name = "EnvdProcessError"; }
 }
+
+/** An error answer (or an upload's answer) is read up to 64 KiB; 300 characters of it are shown. */
+const ENVD_ANSWER_MAX_BYTES = 64 << 10;
+/** Reading an error answer gets 10 s, whatever deadline the call has. */
+const ENVD_ANSWER_TIMEOUT_MS = 10_000;
 
 export interface ProcessSpec {
   cmd: string;
@@ -80,7 +87,10 @@ export async function runProcess(baseUrl: string, token: string | null, spec: Pr
     body: envelope({ process: { cmd: spec.cmd, args: spec.args, envs: spec.envs ?? {}, ...(spec.cwd ? { cwd: spec.cwd } : {}) }, stdin: false }),
     signal: signals.length ? AbortSignal.any(signals) : undefined,
   });
-  if (res.status !== 200 || !res.body) throw new EnvdProcessError(`envd Start answered HTTP ${res.status}: ${(await res.text()).slice(0, 300)}`);
+  if (res.status !== 200 || !res.body) {
+    const text = await readBoundedText(res, ENVD_ANSWER_MAX_BYTES, `envd ${baseUrl} Start`, AbortSignal.timeout(ENVD_ANSWER_TIMEOUT_MS)).catch((e: Error) => `(${e.message})`);
+    throw new EnvdProcessError(`envd Start answered HTTP ${res.status}: ${text.slice(0, 300)}`);
+  }
   const decoder = { stdout: new TextDecoder(), stderr: new TextDecoder() };
   for await (const [flags, msg] of connectFrames(res.body)) {
     if (flags & 2) {
@@ -103,12 +113,13 @@ export async function runProcess(baseUrl: string, token: string | null, spec: Pr
 /** Writes a host file into the guest at `path` (envd `/files`, raw body) as `user`. */
 export async function uploadFile(baseUrl: string, token: string | null, user: string, path: string, file: string, timeoutMs: number): Promise<void> {
   const url = `${baseUrl}/files?path=${encodeURIComponent(path)}&username=${encodeURIComponent(user)}`;
+  const signal = AbortSignal.timeout(timeoutMs);
   const res = await fetch(url, {
     method: "POST",
     headers: headers(user, token, { "content-type": "application/octet-stream" }),
     body: Bun.file(file),
-    signal: AbortSignal.timeout(timeoutMs),
+    signal,
   });
-  const text = await res.text();
+  const text = await readBoundedText(res, ENVD_ANSWER_MAX_BYTES, `envd ${baseUrl} upload of ${path}`, signal);
   if (!res.ok) throw new EnvdProcessError(`envd upload of ${path} answered HTTP ${res.status}: ${text.slice(0, 300)}`);
 }

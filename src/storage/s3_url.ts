@@ -26,3 +26,17 @@ export function parseS3Url(s: string): S3Url {
   if (!parts.every((p) => PREFIX_PART_RE.test(p) && p !== "." && p !== "..")) throw new S3UrlError("prefix parts are 1-128 of [A-Za-z0-9._-], never . or ..");
   return { bucket, parts };
 }
+
+/**
+ * Whether an object key (or key prefix) of `bucket` is inside one of `scopes`, each `bucket` (all
+ * of it) or `bucket/prefix` (keys under prefix/), as the node's s3_buckets lists them. A key with a
+ * `.` or `..` part is inside none.
+ */
+export function inS3Scope(scopes: readonly string[], bucket: string, key: string): boolean {
+  const parts = key.split("/").filter((p) => p !== "");
+  if (parts.some((p) => p === "." || p === "..")) return false;
+  return scopes.some((scope) => {
+    const s = parseS3Url(`s3://${scope}`);
+    return s.bucket === bucket && s.parts.every((p, i) => parts[i] === p);
+  });
+}

@@ -6,7 +6,9 @@
 // downloaded at all: they become remote refs that blockd's workers read by Range (a lazy pull).
 // The image comes from a registry (a reference and `registry`) or any ImageLocation (an OCI
 // image layout in S3). A lazy pull of an image whose manifest names a boot trace brings its bytes
-// along (prefetch_trace.ts): the build VM over the remote layers replays it.
+// along (prefetch_trace.ts): the build VM over the remote layers replays it. A layer larger than
+// maxBlobBytes is refused before anything is downloaded, and a disk larger than maxDiskSizeMB (a
+// converted image's size asked for, a native layer's virtual size) as soon as it is known.
 
 import { rm } from "node:fs/promises";
 import { join } from "node:path";
@@ -15,7 +17,7 @@ import { convertLayer, DEFAULT_DISK_BYTES, emptyExt4Layer, initCache, type Conve
 import { ConvertError } from "./convert_error.ts";
 import { chainId, type LayerCache } from "./layer_cache.ts";
 import { type ImageLocation, RegistryLocation } from "./image_location.ts";
-import { type Descriptor, formatImageRef, type ImageRef, type LocatedImage, type OciImageConfig, parsePlatform, type RegistryClient, RegistryError } from "./registry.ts";
+import { DEFAULT_MAX_BLOB_BYTES, type Descriptor, formatImageRef, type ImageRef, type LocatedImage, type OciImageConfig, parsePlatform, type RegistryClient, RegistryError } from "./registry.ts";
 import { openLayerFile, unwrap } from "../storage/open_layer.ts";
 import { RemoteReadError } from "../storage/remote/errors.ts";
 import { ReadOnlyLayer } from "../storage/lsmt/readonly_layer.ts";
@@ -24,6 +26,9 @@ import { RemoteFile } from "../storage/remote/remote_file.ts";
 import type { LayerDigest } from "../storage/remote/source.ts";
 import type { RemoteLayerSpec } from "../storage/remote/spec.ts";
 import { fetchTrace, traceDescriptor } from "./prefetch_trace.ts";
+
+/** 64 GiB: the node's largest disk, the same bound a template definition's diskSizeMB has. */
+export const DEFAULT_MAX_DISK_SIZE_MB = 65536;
 
 /** A layer left at its origin (a registry blob, an S3 object): blockd's workers read it by range through the block cache. */
 export interface RemoteLayerRef {
@@ -107,6 +112,16 @@ export interface PullOptions {
   remote?: RemotePullOptions;
   /** What the pull leaves out and goes on without (a bad prefetch trace) [console.error]. */
   log?: (message: string) => void;
+  /** A layer whose descriptor names more bytes is refused before any download [DEFAULT_MAX_BLOB_BYTES]. */
+  maxBlobBytes?: number;
+  /** A disk larger than this is refused [DEFAULT_MAX_DISK_SIZE_MB]. */
+  maxDiskSizeMB?: number;
+}
+
+/** TooLarge when a disk of `bytes` is past the pull's maxDiskSizeMB. */
+function checkDiskSize(bytes: number, opts: PullOptions, where: string): void {
+  const max = opts.maxDiskSizeMB ?? DEFAULT_MAX_DISK_SIZE_MB;
+  if (bytes > max * 2 ** 20) throw new RegistryError("TooLarge", `${where}: a disk of ${Math.ceil(bytes / 2 ** 20)} MiB, more than this node's max_disk_size_mb (${max} MiB)`);
 }
 
 /** Without `remote` every layer is a local file. */
@@ -127,6 +142,11 @@ export async function pullImage(ref: string | ImageRef | ImageLocation, opts: Pu
   const from = locationOf(ref, opts.registry);
   const image: Pulled = { ...(await from.resolve(parsePlatform(opts.platform ?? "linux/amd64"))), from };
   const descs = image.layers;
+  const maxBlob = opts.maxBlobBytes ?? DEFAULT_MAX_BLOB_BYTES;
+  for (const d of descs) {
+    if (d.size > maxBlob) throw new RegistryError("TooLarge", `image ${from.name}: layer ${d.digest} is ${d.size} bytes, more than this node's max_blob_mb (${maxBlob} bytes)`);
+  }
+  if (!image.overlaybdNative) checkDiskSize(diskBytes, opts, `image ${from.name}`);
   if (!image.overlaybdNative && image.config.diffIds.length !== descs.length) {
     throw new ConvertError("CorruptLayer", `image config lists ${image.config.diffIds.length} diff_ids for ${descs.length} layers`);
   }
@@ -214,6 +234,7 @@ async function pullLayers(image: Pulled, chains: string[], bottom: ConvertedLaye
         });
         layer = { chain: chains[i]!, path: r.path, converted: r.made };
         virtualBytes = Math.max(virtualBytes, await nativeVirtualSize(r.path, descs[i]!.digest));
+        checkDiskSize(virtualBytes, opts, `image ${image.from.name}: layer ${descs[i]!.digest}`);
       } else {
         layer = await convertLayer(ctx, stack, { blob, diffId: image.config.diffIds[i]!, digest: descs[i]!.digest }, diskBytes, (lp) => {
           p.bytesApplied = lp.tarBytes;
@@ -271,6 +292,7 @@ async function remoteLayers(image: Pulled, opts: PullOptions, r: RemotePullOptio
       throw new ConvertError("CorruptLayer", `layer ${i}: ${(e as Error).message}`, undefined, d.digest);
     }
     virtualBytes = Math.max(virtualBytes, await remoteVirtualSize(file, d.digest));
+    checkDiskSize(virtualBytes, opts, `image ${image.from.name}: layer ${d.digest}`);
     layers.push({ digest, size: d.size, remote: { sources: [origin], cache: { ...r.cache }, ...(r.download === false ? { download: false } : {}) } });
     p.layersDone = i + 1;
     say();

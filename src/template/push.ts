@@ -18,6 +18,7 @@ import { MEDIA, OVERLAYBD_ANNOTATION, type Descriptor } from "./registry/manifes
 import { blobRepository } from "./registry/reference.ts";
 import type { RegistryClient } from "./registry/client.ts";
 import { type S3Access, S3Layout } from "./s3_layout.ts";
+import { inS3Scope } from "../storage/s3_url.ts";
 import type { PulledLayer, RemoteLayerRef } from "./pull.ts";
 import { PREFETCH_ROOTFS_ANNOTATION, PREFETCH_ROOTFS_SIZE_ANNOTATION, PREFETCH_TRACE_MEDIA, traceForPush } from "./prefetch_trace.ts";
 
@@ -37,6 +38,8 @@ export interface PushOptions {
   registry?: RegistryClient;
   /** S3 settings remote layers with S3 origins are copied with (the layout's keys). */
   s3?: S3Access;
+  /** Set: only S3 origins inside these buckets and prefixes (`bucket`, `bucket/prefix`) are copied with s3. */
+  s3Buckets?: readonly string[];
   /** Where copies of remote layers are made (removed after). */
   workDir: string;
   onProgress?: (message: string) => void;
@@ -85,7 +88,8 @@ function originOf(l: RemoteLayerRef, opts: PushOptions): ImageLocation {
       const blob = blobRepository(s.url);
       if (blob?.digest === l.digest) return new RegistryLocation(opts.registry, blob.ref);
     }
-    const layout = s.kind === "s3" && opts.s3 ? S3Layout.ofBlob(s, l.digest, opts.s3) : undefined;
+    const usable = s.kind === "s3" && opts.s3 && (!opts.s3Buckets || inS3Scope(opts.s3Buckets, s.bucket, s.key));
+    const layout = s.kind === "s3" && usable ? S3Layout.ofBlob(s, l.digest, opts.s3!) : undefined;
     if (layout) return layout;
   }
   throw new RegistryError("NotFound", `remote layer ${l.digest} names no registry blob or S3 layout blob to copy from`);

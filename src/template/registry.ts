@@ -7,7 +7,6 @@ export {
   DOCKER_HUB_ENDPOINT,
   formatImageRef,
   type ImageRef,
-  isLoopbackHost,
   manifestReference,
   parseImageRef,
   withReference,
@@ -30,4 +29,4 @@ export {
 } from "./registry/manifest.ts";
 export { type FetchBlobOptions, type FetchedBlob } from "./registry/blob_fetch.ts";
 export { DEFAULT_CHUNK_SIZE, type LocatedImage, type ManifestBytes, type ManifestReader, RegistryClient, type RegistryClientOptions, type ResolvedImage, resolveManifests } from "./registry/client.ts";
-export { DEFAULT_RETRY_BASE_MS, DEFAULT_TIMEOUT_MS, DEFAULT_TRIES } from "./registry/transport.ts";
+export { DEFAULT_MAX_BLOB_BYTES, DEFAULT_RETRY_BASE_MS, DEFAULT_TIMEOUT_MS, DEFAULT_TRIES } from "./registry/transport.ts";

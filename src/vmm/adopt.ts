@@ -2,9 +2,9 @@
 // it again. Each driver leaves a record in the VM's run directory (`vmm.json`: the pid and its
 // start time, which together name one process, plus what the driver needs to reconnect).
 import { readFileSync } from "node:fs";
-import { rename } from "node:fs/promises";
+import { rename, writeFile } from "node:fs/promises";
 import { join, resolve } from "node:path";
-import { VmmError, type VmmProcess } from "./types.ts";
+import { RUN_FILE_MODE, VmmError, type VmmProcess } from "./types.ts";
 
 /** How often an adopted VMM's liveness is checked (it is not our child: no exit notification). */
 const ADOPTED_POLL_MS = 250;
@@ -67,7 +67,7 @@ export async function writeAdoptRecord<T>(runDir: string, pid: number, driver: T
   const startTime = AdoptedProcess.startTimeOf(pid);
   if (startTime === undefined) return; // already gone: nothing to adopt later
   const path = join(runDir, ADOPT_RECORD);
-  await Bun.write(`${path}.tmp`, JSON.stringify({ pid, startTime, driver } satisfies AdoptRecord<T>));
+  await writeFile(`${path}.tmp`, JSON.stringify({ pid, startTime, driver } satisfies AdoptRecord<T>), { mode: RUN_FILE_MODE });
   await rename(`${path}.tmp`, path);
 }
 

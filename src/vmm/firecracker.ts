@@ -1,10 +1,11 @@
 // Firecracker driver: its HTTP API over a unix socket (Firecracker's swagger, docs/vmm.md). Upstream rejects unknown fields with a 400, so every request comes from a builder below that
 // emits exactly the documented fields, checks their types and enums, and drops absent optionals.
 
-import { existsSync, readFileSync, realpathSync } from "node:fs";
-import { chown, copyFile, link, mkdir, readFile, realpath, rename, rm, stat, symlink, writeFile } from "node:fs/promises";
+import { closeSync, existsSync, openSync, readFileSync, realpathSync } from "node:fs";
+import { chmod, chown, copyFile, link, mkdir, readFile, realpath, rename, rm, stat, symlink, writeFile } from "node:fs/promises";
 import { basename, dirname, join, resolve } from "node:path";
 import { AdoptedProcess, readAdoptRecord, writeAdoptRecord } from "./adopt.ts";
+import { BoundedLogFile, ConsoleDrain, FifoConsole } from "./console.ts";
 import { dirtyRuns, mappingOf, PAGE_SIZE } from "./pagemap.ts";
 import { probeKvm, sparseCopy } from "./qemu.ts";
 import {
@@ -21,10 +22,13 @@ import {
   type VmmProcess,
   VmmError,
   VmProcess,
+  RUN_FILE_MODE,
+  makeRunDir,
   netnsArgv,
   niceAutogroup,
   writeSnapshot,
 } from "./types.ts";
+import { canDropPrivileges, ensureSystemUser, VMM_USER } from "./vmm_user.ts";
 import { retryUntilListening } from "./wait.ts";
 
 // ---- request builders -------------------------------------------------------------------------
@@ -669,8 +673,12 @@ export class FirecrackerApi {
 export interface FirecrackerOptions {
   /** firecracker binary (default `firecracker` on PATH; the node passes its firecracker_bin setting). */
   binary?: string;
-  /** Run under the jailer; spec paths stay host paths, the driver links them into the jail. */
-  jailer?: JailerOptions;
+  /**
+   * Run under the jailer; spec paths stay host paths, the driver links them into the jail. Absent:
+   * the jailer when a `jailer` binary is on PATH and the node runs as root, as VMM_USER
+   * (defaultJailer); null: never.
+   */
+  jailer?: JailerOptions | null;
   /** virtio-blk engine for every drive. */
   ioEngine?: (typeof IO_ENGINES)[number];
   /** Dirty page tracking, for Diff snapshots. */
@@ -682,6 +690,16 @@ export interface FirecrackerOptions {
 
 export function firecrackerBinary(o: FirecrackerOptions = {}): string {
   return o.binary ?? "firecracker";
+}
+
+/** `jailer` on the PATH this process has now, or null. */
+export function findJailer(): string | null {
+  return Bun.which("jailer", { PATH: process.env.PATH ?? "" });
+}
+
+/** The jailer a driver uses when given none: the `jailer` binary found (on PATH), run as `user`; undefined without one. */
+export function defaultJailer(user: { uid: number; gid: number }, jailerBinary: string | null = findJailer()): JailerOptions | undefined {
+  return jailerBinary ? { binary: jailerBinary, uid: user.uid, gid: user.gid } : undefined;
 }
 
 /** Whether Firecracker can run here: its binary on PATH (or given) and a usable /dev/kvm. */
@@ -705,6 +723,10 @@ export function telemetryPaths(spec: Pick<VmSpec, "id" | "runDir">, o: Firecrack
 }
 const FC_LOG = "firecracker.log";
 const FC_METRICS = "metrics.json";
+/** Firecracker's stderr, in the VM's run directory (what it says before its logger is set, and a panic). */
+const FC_STDERR = "firecracker.stderr";
+/** The FIFO that is Firecracker's stdout, i.e. the guest's serial console (console.ts drains it), in the run directory. */
+const CONSOLE_FIFO = "console.fifo";
 
 /** Logger and metrics, which Firecracker takes only before boot or snapshot load. */
 export function telemetryRequests(spec: Pick<VmSpec, "id" | "runDir">, o: FirecrackerOptions = {}): FcRequest[] {
@@ -1023,6 +1045,7 @@ interface FirecrackerAdoptRecord {
 
 export class FirecrackerVm extends VmProcess implements Vmm {
   readonly kind = "firecracker" as const;
+  private readonly console: ConsoleDrain;
 
   constructor(
     spec: VmSpec,
@@ -1034,6 +1057,11 @@ export class FirecrackerVm extends VmProcess implements Vmm {
   ) {
     super(spec, proc);
     this._state = state;
+    this.console = new ConsoleDrain(new FifoConsole(join(spec.runDir, CONSOLE_FIFO)), new BoundedLogFile(consoleLog)).start();
+  }
+
+  syncConsole(): Promise<void> {
+    return this.console.drain();
   }
 
   /** The host side of the vsock device (host-initiated: connect, then `CONNECT <port>\n`; guest-initiated: `<path>_<port>`). */
@@ -1175,6 +1203,8 @@ export class FirecrackerVm extends VmProcess implements Vmm {
       this.proc.kill("SIGKILL");
       await this.exited;
     }
+    // The FIFO keeps what the VMM wrote while our end is open: drained once more, then closed.
+    await this.console.stop();
     this._state = "stopped";
     await rm(this.api.socketPath, { force: true });
     if (this.ctx.launch.jailDir) await cleanJail(this.ctx.launch.jailDir);
@@ -1193,7 +1223,20 @@ function adoptRecordOf(vm: FirecrackerVm): FirecrackerAdoptRecord {
 export class FirecrackerDriver implements VmmDriver {
   readonly kind = "firecracker" as const;
   private caps: Promise<FirecrackerCaps> | undefined;
+  private settled: Promise<FirecrackerOptions> | undefined;
   constructor(private opts: FirecrackerOptions = {}) {}
+
+  /** The options with the jailer settled (given, or defaultJailer as VMM_USER, made when missing), once per driver. */
+  private options(): Promise<FirecrackerOptions> {
+    this.settled ??= (async () => {
+      if (this.opts.jailer !== undefined || !canDropPrivileges()) return { ...this.opts, jailer: this.opts.jailer ?? null };
+      const jailer = findJailer();
+      if (jailer === null) return { ...this.opts, jailer: null };
+      return { ...this.opts, jailer: defaultJailer(await ensureSystemUser(VMM_USER), jailer) ?? null };
+    })();
+    this.settled.catch(() => (this.settled = undefined));
+    return this.settled;
+  }
 
   /** `firecracker --version`, asked once (5 s bound); a binary that does not say gets no optional capability. */
   capabilities(): Promise<FirecrackerCaps> {
@@ -1210,49 +1253,59 @@ export class FirecrackerDriver implements VmmDriver {
   }
 
   /** The files this VM's Firecracker opens: a fresh jail (a stale one of the same id removed), its drives under their names, the log and metrics. */
-  private async prepare(spec: VmSpec, l: Launch, withBootFiles: boolean): Promise<void> {
-    await mkdir(spec.runDir, { recursive: true });
+  private async prepare(spec: VmSpec, l: Launch, withBootFiles: boolean, o: FirecrackerOptions): Promise<void> {
+    await makeRunDir(spec.runDir);
     if (l.jailDir) {
       await cleanJail(l.jailDir);
       await mkdir(l.hostDir, { recursive: true });
     }
     try {
-      await this.stage(spec, l, withBootFiles);
+      await this.stage(spec, l, withBootFiles, o);
     } catch (e) {
       if (l.jailDir) await cleanJail(l.jailDir).catch(() => {});
       throw e;
     }
   }
-  private async stage(spec: VmSpec, l: Launch, withBootFiles: boolean): Promise<void> {
+  private async stage(spec: VmSpec, l: Launch, withBootFiles: boolean, o: FirecrackerOptions): Promise<void> {
     await stageFiles(spec, l, withBootFiles);
     // Firecracker binds these itself, and a stale socket file would stop it.
     await rm(l.sock, { force: true });
     await rm(join(l.hostDir, VSOCK_NAME), { force: true });
-    const t = telemetryPaths(spec, this.opts);
+    const t = telemetryPaths(spec, o);
     for (const f of [t.hostLog, t.hostMetrics]) {
       await mkdir(dirname(f), { recursive: true });
-      await writeFile(f, "");
+      await rm(f, { force: true });
+      await writeFile(f, "", { mode: RUN_FILE_MODE });
       if (l.jailDir && l.owner) await chown(f, l.owner.uid, l.owner.gid);
     }
   }
 
-  /** Spawns the VMM (its working directory is where its relative names resolve) and waits for its API socket. */
+  /**
+   * Spawns the VMM (its working directory is where its relative names resolve) and waits for its
+   * API socket. The guest's serial console is Firecracker's stdout: the FIFO CONSOLE_FIFO (console.ts;
+   * /dev/null once a jailer daemonizes it); its stderr goes to FC_STDERR.
+   */
   private async start(spec: VmSpec, l: Launch): Promise<{ proc: VmmProcess; api: FirecrackerApi; consoleLog: string }> {
     const consoleLog = join(spec.runDir, "console.log");
-    // The guest's serial console is Firecracker's stdout (/dev/null once a jailer daemonizes it).
-    const out = Bun.file(consoleLog);
+    const stderrLog = join(spec.runDir, FC_STDERR);
+    await new BoundedLogFile(consoleLog).create();
+    const fds: number[] = [];
     let spawned: ReturnType<typeof Bun.spawn>;
     try {
-      spawned = Bun.spawn(l.argv, { cwd: l.hostDir, stdin: "ignore", stdout: out, stderr: out, detached: true });
+      fds.push(await FifoConsole.openForVmm(join(spec.runDir, CONSOLE_FIFO)));
+      fds.push(openSync(stderrLog, "w", RUN_FILE_MODE));
+      spawned = Bun.spawn(l.argv, { cwd: l.hostDir, stdio: ["ignore", fds[0]!, fds[1]!], detached: true });
     } catch (e) {
       throw new VmmError("StartFailed", `cannot run ${l.argv[0]}: ${(e as Error).message}`);
+    } finally {
+      for (const fd of fds) closeSync(fd);
     }
     spawned.unref();
     const until = Date.now() + (this.opts.startTimeoutMs ?? 5000);
     const fail = async (proc: VmmProcess, why: string): Promise<never> => {
       if (proc.exitCode === null) proc.kill("SIGKILL");
       await proc.exited;
-      const log = (await Bun.file(consoleLog).text().catch(() => "")).trim();
+      const log = (await Bun.file(stderrLog).text().catch(() => "")).trim();
       throw new VmmError("StartFailed", `firecracker ${spec.id} ${why}${log ? `: ${log}` : ""}`);
     };
     const proc = l.pidFile ? await this.forkedVmm(spawned, l.pidFile, until, (why) => fail(spawned, why)) : spawned;
@@ -1280,7 +1333,7 @@ export class FirecrackerDriver implements VmmDriver {
   }
 
   /** Starts, then sends reqs; on any failure the VM is stopped (its jail removed) and the error thrown. */
-  private async run(spec: VmSpec, l: Launch, memBase: string | null, reqs: (vm: FirecrackerVm) => Promise<void>, memImage: string | null = null): Promise<FirecrackerVm> {
+  private async run(spec: VmSpec, l: Launch, o: FirecrackerOptions, memBase: string | null, reqs: (vm: FirecrackerVm) => Promise<void>, memImage: string | null = null): Promise<FirecrackerVm> {
     let started;
     try {
       started = await this.start(spec, l);
@@ -1288,9 +1341,11 @@ export class FirecrackerDriver implements VmmDriver {
       if (l.jailDir) await cleanJail(l.jailDir).catch(() => {});
       throw e;
     }
-    const vm = new FirecrackerVm(spec, started.proc, started.api, started.consoleLog, { opts: this.opts, launch: l, memBase, memImage });
+    const vm = new FirecrackerVm(spec, started.proc, started.api, started.consoleLog, { opts: o, launch: l, memBase, memImage });
     try {
       await reqs(vm);
+      // The sockets Firecracker bound (umask modes): the node's alone, as every run file.
+      for (const sock of [l.sock, join(l.hostDir, VSOCK_NAME)]) if (existsSync(sock)) await chmod(sock, RUN_FILE_MODE);
     } catch (e) {
       await vm.stop().catch(() => {});
       throw e;
@@ -1307,18 +1362,19 @@ export class FirecrackerDriver implements VmmDriver {
       throw new VmmError("BadState", `the VM of ${runDir} does not answer on its API socket: ${(e as Error).message}`);
     });
     const launch = rec.launch ?? { argv: [], sock: rec.socketPath, hostDir: rec.spec.runDir };
-    return new FirecrackerVm(rec.spec, proc, api, rec.consoleLog, { opts: this.opts, launch, memBase: rec.memBase ?? null, memImage: rec.memImage ?? null }, info?.state === "Paused" ? "paused" : "running");
+    return new FirecrackerVm(rec.spec, proc, api, rec.consoleLog, { opts: await this.options(), launch, memBase: rec.memBase ?? null, memImage: rec.memImage ?? null }, info?.state === "Paused" ? "paused" : "running");
   }
 
   async boot(spec: VmSpec): Promise<Vmm> {
     // Absolute paths: Firecracker's working directory is the VM's run directory.
     spec = { ...spec, runDir: resolve(spec.runDir), kernel: spec.kernel && resolve(spec.kernel), ...(spec.initrd ? { initrd: resolve(spec.initrd) } : {}) };
     // Every check before any process: the id (it also names the jail) and the whole request sequence.
-    const l = launchPlan(spec, this.opts);
-    bootRequests(spec, this.opts);
-    const reqs = bootRequests(spec, this.opts, await this.capabilities());
-    await this.prepare(spec, l, true);
-    return this.run(spec, l, null, async (vm) => {
+    const o = await this.options();
+    const l = launchPlan(spec, o);
+    bootRequests(spec, o);
+    const reqs = bootRequests(spec, o, await this.capabilities());
+    await this.prepare(spec, l, true, o);
+    return this.run(spec, l, o, null, async (vm) => {
       for (const r of reqs) await vm.api.send(r);
     });
   }
@@ -1358,10 +1414,11 @@ export class FirecrackerDriver implements VmmDriver {
       metadata: r.metadata ?? old.metadata,
       netRateLimit: r.netRateLimit ?? old.netRateLimit,
     };
-    const l = launchPlan(spec, this.opts);
-    const reqsFor = (files: { statePath: string; memPath: string }) => restoreRequests(snap, spec, r, files, this.opts);
+    const o = await this.options();
+    const l = launchPlan(spec, o);
+    const reqsFor = (files: { statePath: string; memPath: string }) => restoreRequests(snap, spec, r, files, o);
     reqsFor({ statePath, memPath: memory });
-    await this.prepare(spec, l, false);
+    await this.prepare(spec, l, false, o);
     let files = { statePath, memPath: memory };
     try {
       if (l.jailDir) files = await stageSnapshotInJail(l, statePath, memory);
@@ -1370,7 +1427,7 @@ export class FirecrackerDriver implements VmmDriver {
       throw e;
     }
     const reqs = reqsFor(files);
-    return this.run(spec, l, memory, async (vm) => {
+    return this.run(spec, l, o, memory, async (vm) => {
       for (const q of reqs) await vm.api.send(q, q.path === "/snapshot/load" ? SNAPSHOT_LOAD_TIMEOUT_MS : undefined);
     }, r.memImage ? memory : null);
   }

@@ -3,13 +3,17 @@
 // RAM file itself; a restore maps that file private (copy-on-write) and loads the device state.
 // KVM when it is usable, TCG otherwise (docs/vmm.md).
 
-import { accessSync, constants, existsSync, readFileSync } from "node:fs";
-import { link, mkdir, rm, stat } from "node:fs/promises";
+import { accessSync, closeSync, constants, existsSync, openSync, readFileSync } from "node:fs";
+import { chmod, link, mkdir, open, readFile, rm, stat, writeFile } from "node:fs/promises";
 import { dirname, join, resolve } from "node:path";
-import { QmpClient } from "./qmp.ts";
+import { QmpClient, QmpFdSession } from "./qmp.ts";
 import { readAdoptRecord, writeAdoptRecord } from "./adopt.ts";
+import { BoundedLogFile, CONSOLE_RING_BYTES, ConsoleDrain, RingbufConsole } from "./console.ts";
+import { checkBootFiles } from "./snapshot_paths.ts";
+import { canDropPrivileges, ensureSystemUser, VMM_USER } from "./vmm_user.ts";
 import {
   type BalloonInfo,
+  type DriveSpec,
   type NetSpec,
   type RestoreSpec,
   type SnapshotInfo,
@@ -21,6 +25,8 @@ import {
   type VmmProcess,
   VmmError,
   VmProcess,
+  RUN_FILE_MODE,
+  makeRunDir,
   netnsArgv,
   niceAutogroup,
   writeSnapshot,
@@ -41,6 +47,16 @@ export interface QemuOptions {
   startTimeoutMs?: number;
   /** CPU niceness of the VMM process, its vCPU threads and its scheduler group (0..19; the node passes its vmm_nice setting). */
   nice?: number;
+  /**
+   * Directories a restored snapshot's kernel and initrd must be in (the node's guest cache), since a
+   * snapshot may come from a shared store; absent: not checked.
+   */
+  bootDirs?: string[];
+  /**
+   * The user QEMU switches to once it has opened its files (`-runas`): by default VMM_USER,
+   * created when missing, when the node runs as root; null: QEMU stays the node's user.
+   */
+  runAs?: string | null;
 }
 
 /** How the RAM of one QEMU is backed. */
@@ -56,14 +72,51 @@ export interface QemuLaunch {
   accel: Accel;
   ram: RamBacking;
   qmpSocket: string;
+  /** A second QMP monitor, for the commands that carry a descriptor (SCM_RIGHTS: `add-fd`). */
+  fdMonitor: string;
+  /** The console file the node drains QEMU's console ring into (console.ts). */
   consoleLog: string;
   pidFile: string;
-  /** Start waiting for a migration stream (restore) instead of booting. */
+  /** Start waiting for a migration stream (restore) on descriptor INCOMING_FD instead of booting. */
   incoming?: boolean;
   tscKhz?: number;
+  /** `-runas`: the unprivileged user QEMU switches to once its files are open. */
+  runAs?: string;
 }
 
 const MiB = 1 << 20;
+/** The ringbuf chardev that holds the guest's serial console (console.ts drains it). */
+const CONSOLE_DEVICE = "console";
+/** A restore's QEMU gets the snapshot's device state open as this descriptor (`migrate-incoming fd:3`). */
+const INCOMING_FD = 3;
+/** Drive descriptors follow it in QEMU's table (driveDescriptors). */
+const DRIVE_FD_BASE = 4;
+
+/**
+ * The descriptors QEMU gets for its drives, opened by the node: drive i is fdset i+1 (`-add-fd`,
+ * `file=/dev/fdset/<i+1>`), holding a read-only descriptor and, for a writable drive, a
+ * read-write one. Under -runas QEMU cannot open the node's device paths, and a restore's QEMU
+ * reopens its drives when the loaded VM is activated: it takes a duplicate from the set instead.
+ */
+export function driveDescriptors(drives: readonly DriveSpec[]): { drive: number; fdset: number; fd: number; write: boolean }[] {
+  const out: { drive: number; fdset: number; fd: number; write: boolean }[] = [];
+  drives.forEach((d, i) => {
+    for (const write of d.readOnly ? [false] : [false, true]) out.push({ drive: i, fdset: i + 1, fd: DRIVE_FD_BASE + out.length, write });
+  });
+  return out;
+}
+/** A device-state stream is read whole: past 16 MiB it is refused (a microvm's is ~70 KB). */
+export const DEVICE_STATE_MAX_BYTES = 16 * MiB;
+
+/**
+ * `-sandbox` (seccomp): obsolete system calls, spawning processes and resource control denied.
+ * elevateprivileges=deny only without -runas: QEMU 7.2 installs the filter before its own -runas
+ * setuid, which deny (and children) kill with SIGSYS; once -runas has run no uid is 0 and no
+ * capability is left, so a setuid back fails anyway, and the filter sets no_new_privs.
+ */
+export function sandboxOption(runAs: string | undefined): string {
+  return `on,obsolete=deny,elevateprivileges=${runAs ? "allow" : "deny"},spawn=deny,resourcecontrol=deny`;
+}
 
 /** QEMU option values separate fields with commas; a literal comma is doubled. */
 export function qemuOptValue(v: string): string {
@@ -119,10 +172,11 @@ export function qemuArgs(l: QemuLaunch): string[] {
   ];
   if (spec.initrd) args.push("-initrd", qemuOptValue(spec.initrd));
   args.push("-append", effectiveCmdline(spec.cmdline, l.accel, l.tscKhz));
+  for (const f of driveDescriptors(spec.drives)) args.push("-add-fd", `fd=${f.fd},set=${f.fdset}`);
   spec.drives.forEach((d, i) => {
     // Device order is guest order: drive 0 is /dev/vda. No O_DIRECT: blockd's FUSE files are direct already.
     args.push(
-      "-drive", `id=d${i},file=${qemuOptValue(d.path)},format=raw,if=none,cache=writeback,aio=threads${d.readOnly ? ",readonly=on" : ""}`,
+      "-drive", `id=d${i},file=/dev/fdset/${i + 1},format=raw,if=none,cache=writeback,aio=threads${d.readOnly ? ",readonly=on" : ""}`,
       "-device", `virtio-blk-device,drive=d${i}`,
     );
   });
@@ -130,10 +184,18 @@ export function qemuArgs(l: QemuLaunch): string[] {
   // Free pages the guest reports go back to the host (2 MiB at a time, a few seconds after they are freed).
   if (spec.balloon) args.push("-device", "virtio-balloon-device,deflate-on-oom=on,free-page-reporting=on");
   args.push(
-    "-serial", `file:${l.consoleLog}`,
-    "-qmp", `unix:${l.qmpSocket},server=on,wait=off`,
+    // The console stays in QEMU's memory (CONSOLE_RING_BYTES, oldest bytes dropped first) until the node drains it.
+    "-chardev", `ringbuf,id=${CONSOLE_DEVICE},size=${CONSOLE_RING_BYTES}`,
+    "-serial", `chardev:${CONSOLE_DEVICE}`,
+    "-qmp", `unix:${qemuOptValue(l.qmpSocket)},server=on,wait=off`,
+    "-qmp", `unix:${qemuOptValue(l.fdMonitor)},server=on,wait=off`,
     "-pidfile", l.pidFile,
+    "-sandbox", sandboxOption(l.runAs),
   );
+  if (l.runAs) {
+    if (!/^[a-z_][a-z0-9_-]{0,31}$/.test(l.runAs)) throw new VmmError("BadSpec", `bad -runas user ${JSON.stringify(l.runAs)}`);
+    args.push("-runas", l.runAs);
+  }
   if (l.incoming) args.push("-incoming", "defer");
   return args;
 }
@@ -176,10 +238,6 @@ export function qemuBinary(opts: QemuOptions = {}): string {
   return opts.binary ?? "qemu-system-x86_64";
 }
 
-function shellQuote(s: string): string {
-  return `'${s.replaceAll("'", `'\\''`)}'`;
-}
-
 /** A RAM copy's time limit: cp moves well over 100 MiB/s even on a loaded disk, so 2 min is ≥ 12 GiB. */
 export const COPY_TIMEOUT_MS = 120_000;
 
@@ -200,6 +258,7 @@ export async function sparseCopy(from: string, to: string, timeoutMs = COPY_TIME
 
 class QemuVm extends VmProcess implements Vmm {
   readonly kind = "qemu" as const;
+  private readonly console: ConsoleDrain;
 
   constructor(
     spec: VmSpec,
@@ -212,10 +271,15 @@ class QemuVm extends VmProcess implements Vmm {
   ) {
     super(spec, proc);
     this._state = state;
+    this.console = new ConsoleDrain(new RingbufConsole(qmp, CONSOLE_DEVICE), new BoundedLogFile(launch.consoleLog)).start();
   }
 
   get consoleLog(): string {
     return this.launch.consoleLog;
+  }
+
+  syncConsole(): Promise<void> {
+    return this.console.drain();
   }
   /** The QMP connection, for callers that need a command this interface does not cover. */
   get monitor(): QmpClient {
@@ -242,17 +306,8 @@ class QemuVm extends VmProcess implements Vmm {
     if (this._state === "running") await this.pause();
     const sharedRam = this.launch.ram.share;
     if (!sharedRam) return this.deltaSnapshot(dir, statePath, opts);
-    // The 7.2 default of 128 MiB/s would throttle a stream that carries RAM.
-    await this.qmp.execute("migrate-set-parameters", { "max-bandwidth": 100 * 1024 * MiB });
-    await this.qmp.execute("migrate-set-capabilities", { capabilities: [{ capability: "x-ignore-shared", state: sharedRam }] });
-    // QEMU 7.2 has no file: URI; exec: runs the command through /bin/sh.
-    await this.qmp.execute("migrate", { uri: `exec:cat > ${shellQuote(statePath)}` });
-    for (;;) {
-      const m = await this.qmp.execute<{ status: string; "error-desc"?: string }>("query-migrate");
-      if (m.status === "completed") break;
-      if (m.status === "failed" || m.status === "cancelled") throw new VmmError("Protocol", `snapshot of ${this.id} ${m.status}: ${m["error-desc"] ?? ""}`);
-      await Bun.sleep(2);
-    }
+    // Device state only: the RAM is the shared file, taken over or copied below.
+    await this.saveDeviceState(statePath);
     let memPath: string | undefined;
     if (sharedRam) {
       memPath = join(dir, "mem");
@@ -265,7 +320,7 @@ class QemuVm extends VmProcess implements Vmm {
         } catch {
           await sparseCopy(this.launch.ram.path, memPath);
         }
-        this._state = "snapshotted";
+        await this.markSnapshotted();
       }
     }
     const info: SnapshotInfo = {
@@ -275,10 +330,57 @@ class QemuVm extends VmProcess implements Vmm {
       memPath,
       spec: this.spec,
       createdAt: new Date().toISOString(),
-      extra: { ignoreShared: sharedRam, accel: this.launch.accel, tscKhz: this.launch.tscKhz },
+      extra: { ignoreShared: false, accel: this.launch.accel, tscKhz: this.launch.tscKhz },
     };
     await writeSnapshot(info);
     return info;
+  }
+
+  /**
+   * The device state (no RAM section: `xen-save-devices-state`) into `statePath` as a stream a
+   * restore loads (deviceOnlyStream). QEMU gets the file as a descriptor over the fd monitor
+   * (`add-fd`, then `/dev/fdset/<id>`): under -runas it cannot open the node's files, and under
+   * -sandbox spawn=deny it cannot run a migration's `exec:` command.
+   */
+  private async saveDeviceState(statePath: string): Promise<void> {
+    const devices = `${statePath}.devices`;
+    await rm(devices, { force: true });
+    const file = await open(devices, "w", RUN_FILE_MODE);
+    try {
+      // A QEMU launched without an fd monitor runs as the node's user, unconfined: it opens the file itself.
+      if (!this.launch.fdMonitor) await this.qmp.execute("xen-save-devices-state", { filename: devices, live: false });
+      else await this.saveThroughFdMonitor(file.fd);
+    } finally {
+      await file.close();
+    }
+    try {
+      const bytes = (await stat(devices)).size;
+      if (bytes > DEVICE_STATE_MAX_BYTES) throw new VmmError("Protocol", `VM ${this.id} wrote ${bytes} bytes of device state, more than ${DEVICE_STATE_MAX_BYTES}`);
+      await writeFile(statePath, deviceOnlyStream(new Uint8Array(await readFile(devices))), { mode: RUN_FILE_MODE });
+    } finally {
+      await rm(devices, { force: true });
+    }
+  }
+
+  /** `xen-save-devices-state` into descriptor `fd`, handed over on the fd monitor as a new fdset (removed again after). */
+  private async saveThroughFdMonitor(fd: number): Promise<void> {
+    const session = await QmpFdSession.open(this.launch.fdMonitor);
+    try {
+      const { "fdset-id": fdset } = await session.execute<{ "fdset-id": number }>("add-fd", {}, fd);
+      try {
+        await session.execute("xen-save-devices-state", { filename: `/dev/fdset/${fdset}`, live: false });
+      } finally {
+        await session.execute("remove-fd", { "fdset-id": fdset }).catch(() => {});
+      }
+    } finally {
+      session.close();
+    }
+  }
+
+  /** Never to run again (its memory is a snapshot's now): recorded, so a node that adopts it knows too. */
+  private async markSnapshotted(): Promise<void> {
+    this._state = "snapshotted";
+    await writeAdoptRecord<QemuAdoptRecord>(this.spec.runDir, this.pid, { launch: this.launch, ownsRam: this.ownsRam, snapshotted: true });
   }
 
   /**
@@ -294,12 +396,9 @@ class QemuVm extends VmProcess implements Vmm {
     const { runs, dirty } = await dirtyRuns(this.pid, map.address, size / PAGE_SIZE);
     const pagesFile = join(dir, "mem.pages");
     await Bun.write(pagesFile, runs);
-    const devices = join(dir, "devices.tmp");
-    await this.qmp.execute("xen-save-devices-state", { filename: devices, live: false });
-    await Bun.write(statePath, deviceOnlyStream(new Uint8Array(await Bun.file(devices).arrayBuffer())));
-    await rm(devices, { force: true });
+    await this.saveDeviceState(statePath);
     // Not resumable: the pages are the caller's to take, and running on would change them.
-    if (!opts.resumable) this._state = "snapshotted";
+    if (!opts.resumable) await this.markSnapshotted();
     const info: SnapshotInfo = {
       vmm: "qemu",
       dir,
@@ -325,6 +424,7 @@ class QemuVm extends VmProcess implements Vmm {
   }
 
   async stop(): Promise<void> {
+    await this.console.stop();
     if (this.running) {
       try {
         await withTimeout(this.qmp.execute("quit"), 2000, "quit");
@@ -339,6 +439,7 @@ class QemuVm extends VmProcess implements Vmm {
     this.qmp.close();
     this._state = "stopped";
     await rm(this.launch.qmpSocket, { force: true });
+    await rm(this.launch.fdMonitor, { force: true });
     await rm(this.launch.pidFile, { force: true });
     if (this.ownsRam) await rm(this.launch.ram.path, { force: true });
   }
@@ -356,27 +457,56 @@ export class QemuDriver implements VmmDriver {
     this.tscKhz = opts.tscKhz === 0 ? undefined : (opts.tscKhz ?? hostTscKhz());
   }
 
+  private runAs: Promise<string | undefined> | undefined;
+  /** The user for -runas (made when missing, once per driver), or undefined: QEMU keeps the node's user. */
+  private vmmUser(): Promise<string | undefined> {
+    const want = this.opts.runAs === undefined ? (canDropPrivileges() ? VMM_USER : null) : this.opts.runAs;
+    this.runAs ??= want === null ? Promise.resolve(undefined) : ensureSystemUser(want).then((u) => u.name);
+    this.runAs.catch(() => (this.runAs = undefined));
+    return this.runAs;
+  }
+
   private paths(runDir: string) {
     return {
       qmpSocket: join(runDir, "qmp.sock"),
+      fdMonitor: join(runDir, "qmp-fd.sock"),
       consoleLog: join(runDir, "console.log"),
       pidFile: join(runDir, "qemu.pid"),
       qemuLog: join(runDir, "qemu.log"),
     };
   }
 
-  /** Spawn QEMU and connect to QMP; a QEMU that dies first is reported with its stderr. */
-  private async start(launch: QemuLaunch, qemuLog: string): Promise<{ proc: ReturnType<typeof Bun.spawn>; qmp: QmpClient }> {
+  /**
+   * Spawn QEMU and connect to QMP; a QEMU that dies first is reported with its stderr. A restore's
+   * device state (`incomingState`) is QEMU's descriptor INCOMING_FD.
+   */
+  private async start(launch: QemuLaunch, qemuLog: string, incomingState?: string): Promise<{ proc: ReturnType<typeof Bun.spawn>; qmp: QmpClient }> {
     const argv = netnsArgv(launch.spec.netnsPath, [this.binary, ...qemuArgs(launch)], this.opts.nice);
-    await rm(launch.qmpSocket, { force: true });
-    await Bun.write(join(dirname(qemuLog), "qemu.argv"), JSON.stringify(argv));
-    const log = Bun.file(qemuLog);
+    for (const sock of [launch.qmpSocket, launch.fdMonitor]) await rm(sock, { force: true });
+    await writeFile(join(dirname(qemuLog), "qemu.argv"), JSON.stringify(argv), { mode: RUN_FILE_MODE });
+    await new BoundedLogFile(launch.consoleLog).create();
+    const fds: number[] = [];
     let proc: ReturnType<typeof Bun.spawn>;
     try {
+      const log = openSync(qemuLog, "w", RUN_FILE_MODE);
+      fds.push(log);
+      const stdio: (number | "ignore")[] = ["ignore", log, log, "ignore"];
+      if (incomingState !== undefined) {
+        const state = openSync(incomingState, "r");
+        fds.push(state);
+        stdio[INCOMING_FD] = state;
+      }
+      for (const f of driveDescriptors(launch.spec.drives)) {
+        const fd = openSync(launch.spec.drives[f.drive]!.path, f.write ? "r+" : "r");
+        fds.push(fd);
+        stdio[f.fd] = fd;
+      }
       // Detached with its output in a file: a VM outlives the node process that started it.
-      proc = Bun.spawn(argv, { stdin: "ignore", stdout: log, stderr: log, detached: true });
+      proc = Bun.spawn(argv, { stdio: stdio as ["ignore", number, number], detached: true });
     } catch (e) {
       throw new VmmError("StartFailed", `cannot run ${this.binary}: ${(e as Error).message}`);
+    } finally {
+      for (const fd of fds) closeSync(fd);
     }
     proc.unref();
     await niceAutogroup(proc.pid, this.opts.nice ?? 0);
@@ -397,6 +527,7 @@ export class QemuDriver implements VmmDriver {
     try {
       // QEMU greets only once its main loop runs, i.e. after every device and backend came up.
       const qmp = await QmpClient.connect(launch.qmpSocket, Math.max(1000, until - Date.now()));
+      for (const sock of [launch.qmpSocket, launch.fdMonitor]) await chmod(sock, RUN_FILE_MODE);
       return { proc, qmp };
     } catch (e) {
       await Bun.sleep(20); // let a dying QEMU finish writing its error
@@ -404,15 +535,22 @@ export class QemuDriver implements VmmDriver {
     }
   }
 
+  /** A fresh RAM file, 0600 (QEMU would make it 0644): a fresh VM starts from zeroed memory. */
+  private async freshRamFile(path: string): Promise<void> {
+    await mkdir(dirname(path), { recursive: true });
+    await rm(path, { force: true });
+    await writeFile(path, "", { mode: RUN_FILE_MODE });
+  }
+
   async boot(spec: VmSpec): Promise<Vmm> {
     spec = { ...spec, runDir: resolve(spec.runDir) };
     checkSpec(spec);
-    await mkdir(spec.runDir, { recursive: true });
+    const runAs = await this.vmmUser();
+    await makeRunDir(spec.runDir);
     const p = this.paths(spec.runDir);
     const ram = { path: resolve(spec.memFile ?? join(spec.runDir, "ram")), share: true };
-    await mkdir(dirname(ram.path), { recursive: true });
-    await rm(ram.path, { force: true }); // a fresh VM starts from zeroed memory
-    const launch: QemuLaunch = { spec, accel: this.accel, ram, ...p, tscKhz: this.tscKhz };
+    await this.freshRamFile(ram.path);
+    const launch: QemuLaunch = { spec, accel: this.accel, ram, ...p, tscKhz: this.tscKhz, runAs };
     const { proc, qmp } = await this.start(launch, p.qemuLog);
     await writeAdoptRecord<QemuAdoptRecord>(spec.runDir, proc.pid, { launch, ownsRam: true });
     return new QemuVm(spec, proc, qmp, launch, true);
@@ -427,12 +565,19 @@ export class QemuDriver implements VmmDriver {
       throw new VmmError("BadState", `the VM of ${runDir} does not answer on QMP: ${(e as Error).message}`);
     }
     const st = await qmp.execute<{ status: string }>("query-status");
-    const state: VmState = st.status === "running" ? "running" : st.status === "postmigrate" ? "snapshotted" : "paused";
+    const state: VmState = rec.snapshotted || st.status === "postmigrate" ? "snapshotted" : st.status === "running" ? "running" : "paused";
     return new QemuVm(rec.launch.spec, proc, qmp, rec.launch, rec.ownsRam, state);
   }
 
   async restore(snap: SnapshotInfo, r: RestoreSpec): Promise<Vmm> {
     if (snap.vmm !== "qemu") throw new VmmError("BadSpec", `a ${snap.vmm} snapshot cannot be restored by QEMU`);
+    if (this.opts.bootDirs) {
+      try {
+        checkBootFiles(snap.spec, this.opts.bootDirs);
+      } catch (e) {
+        throw new VmmError("BadSpec", (e as Error).message);
+      }
+    }
     const old = snap.spec;
     if (r.drives.length !== old.drives.length || r.drives.some((d, i) => !!d.readOnly !== !!old.drives[i]!.readOnly))
       throw new VmmError("BadSpec", `restore needs ${old.drives.length} drives with the snapshot's read-only flags`);
@@ -440,11 +585,13 @@ export class QemuDriver implements VmmDriver {
     // The netdev backend is part of the migration stream; a different kind fails to load.
     if (kindOf(r.net) !== kindOf(old.net)) throw new VmmError("BadSpec", `restore needs a ${kindOf(old.net)} network like the snapshot`);
     const spec: VmSpec = { ...old, id: r.id, runDir: resolve(r.runDir), drives: r.drives, net: r.net, memFile: r.memFile, netnsPath: r.netnsPath };
-    await mkdir(spec.runDir, { recursive: true });
+    const runAs = await this.vmmUser();
+    await makeRunDir(spec.runDir);
     const p = this.paths(spec.runDir);
     const ignoreShared = snap.extra?.ignoreShared === true;
     let ram: RamBacking;
     if (snap.memoryImage && !r.memImage) throw new VmmError("BadSpec", `snapshot ${snap.dir} keeps its memory in layers: restore needs memImage`);
+    if (!existsSync(snap.statePath)) throw new VmmError("BadSpec", `no snapshot state at ${snap.statePath}`);
     // A memory image of another size, or a stream in another accelerator's terms, fails QEMU half-way: refuse first.
     const memory = r.memImage ?? snap.memPath;
     if (memory !== undefined) {
@@ -464,18 +611,18 @@ export class QemuDriver implements VmmDriver {
     else {
       // RAM comes in the stream: load it into a shared file of our own, so our next snapshot is cheap.
       ram = { path: resolve(r.memFile ?? join(spec.runDir, "ram")), share: true };
-      await rm(ram.path, { force: true });
+      await this.freshRamFile(ram.path);
     }
     // The accelerator and TSC must match the source: the stream holds CPU state in its terms.
     const accel = snapAccel ?? this.accel;
     const tscKhz = (snap.extra?.tscKhz as number | undefined) ?? this.tscKhz;
-    const launch: QemuLaunch = { spec, accel, ram, ...p, incoming: true, tscKhz };
-    const { proc, qmp } = await this.start(launch, p.qemuLog);
+    const launch: QemuLaunch = { spec, accel, ram, ...p, incoming: true, tscKhz, runAs };
+    const { proc, qmp } = await this.start(launch, p.qemuLog, snap.statePath);
     await writeAdoptRecord<QemuAdoptRecord>(spec.runDir, proc.pid, { launch, ownsRam: ram.share });
     const vm = new QemuVm(spec, proc, qmp, launch, ram.share);
     try {
       await qmp.execute("migrate-set-capabilities", { capabilities: [{ capability: "x-ignore-shared", state: ignoreShared }] });
-      await qmp.execute("migrate-incoming", { uri: `exec:cat ${shellQuote(snap.statePath)}` });
+      await qmp.execute("migrate-incoming", { uri: `fd:${INCOMING_FD}` });
       for (;;) {
         const s = await qmp.execute<{ status: string }>("query-status");
         if (s.status === "running") break;
@@ -534,6 +681,8 @@ export function deviceOnlyStream(saved: Uint8Array): Uint8Array {
 interface QemuAdoptRecord {
   launch: QemuLaunch;
   ownsRam: boolean;
+  /** Its memory became a snapshot's: it may only be stopped. */
+  snapshotted?: boolean;
 }
 const ADOPT_QMP_TIMEOUT_MS = 5000;
 

@@ -2,7 +2,7 @@
 // restore, stop, balloon. The orchestrator only sees these types; qemu.ts and firecracker.ts
 // translate them to their VMM's command line and API.
 
-import { writeFile } from "node:fs/promises";
+import { chmod, mkdir, writeFile } from "node:fs/promises";
 
 export type VmmKind = "qemu" | "firecracker";
 
@@ -158,8 +158,10 @@ export interface Vmm {
   readonly pid: number;
   readonly spec: VmSpec;
   readonly state: VmState;
-  /** The guest's serial console, appended to while the VM runs. */
+  /** The guest's serial console: its last CONSOLE_LOG_MAX_BYTES (1 MiB), drained from the VMM while the VM runs (console.ts). */
   readonly consoleLog: string;
+  /** Drains what the VMM holds of the console into `consoleLog` now (the timer does it within a second). */
+  syncConsole(): Promise<void>;
   pause(): Promise<void>;
   resume(): Promise<void>;
   /** Pause (if running), write device state and memory into dir, leave the VM paused. */
@@ -269,6 +271,16 @@ export abstract class VmProcess {
   protected get running(): boolean {
     return this.proc.exitCode === null && !this.proc.killed;
   }
+}
+
+/** A VM's run directory is the node's alone: 0700, and every file the node or its VMM makes there 0600. */
+export const RUN_DIR_MODE = 0o700;
+export const RUN_FILE_MODE = 0o600;
+
+/** Makes `dir` (and missing parents) and sets it to RUN_DIR_MODE, also when it was there already. */
+export async function makeRunDir(dir: string): Promise<void> {
+  await mkdir(dir, { recursive: true, mode: RUN_DIR_MODE });
+  await chmod(dir, RUN_DIR_MODE);
 }
 
 /** Reads snapshot.json from a snapshot directory. */

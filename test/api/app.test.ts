@@ -44,6 +44,21 @@ describe("API basics", () => {
     expect((await post({ authorization: `Bearer ${KEY}` })).status).toBe(200);
   });
 
+  test("the key is checked before the body: without it any body is 401, never 400, 413 or 415 with schema detail", async () => {
+    const post = (body: string, h: Record<string, string> = { "content-type": "application/json" }) => fetch(base + "/echo", { method: "POST", headers: h, body });
+    for (const r of [
+      await post('{"n":"x"}'),
+      await post("{bad"),
+      await post("[1]"),
+      await post(JSON.stringify({ n: 1, pad: "x".repeat(5000) })),
+      await post("n=1", { "content-type": "application/x-www-form-urlencoded" }),
+      await post('{"n":"x"}', { "content-type": "application/json", "x-api-key": "e2b_wrong" }),
+    ]) {
+      const { status, body } = await json(r);
+      expect({ status, body }).toEqual({ status: 401, body: { code: 401, message: expect.stringContaining("API key") } });
+    }
+  });
+
   test("bad input: malformed JSON, wrong types, oversized (also chunked), wrong content type → 4xx {code, message}", async () => {
     const post = (body: string | ReadableStream<Uint8Array>, h: Record<string, string> = { "content-type": "application/json" }) =>
       fetch(base + "/echo", { method: "POST", headers: { ...auth, ...h }, body });

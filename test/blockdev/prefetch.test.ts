@@ -7,6 +7,7 @@ import { readFileSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { decodeTrace, encodeTrace } from "../../src/storage/trace_file.ts";
 import { failure, fuseTest, haveFuse, startBlockd, until } from "./harness.ts";
+import { withTimeout } from "../../src/vmm/wait.ts";
 import { preadDevice, remoteLayer, type RemoteLayerFixture } from "../helpers/remote_layer.ts";
 
 const KiB = 1024;
@@ -129,20 +130,26 @@ describe.skipIf(!haveFuse)("prefetch traces", async () => {
   });
 
   test(fuseTest("the guest's reads do not wait behind prefetch, and read the right bytes"), async () => {
-    // 48 MiB of trace against a slow origin: prefetch needs ~48/4 answers' time.
+    // 48 MiB of trace; the origin holds every range starting below 52 MiB of the layer file (the
+    // trace's chunks; runs are at most 8 MiB, so none of them reaches the read at 60 MiB).
     const out = join(dir, "long.trace");
     writeFileSync(out, encodeTrace({ size: layer.data.length, granule: G, entries: Uint32Array.from({ length: 48 * 16 }, (_, i) => i) }));
     const d = await device();
-    layer.origin.delayMs = 100;
+    layer.origin.hold = (start) => start < 52 * MiB;
     try {
       await client.call("prefetch", { id: d.id, trace: out });
-      await Bun.sleep(20);
-      // Beyond the trace (60 MiB): one origin answer, not the ~1.2 s the prefetch queue holds.
-      const t0 = performance.now();
-      const got = await preadDevice(d.path, 60 * MiB, 64 * KiB);
-      const ms = performance.now() - t0;
+      await until(() => layer.origin.held > 0, "prefetch's reads to reach the origin");
+      // Beyond the trace (60 MiB): answered while prefetch's reads are still held at the origin.
+      const got = await withTimeout(preadDevice(d.path, 60 * MiB, 64 * KiB), 20_000, "a read beyond the trace while prefetch's reads are held");
       expect(same(got, 60 * MiB)).toBe(true);
-      expect(ms).toBeLessThan(700);
+      expect(layer.origin.held).toBeGreaterThan(0);
+      expect((await stats(d.id)).prefetchActive).toBe(1);
+    } finally {
+      layer.origin.hold = undefined;
+      layer.origin.releaseHeld();
+    }
+    layer.origin.delayMs = 100;
+    try {
       // Reads inside the trace, while prefetch runs, are right too.
       for (const at of [MiB + 4096, 20 * MiB, 47 * MiB]) expect(same(await preadDevice(d.path, at, 128 * KiB), at)).toBe(true);
       // The prefetch ends without errors (whether it skipped what the guest read first depends on
@@ -163,5 +170,5 @@ describe.skipIf(!haveFuse)("prefetch traces", async () => {
       layer.origin.delayMs = 0;
     }
     await client.call("delete", { id: d.id });
-  });
+  }, 120_000);
 });

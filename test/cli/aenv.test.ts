@@ -96,7 +96,8 @@ describe("aenv without a node", () => {
 describe.skipIf(!!skip)("aenv against bun run node", () => {
   if (skip) return void test.skip(skip!, () => {});
   // The node generates its key (no AENV_API_KEY): the CLI finds it through AENV_HOME as a local user would.
-  const setup = nodeSetup("acl", 221, "", { AENV_API_KEY: "" });
+  // The registry of the build verbs starts after the node, on a port the node cannot know: every port of loopback is listed.
+  const setup = nodeSetup("acl", 221, "", { AENV_API_KEY: "", AENV_INSECURE_REGISTRIES: "127.0.0.1" });
   let node: NodeProc;
   let key = "";
   /** The CLI on this machine next to the node: AENV_HOME tells it where the node's key is. */
@@ -342,7 +343,7 @@ describe.skipIf(!!skip)("aenv against bun run node", () => {
     writeFileSync(join(root, "bin/bash"), '#!/bin/sh\nexec /bin/busybox sh "$@"\n');
     chmodSync(join(root, "bin/bash"), 0o755);
     image = `${registry!().reg.host}/cli/busybox:1`;
-    await pushImage(new RegistryClient({ dockerConfigPath: null }), image, { layers: [root], config: BUSYBOX_CONFIG });
+    await pushImage(new RegistryClient({ dockerConfigPath: null, insecureRegistries: [registry!().reg.host] }), image, { layers: [root], config: BUSYBOX_CONFIG });
     const name = `cli-pull-${setup.tag}`;
     const r = await ok(["pull", image, "--name", name]);
     expect(r.out).toMatch(/^pull done: 1\/1 layers \(0 cached\), [\d.]+\/[\d.]+ MiB, [\d.]+ MiB\/s$/m);
@@ -374,7 +375,7 @@ describe.skipIf(!!skip)("aenv against bun run node", () => {
     chmodSync(join(root, "bin/bash"), 0o755);
     const ref = `${registry!().reg.host}/cli/cmd:1`;
     const cmd = ['echo "ran with $FOO" > /tmp/image-cmd; exec sleep 100000'];
-    await pushImage(new RegistryClient({ dockerConfigPath: null }), ref, {
+    await pushImage(new RegistryClient({ dockerConfigPath: null, insecureRegistries: [registry!().reg.host] }), ref, {
       layers: [root], config: { ...BUSYBOX_CONFIG, Entrypoint: ["/bin/sh", "-c"], Cmd: cmd, ExposedPorts: { "8080/tcp": {} }, Labels: { "org.example.suite": "cli" } },
     });
     const name = `cli-cmd-${setup.tag}`;
@@ -403,7 +404,7 @@ describe.skipIf(!!skip)("aenv against bun run node", () => {
     chmodSync(join(root, "bin/bash"), 0o755);
     writeFileSync(join(root, "etc/obd"), "from the overlaybd layer\n");
     const ref = `${registry!().reg.host}/cli/obd:1`;
-    await pushOverlaybdImage(new RegistryClient({ dockerConfigPath: null }), ref, { layers: [await overlaybdLayerOf(root, join(work, "obd.layer"), 512)], config: BUSYBOX_CONFIG });
+    await pushOverlaybdImage(new RegistryClient({ dockerConfigPath: null, insecureRegistries: [registry!().reg.host] }), ref, { layers: [await overlaybdLayerOf(root, join(work, "obd.layer"), 512)], config: BUSYBOX_CONFIG });
     const name = `cli-obd-${setup.tag}`;
     await ok(["pull", ref, "--name", name]);
     expect((await templateRow(name)).diskSizeMB).toBe(512);

@@ -29,6 +29,7 @@ describe.skipIf(!!skip)("sandboxes from an OCI image (POST /sandboxes-cold)", ()
   };
 
   beforeAll(async () => {
+    setup.env.AENV_INSECURE_REGISTRIES = registry().insecure.join(",");
     node = await startNode(setup.env, FIRST_START_MS);
   }, FIRST_START_MS + 60_000);
   afterAll(() => stopNode(node, setup), 180_000);
@@ -40,7 +41,7 @@ describe.skipIf(!!skip)("sandboxes from an OCI image (POST /sandboxes-cold)", ()
     writeFileSync(join(root, "bin/bash"), '#!/bin/sh\nexec /bin/busybox sh "$@"\n');
     chmodSync(join(root, "bin/bash"), 0o755);
     const ref = `${reg.host}/cold/busybox:1`;
-    await pushImage(new RegistryClient({ dockerConfigPath: null }), ref, { layers: [root], config: BUSYBOX_CONFIG });
+    await pushImage(new RegistryClient({ dockerConfigPath: null, insecureRegistries: [reg.host] }), ref, { layers: [root], config: BUSYBOX_CONFIG });
 
     const [a, b] = await Promise.all([1, 2].map(() => api("/sandboxes-cold", { image: ref, timeout: 300, metadata: { via: "cold" } })));
     expect([a!.status, b!.status]).toEqual([201, 201]);

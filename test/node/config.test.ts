@@ -1,7 +1,7 @@
 import { describe, expect, test } from "bun:test";
 import { mkdirSync, readFileSync, statSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
-import { API_KEY_FORMAT, ConfigError, SETTINGS, loadConfig, resolveApiKey } from "../../src/node/config.ts";
+import { API_KEY_FORMAT, ConfigError, SETTINGS, loadConfig, resolveApiKey, s3Scopes } from "../../src/node/config.ts";
 import { scratchDir } from "../helpers/tmp.ts";
 
 const dir = scratchDir("config");
@@ -13,6 +13,7 @@ describe("node settings", () => {
     expect(c.host).toBe("0.0.0.0");
     expect(c.port).toBe(3000);
     expect(c.defaultTimeoutS).toBe(300);
+    expect(c.uploadUrlTtlS).toBe(3600);
     expect(c.vmm).toBe("auto");
     expect(c.snapshotStore).toBe(join(home, "snapshots"));
   });
@@ -96,5 +97,26 @@ describe("API key", () => {
     mkdirSync(join(home, "secrets"), { recursive: true });
     writeFileSync(join(home, "secrets/api-key"), "bad key with spaces\n");
     expect(() => resolveApiKey({ apiKey: "", home })).toThrow(/not an API key/);
+  });
+});
+
+describe("outbound and disk settings", () => {
+  test("insecure registries, blob and disk bounds, the disk reserve and S3 buckets: defaults, lists, malformed entries named", () => {
+    const home = join(dir, "h-bounds");
+    const c = loadConfig({ AENV_HOME: home });
+    expect([c.insecureRegistries, c.maxBlobMB, c.maxDiskSizeMB, c.diskReserveMB, c.s3Buckets]).toEqual([[], 10240, 65536, 2048, []]);
+    const t = loadConfig({ AENV_HOME: home, AENV_INSECURE_REGISTRIES: "127.0.0.1:5000, reg.lan ,[::1]:5001", AENV_S3_BUCKETS: "templates,team-bucket/a/b" });
+    expect(t.insecureRegistries).toEqual(["127.0.0.1:5000", "reg.lan", "[::1]:5001"]);
+    expect(t.s3Buckets).toEqual(["templates", "team-bucket/a/b"]);
+    expect(() => loadConfig({ AENV_HOME: home, AENV_INSECURE_REGISTRIES: "http://reg.lan" })).toThrow(/AENV_INSECURE_REGISTRIES=http:\/\/reg.lan: 'http:\/\/reg.lan' is not host or host:port/);
+    expect(() => loadConfig({ AENV_HOME: home, AENV_S3_BUCKETS: "ok-bucket,x/../y" })).toThrow(/'x\/..\/y' is not bucket or bucket\/prefix/);
+    expect(() => loadConfig({ AENV_HOME: home, AENV_MAX_DISK_SIZE_MB: "100" })).toThrow(/AENV_MAX_DISK_SIZE_MB=100/);
+  });
+
+  test("S3 scopes: s3_buckets, else the snapshot store's bucket when it is in S3, else none", () => {
+    const home = join(dir, "h-scopes");
+    expect(s3Scopes(loadConfig({ AENV_HOME: home }))).toEqual([]);
+    expect(s3Scopes(loadConfig({ AENV_HOME: home, AENV_SNAPSHOT_STORE: "s3://snaps/node1" }))).toEqual(["snaps"]);
+    expect(s3Scopes(loadConfig({ AENV_HOME: home, AENV_SNAPSHOT_STORE: "s3://snaps/node1", AENV_S3_BUCKETS: "images/team" }))).toEqual(["images/team"]);
   });
 });

@@ -37,7 +37,7 @@ describe.skipIf(!!skip)(skip ? `the node's image pulls (skipped: ${skip})` : "th
       const store = new SandboxStore(join(dir, "node.db"));
       const templates = new TemplateStore(store.db);
       const logs: string[] = [];
-      const { cache, source } = nodeImages({ dir: join(dir, "image-layers"), capacityMB: 64, templates, sandboxes: store, blockd, registry: { dockerConfigPath: null } });
+      const { cache, source } = nodeImages({ dir: join(dir, "image-layers"), capacityMB: 64, templates, sandboxes: store, blockd, registry: { dockerConfigPath: null, insecureRegistries: [reg.host] } });
       expect(cache.capacityBytes).toBe(64 * 2 ** 20);
       await cache.init();
       // Eight 8 MiB layers, oldest first: 64 MiB, above 90 % of 64 MiB.
@@ -64,7 +64,7 @@ describe.skipIf(!!skip)(skip ? `the node's image pulls (skipped: ${skip})` : "th
 
       const root = await busyboxRoot(join(dir, "root"));
       const config = { ...BUSYBOX_CONFIG, Entrypoint: ["/bin/sh", "-c"], ExposedPorts: { "8080/tcp": {} }, Labels: { "org.example.k": "v" } };
-      const img = await pushImage(new RegistryClient({ dockerConfigPath: null }), `${reg.host}/gc/busybox:1`, { layers: [root], config });
+      const img = await pushImage(new RegistryClient({ dockerConfigPath: null, insecureRegistries: [reg.host] }), `${reg.host}/gc/busybox:1`, { layers: [root], config });
       const pulled = await source.pull(img.ref, undefined, (m) => logs.push(m), new AbortController().signal);
 
       // 64 MiB → at most 70 % (44.8 MiB): 3, 4 and 5 go; 0, 1, 2 are referenced; 6 and 7 are newer.

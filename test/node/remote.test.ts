@@ -45,6 +45,7 @@ describe.skipIf(!!skip)("a template pushed by one node, started lazily by anothe
   let b: NodeProc;
 
   beforeAll(async () => {
+    for (const s of [setupA, setupB, setupC]) s.env.AENV_INSECURE_REGISTRIES = registry().insecure.join(",");
     setupA.env.AENV_P2P_ALLOW = await idOf(setupC.home);
     setupC.env.AENV_P2P_PEERS = `${await idOf(setupA.home)}@127.0.0.1:${p2pPort}`;
     // One after the other: each boots its base template once on 2 shared cores.
@@ -59,7 +60,7 @@ describe.skipIf(!!skip)("a template pushed by one node, started lazily by anothe
 
   test("A pushes its template as an overlaybd image; B starts sandboxes from it fetching fewer bytes than the layers, the second from its cache", async () => {
     const { reg } = registry();
-    const client = new RegistryClient({ dockerConfigPath: null });
+    const client = new RegistryClient({ dockerConfigPath: null, insecureRegistries: [reg.host] });
     const root = await busyboxRoot(join(scratchDir("remote-node-image"), "root"));
     writeFileSync(join(root, "bin/bash"), '#!/bin/sh\nexec /bin/busybox sh "$@"\n');
     chmodSync(join(root, "bin/bash"), 0o755);

@@ -47,7 +47,10 @@ describe.skipIf(!!skip)("a template pushed to S3 by one node, started lazily fro
 
   beforeAll(async () => {
     s3 = await startS3Server(join(dir, "s3"), 30_000, { buckets: [BUCKET], log });
-    const settings = { AENV_S3_ENDPOINT: s3.endpoint, AWS_REGION: "us-east-1", AWS_ACCESS_KEY_ID: "S3RVER", AWS_SECRET_ACCESS_KEY: "S3RVER" };
+    const settings = {
+      AENV_S3_ENDPOINT: s3.endpoint, AWS_REGION: "us-east-1", AWS_ACCESS_KEY_ID: "S3RVER", AWS_SECRET_ACCESS_KEY: "S3RVER",
+      AENV_S3_BUCKETS: BUCKET, AENV_INSECURE_REGISTRIES: registry().insecure.join(","),
+    };
     Object.assign(setupA.env, settings);
     Object.assign(setupB.env, settings);
     // One after the other: each boots its base template once on 2 shared cores.
@@ -70,7 +73,7 @@ describe.skipIf(!!skip)("a template pushed to S3 by one node, started lazily fro
     mkdirSync(join(root, "data"));
     writeFileSync(join(root, "data/filler"), randomBytes(FILLER_MIB * MiB));
     const image = `${reg.host}/remote/busybox:1`;
-    await pushImage(new RegistryClient({ dockerConfigPath: null }), image, { layers: [root], config: BUSYBOX_CONFIG, compression: "none" });
+    await pushImage(new RegistryClient({ dockerConfigPath: null, insecureRegistries: [reg.host] }), image, { layers: [root], config: BUSYBOX_CONFIG, compression: "none" });
 
     // A: a template of the image (pulled and converted, booted once), then pushed to S3.
     const made = await postJson(a, KEY_A, "/sandboxes-cold", { image });
@@ -90,11 +93,13 @@ describe.skipIf(!!skip)("a template pushed to S3 by one node, started lazily fro
     expect(again.code).toBe(0);
     expect(again.out).toBe(`${LOCATION}@${answer.manifestDigest}\n`);
     expect(again.err).toContain(": already there");
-    // Credentials in the request are refused for S3; a bucket that does not exist is a 404.
+    // Credentials in the request are refused for S3; a bucket outside AENV_S3_BUCKETS is a 403 {code, message}.
     const withCreds = await postJson(a, KEY_A, `/templates/${templateID}/push`, { ref: LOCATION, username: "u", password: "p" });
     expect(withCreds.status).toBe(400);
     expect(((await withCreds.json()) as { message: string }).message).toContain("node's S3 settings");
-    expect((await postJson(a, KEY_A, `/templates/${templateID}/push`, { ref: "s3://no-such-bucket/x" })).status).toBe(404);
+    const unlisted = await postJson(a, KEY_A, `/templates/${templateID}/push`, { ref: "s3://no-such-bucket/x" });
+    expect(unlisted.status).toBe(403);
+    expect(await unlisted.json()).toEqual({ code: 403, message: expect.stringContaining("s3_buckets") });
 
     const digests = answer.layers.map((l) => l.digest);
     const layerBytes = answer.layers.reduce((s, l) => s + l.size, 0);

@@ -22,7 +22,8 @@ const BUILD_MS = 10 * 60_000;
 
 describe.skipIf(!!skip)("template builds through the API with the e2b SDK", () => {
   if (skip) return void test.skip(skip!, () => {});
-  const setup = nodeSetup("tb", 217, KEY);
+  // The registry below starts after the node, on a port the node cannot know: every port of loopback is listed.
+  const setup = nodeSetup("tb", 217, KEY, { AENV_INSECURE_REGISTRIES: "127.0.0.1" });
   let node: NodeProc;
   const opts = () => ({ apiKey: KEY, apiUrl: node.base, sandboxUrl: node.base, requestTimeoutMs: 180_000 });
   const api = (path: string, init: RequestInit = {}) =>
@@ -194,8 +195,8 @@ describe.skipIf(!!skip)("template builds through the API with the e2b SDK", () =
     await expectError(await api(`/templates/${templateID}/builds/${buildID}x/status`), 404, "not found");
     await expectError(await api(`/templates/${templateID}/files/nothex`), 400, "hash");
     await expectError(await api(`/templates/nosuchtemplate/files/${"a".repeat(64)}`), 404, "not found");
-    // The upload URL is signed: a PUT without its signature is refused.
-    await expectError(await fetch(`${node.base}/templates/${templateID}/files/${"a".repeat(64)}?signature=bad`, { method: "PUT", body: "x" }), 401, "signature");
+    // The upload URL is signed and expires: a PUT without its signature and expiry is refused.
+    await expectError(await fetch(`${node.base}/templates/${templateID}/files/${"a".repeat(64)}?signature=bad`, { method: "PUT", body: "x" }), 403, "upload URL");
     // The build never started is still waiting.
     const st = (await (await api(`/templates/${templateID}/builds/${buildID}/status`)).json()) as { status: string };
     expect(st.status).toBe("waiting");
@@ -224,7 +225,7 @@ describe.skipIf(!!skip)("template builds through the API with the e2b SDK", () =
     writeFileSync(join(root, "bin/bash"), '#!/bin/sh\nexec /bin/busybox sh "$@"\n');
     chmodSync(join(root, "bin/bash"), 0o755);
     const ref = `${reg.host}/tb/busybox:1`;
-    await pushImage(new RegistryClient({ dockerConfigPath: null, credentials: { [reg.host]: USER } }), ref, { layers: [root], config: BUSYBOX_CONFIG });
+    await pushImage(new RegistryClient({ dockerConfigPath: null, credentials: { [reg.host]: USER }, insecureRegistries: [reg.host] }), ref, { layers: [root], config: BUSYBOX_CONFIG });
 
     const logs: LogEntry[] = [];
     const t = Template({ fileContextPath: ctx }).fromImage(ref, USER)
@@ -282,7 +283,7 @@ describe.skipIf(!!skip)("template builds through the API with the e2b SDK", () =
     const { reg } = registry!();
     const layer = await debianMinbaseLayer();
     const ref = `${reg.host}/tb/debian:bookworm`;
-    await pushLayerFiles(new RegistryClient({ dockerConfigPath: null, credentials: { [reg.host]: USER } }), ref, { layers: [layer], config: DEBIAN_CONFIG });
+    await pushLayerFiles(new RegistryClient({ dockerConfigPath: null, credentials: { [reg.host]: USER }, insecureRegistries: [reg.host] }), ref, { layers: [layer], config: DEBIAN_CONFIG });
     const logs: LogEntry[] = [];
     const built = await Template.build(Template().fromImage(ref, USER), `${name}-debian`, { ...opts(), onBuildLogs: (l) => logs.push(l) });
     expect(logs.some((l) => /^pull done: 1\/1 layers \(0 cached\)/.test(l.message))).toBe(true);

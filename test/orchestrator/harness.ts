@@ -14,6 +14,7 @@ import { SandboxStore } from "../../src/orchestrator/store.ts";
 import { openSnapshotStore, type S3Settings } from "../../src/snapshot/index.ts";
 import { TemplateStore } from "../../src/orchestrator/templates.ts";
 import { QemuDriver } from "../../src/vmm/qemu.ts";
+import type { RestoreSpec, SnapshotInfo, VmSpec, Vmm, VmmDriver } from "../../src/vmm/types.ts";
 import { guestFixture, vmSkipReason } from "../vmm/harness.ts";
 
 /** Why sandboxes (VMs in network slots) cannot run here, or undefined when they can. */
@@ -45,10 +46,37 @@ export async function busyboxTemplate(templates: TemplateStore): Promise<void> {
   });
 }
 
+/** QEMU whose VMs await `beforeSnapshot` (while set) before each snapshot starts: a test's hook into a checkpoint. */
+export class SnapshotHookDriver extends QemuDriver {
+  beforeSnapshot: ((vm: Vmm) => Promise<void>) | undefined;
+
+  override async boot(spec: VmSpec): Promise<Vmm> {
+    return this.hooked(await super.boot(spec));
+  }
+
+  override async restore(snap: SnapshotInfo, spec: RestoreSpec): Promise<Vmm> {
+    return this.hooked(await super.restore(snap, spec));
+  }
+
+  override async adopt(runDir: string): Promise<Vmm> {
+    return this.hooked(await super.adopt(runDir));
+  }
+
+  private hooked(vm: Vmm): Vmm {
+    const snapshot = vm.snapshot.bind(vm);
+    vm.snapshot = async (dir, opts) => {
+      await this.beforeSnapshot?.(vm);
+      return snapshot(dir, opts);
+    };
+    return vm;
+  }
+}
+
 /** Store, templates, slots (keeping those that sandboxes use) and an orchestrator over `blockd`. */
 /** `snapshots`: where snapshots go (openSnapshotStore's location and S3 settings); default a directory in d.dir. */
 /** `egress`: builds the node's egress over the started pool (egress policies are then enforced). */
-export async function nodeParts(d: NodeDirs, blockd: BlockdClient, o: { slotPool?: number; maxSandboxes?: number; snapshots?: { location: string; s3: S3Settings }; egress?: (cfg: NetworkConfig) => Promise<Egress>; caBundle?: string; balloonPressurePct?: number; memoryLayersMax?: number } = {}) {
+/** `driver`: the VMM driver (default a QemuDriver); `traceWindowMs`: the orchestrator's option of that name. */
+export async function nodeParts(d: NodeDirs, blockd: BlockdClient, o: { slotPool?: number; maxSandboxes?: number; snapshots?: { location: string; s3: S3Settings }; egress?: (cfg: NetworkConfig) => Promise<Egress>; caBundle?: string; balloonPressurePct?: number; memoryLayersMax?: number; driver?: VmmDriver; traceWindowMs?: number } = {}) {
   const fx = await guestFixture();
   const toolsLayer = await sealedLayer(await envdToolsDisk());
   const store = new SandboxStore(join(d.dir, "node.db"));
@@ -58,10 +86,10 @@ export async function nodeParts(d: NodeDirs, blockd: BlockdClient, o: { slotPool
   const pool = new SlotPool({ size: o.slotPool ?? 1, prefix: d.slotPrefix, hostCidr: d.slotCidr, hostTable: `${d.slotPrefix.replaceAll("-", "_")}host` });
   await pool.start({ adopt: Orchestrator.slotsInUse(store) });
   const egress = await o.egress?.(pool.config);
-  const orch = new Orchestrator(store, templates, blockd, pool, new QemuDriver(), {
+  const orch = new Orchestrator(store, templates, blockd, pool, o.driver ?? new QemuDriver(), {
     kernel: fx.kernel.vmlinux, initrd: fx.kernel.initrd, toolsLayer,
     cmdline: (s) => guestCmdline({ ip: `${s.guestIp}/${s.guestPrefixLen}`, gw: s.gatewayIp }),
-  }, { home: join(d.dir, "home"), runRoot: d.runRoot, defaultTimeoutS: 300, maxSandboxes: o.maxSandboxes ?? 12, forkParallelism: 2, snapshots: snapshotStore, egress, caBundle: o.caBundle, balloonPressurePct: o.balloonPressurePct, memoryLayersMax: o.memoryLayersMax });
+  }, { home: join(d.dir, "home"), runRoot: d.runRoot, defaultTimeoutS: 300, maxSandboxes: o.maxSandboxes ?? 12, forkParallelism: 2, snapshots: snapshotStore, egress, caBundle: o.caBundle, balloonPressurePct: o.balloonPressurePct, memoryLayersMax: o.memoryLayersMax, traceWindowMs: o.traceWindowMs });
   return { store, templates, pool, orch, snapshotStore };
 }
 

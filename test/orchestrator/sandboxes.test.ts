@@ -14,7 +14,7 @@ import type { TemplateStore } from "../../src/orchestrator/templates.ts";
 import type { SnapshotStore } from "../../src/snapshot/index.ts";
 import { type DeviceView, startBlockd } from "../blockdev/harness.ts";
 import { startS3Server, type TestS3 } from "../snapshot/s3_server.ts";
-import { nodeParts, sandboxSkipReason, serveParts } from "./harness.ts";
+import { nodeParts, sandboxSkipReason, serveParts, SnapshotHookDriver } from "./harness.ts";
 import { qemuPids, rmrf, runRoot, until } from "../vmm/harness.ts";
 
 const skip = sandboxSkipReason();
@@ -32,6 +32,7 @@ describe.skipIf(!!skip)("node API + orchestrator with the e2b SDK (QEMU, blockd,
   let snapshotStore: SnapshotStore;
   let pool: SlotPool;
   let stopServer = () => {};
+  const driver = new SnapshotHookDriver();
   let s3: TestS3 | undefined;
   let base = "";
   const opts = () => ({ apiKey: KEY, apiUrl: base, sandboxUrl: base, requestTimeoutMs: 120_000 });
@@ -41,7 +42,7 @@ describe.skipIf(!!skip)("node API + orchestrator with the e2b SDK (QEMU, blockd,
     mkdirSync(join(dir, "s3"), { recursive: true });
     s3 = await startS3Server(join(dir, "s3"));
     const snapshots = { location: "s3://snapshots/node", s3: { accessKeyId: "S3RVER", secretAccessKey: "S3RVER", endpoint: s3.endpoint } };
-    const parts = await nodeParts({ dir, runRoot: root, slotPrefix: `aor${tag}-`, slotCidr: `10.215.${process.pid % 250}.0/24` }, client, { snapshots });
+    const parts = await nodeParts({ dir, runRoot: root, slotPrefix: `aor${tag}-`, slotCidr: `10.215.${process.pid % 250}.0/24` }, client, { snapshots, driver });
     ({ orch, store, pool, templates, snapshotStore } = parts);
     const served = serveParts(orch, KEY);
     base = served.base;
@@ -158,19 +159,24 @@ describe.skipIf(!!skip)("node API + orchestrator with the e2b SDK (QEMU, blockd,
     const fails = orch.creates.fails;
     const acquired = async () => (await client.call<DeviceView[]>("list")).filter((d) => d.acquired).map((d) => d.id).sort();
     const before = await acquired();
-    // Kill the VMM as soon as the seal shows in blockd (the rootfs gains a lower): the snapshot and
-    // the memory layer, which come after it, fail.
-    let done = false;
-    const killer = (async () => {
-      while (!done) {
-        const dev = (await client.call<DeviceView[]>("list")).find((d) => d.id === rt.rootfsDevice);
-        if (dev && dev.config!.lowers.length > rt.layers.length) return void process.kill(rt.vmPid!, "SIGKILL");
-        await Bun.sleep(1);
-      }
-    })();
-    const res = await fetch(`${base}/sandboxes/${victim.sandboxId}/fork`, { method: "POST", headers: { "x-api-key": KEY, "content-type": "application/json" }, body: JSON.stringify({ count: 2 }) });
-    done = true;
-    await killer;
+    // The victim's snapshot waits for the seal to show in blockd (the rootfs gains a lower), then
+    // its VMM is killed: the snapshot and the memory layer, which come after the seal, fail.
+    const lowers = rt.layers.length;
+    let killed = false;
+    driver.beforeSnapshot = async (vm) => {
+      if (vm.pid !== rt.vmPid) return;
+      await until(async () => ((await client.call<DeviceView[]>("list")).find((d) => d.id === rt.rootfsDevice)?.config?.lowers.length ?? 0) > lowers, 60_000, "the seal to show in blockd");
+      process.kill(vm.pid, "SIGKILL");
+      await vm.exited;
+      killed = true;
+    };
+    let res: Response;
+    try {
+      res = await fetch(`${base}/sandboxes/${victim.sandboxId}/fork`, { method: "POST", headers: { "x-api-key": KEY, "content-type": "application/json" }, body: JSON.stringify({ count: 2 }) });
+    } finally {
+      driver.beforeSnapshot = undefined;
+    }
+    expect(killed).toBe(true);
     expect(res.status).toBe(500);
     expect(await res.json()).toMatchObject({ code: 500 });
     // Both early children were made (a row, a slot, a device each) and rolled back.

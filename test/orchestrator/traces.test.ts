@@ -8,7 +8,7 @@ import { Sandbox } from "e2b";
 import { decodeTrace } from "../../src/storage/trace_file.ts";
 import type { SlotPool } from "../../src/network/index.ts";
 import type { Orchestrator, SandboxRuntime } from "../../src/orchestrator/orchestrator.ts";
-import { MEMORY_TRACE, ROOTFS_TRACE, TRACE_WINDOW_MS } from "../../src/orchestrator/start_traces.ts";
+import { MEMORY_TRACE, ROOTFS_TRACE } from "../../src/orchestrator/start_traces.ts";
 import type { SandboxStore } from "../../src/orchestrator/store.ts";
 import type { TemplateStore } from "../../src/orchestrator/templates.ts";
 import { startBlockd } from "../blockdev/harness.ts";
@@ -18,6 +18,8 @@ import { rmrf, runRoot, until } from "../vmm/harness.ts";
 const skip = sandboxSkipReason();
 const KEY = "e2b_" + "ae".repeat(20);
 const tag = ((process.pid + 13) % 46656).toString(36).padStart(3, "0");
+/** Recording window: a pause inside it has 60 s from envd's answer, whatever the host's load. */
+const WINDOW_MS = 60_000;
 
 describe.skipIf(!!skip)("prefetch traces of a template's starts", async () => {
   if (skip) return void test.skip(skip!, () => {});
@@ -32,7 +34,7 @@ describe.skipIf(!!skip)("prefetch traces of a template's starts", async () => {
   const opts = () => ({ apiKey: KEY, apiUrl: base, sandboxUrl: base, requestTimeoutMs: 120_000 });
 
   beforeAll(async () => {
-    ({ orch, pool, store, templates } = await nodeParts({ dir, runRoot: root, slotPrefix: `atr${tag}-`, slotCidr: `10.217.${process.pid % 250}.0/24` }, client));
+    ({ orch, pool, store, templates } = await nodeParts({ dir, runRoot: root, slotPrefix: `atr${tag}-`, slotCidr: `10.217.${process.pid % 250}.0/24` }, client, { traceWindowMs: WINDOW_MS }));
     const served = serveParts(orch, KEY);
     base = served.base;
     stopServer = served.stop;
@@ -51,7 +53,7 @@ describe.skipIf(!!skip)("prefetch traces of a template's starts", async () => {
     expect((await first.commands.run("ls / | wc -l")).exitCode).toBe(0);
     const cp = templates.resolve("busybox")!.checkpoint!;
     const traces = [ROOTFS_TRACE, MEMORY_TRACE].map((f) => join(cp.dir, f));
-    await until(() => traces.every((p) => existsSync(p)), TRACE_WINDOW_MS + 20_000, "both traces written");
+    await until(() => traces.every((p) => existsSync(p)), WINDOW_MS + 20_000, "both traces written");
     const [rootfs, memory] = traces.map((p) => decodeTrace(new Uint8Array(readFileSync(p))));
     expect(rootfs!.entries.length).toBeGreaterThan(0);
     expect(rootfs!.size).toBe(templates.resolve("busybox")!.diskSizeMB * 1024 * 1024);
@@ -79,8 +81,8 @@ describe.skipIf(!!skip)("prefetch traces of a template's starts", async () => {
     const rootfsDevice = (store.get(s.sandboxId)!.runtime as SandboxRuntime).rootfsDevice!;
     expect((await client.call("stats", { id: rootfsDevice })).traceEntries).toBeGreaterThan(0);
     expect(existsSync(join(cpDir, ROOTFS_TRACE))).toBe(false);
-    // The pause restacks the device, which would drop the recording: it is written first, well
-    // inside the window (TRACE_WINDOW_MS after envd answered).
+    // The pause restacks the device, which would drop the recording: it is written first, inside
+    // the window (WINDOW_MS after envd answered).
     expect(await s.pause()).toBe(true);
     await until(() => existsSync(join(cpDir, ROOTFS_TRACE)), 1_000, "the rootfs trace written at the pause");
     expect(decodeTrace(new Uint8Array(readFileSync(join(cpDir, ROOTFS_TRACE)))).entries.length).toBeGreaterThan(0);

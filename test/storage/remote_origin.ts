@@ -3,6 +3,7 @@
 //
 //   const o = startBlobOrigin(bytes);           // o.url(digest), o.requests, o.bytesSent, o.stop()
 //   o.fault = "corrupt";                        // from now on every answer has one byte flipped
+//   o.hold = (start) => start < 8 << 20;        // ranges starting below 8 MiB wait for o.releaseHeld()
 import { sha256 } from "../helpers/tmp.ts";
 
 export type OriginFault = "none" | "404" | "500" | "hang" | "corrupt" | "short";
@@ -17,12 +18,19 @@ export interface BlobOrigin {
   bytesSent: number;
   /** Requests per "start-end" range. */
   ranges: Map<string, number>;
+  /** Ranged requests it matches wait, unanswered, until releaseHeld(); none while undefined. */
+  hold: ((start: number, end: number) => boolean) | undefined;
+  /** Requests waiting on `hold` now. */
+  held: number;
+  /** Answers every held request (hold itself stays as set). */
+  releaseHeld(): void;
   stop(): void;
 }
 
 export function startBlobOrigin(bytes: Uint8Array): BlobOrigin {
   const digest = `sha256:${sha256(bytes)}` as const;
   const hangs: (() => void)[] = [];
+  const holds: (() => void)[] = [];
   const o: BlobOrigin = {
     digest,
     url: "",
@@ -31,8 +39,14 @@ export function startBlobOrigin(bytes: Uint8Array): BlobOrigin {
     requests: 0,
     bytesSent: 0,
     ranges: new Map(),
+    hold: undefined,
+    held: 0,
+    releaseHeld: () => {
+      for (const h of holds.splice(0)) h();
+    },
     stop: () => {
       for (const h of hangs) h();
+      o.releaseHeld();
       server.stop(true);
     },
   };
@@ -50,6 +64,11 @@ export function startBlobOrigin(bytes: Uint8Array): BlobOrigin {
       if (!m) return new Response(bytes);
       const start = Number(m[1]);
       const end = Math.min(Number(m[2]), bytes.length - 1);
+      if (o.hold?.(start, end)) {
+        o.held++;
+        await new Promise<void>((r) => holds.push(r));
+        o.held--;
+      }
       o.ranges.set(`${start}-${end}`, (o.ranges.get(`${start}-${end}`) ?? 0) + 1);
       let body = bytes.slice(start, end + 1);
       if (o.fault === "corrupt") body[body.length >> 1]! ^= 0xff;

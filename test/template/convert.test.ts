@@ -324,7 +324,7 @@ describe.skipIf(!pullRuns)(pullRuns ? "pull from a registry" : `pull from a regi
   if (!pullRuns) return void test.skip(regSkip ?? why, () => {});
   const { dir, client: blockd } = await startBlockd("pull");
   const reg = await startRegistry({ dir: join(dir, "registry") });
-  const registry = new RegistryClient({ dockerConfigPath: null });
+  const registry = new RegistryClient({ dockerConfigPath: null, insecureRegistries: [reg.host] });
   const cache = new LayerCache(join(dir, "cache"));
 
   test("an overlaybd image: its blobs are checked to be layers and cached as they are; the disk is their virtual size; a blob that is no layer is CorruptLayer, nothing cached", async () => {
@@ -398,7 +398,7 @@ describe.skipIf(!pullRuns)(pullRuns ? "pull from a registry" : `pull from a regi
     try {
       const events: { at: number; p: PullProgress }[] = [];
       const r = await pullImage(`127.0.0.1:${relay.port}/overlap:1`, {
-        registry, cache: new LayerCache(join(work, "cache")), blockd,
+        registry: new RegistryClient({ dockerConfigPath: null, insecureRegistries: [`127.0.0.1:${relay.port}`] }), cache: new LayerCache(join(work, "cache")), blockd,
         onProgress: (p) => {
           events.push({ at: performance.now(), p });
           if (p.layersDone >= 1) release();

@@ -7,10 +7,10 @@ import { randomBytes } from "node:crypto";
 import { existsSync } from "node:fs";
 import { mkdir, readFile, writeFile } from "node:fs/promises";
 import { connect, createServer, type Server, type Socket } from "node:net";
+import { networkInterfaces } from "node:os";
 import { join } from "node:path";
 import {
   type Descriptor,
-  isLoopbackHost,
   MEDIA,
   parseDockerConfig,
   parseImageRef,
@@ -19,7 +19,7 @@ import {
   selectPlatform,
 } from "../../src/template/registry.ts";
 import { parseChallenges } from "../../src/template/registry/auth.ts";
-import { sha256 } from "../helpers/tmp.ts";
+import { scratchDir, sha256 } from "../helpers/tmp.ts";
 import {
   pushBusyboxImage,
   pushImage,
@@ -122,21 +122,18 @@ describe("challenges, platforms, Docker's config file", () => {
     expect((err as RegistryError).message).toContain("/x/config.json");
   });
 
-  test("loopback hosts (plain http allowed) and others", () => {
-    for (const h of ["localhost", "localhost:5000", "127.0.0.1", "127.8.9.10:443", "[::1]:5000"]) expect(isLoopbackHost(h)).toBe(true);
-    for (const h of ["registry-1.docker.io", "10.0.0.1:5000", "localhost.example.com", "[::2]"]) expect(isLoopbackHost(h)).toBe(false);
-  });
 });
 
 describe.skipIf(!!skip)(suite("anonymous registry"), () => {
   const suiteOf = registrySuite("registry-anon");
-  const client = new RegistryClient({ dockerConfigPath: null, retryBaseMs: 20 });
+  let client: RegistryClient;
   let busybox: PushedImage;
   let dir: string;
   let reg: RegistryServer;
 
   beforeAll(async () => {
     ({ dir, reg } = suiteOf());
+    client = new RegistryClient({ dockerConfigPath: null, retryBaseMs: 20, insecureRegistries: suiteOf().insecure });
     busybox = await pushBusyboxImage(client, `${reg.host}/tests/busybox:1`, { workDir: join(dir, "bb") });
   });
 
@@ -332,7 +329,10 @@ async function startRelay(targetPort: number, cutAfter: number): Promise<{ port:
 
 describe.skipIf(!!skip)(suite("blob downloads"), () => {
   const suiteOf = registrySuite("registry-blobs");
-  const client = new RegistryClient({ dockerConfigPath: null, retryBaseMs: 20 });
+  let client: RegistryClient;
+  beforeAll(() => {
+    client = new RegistryClient({ dockerConfigPath: null, retryBaseMs: 20, insecureRegistries: suiteOf().insecure });
+  });
   const repo = () => `${suiteOf().reg.host}/tests/blobs`;
   const blobOf = async (bytes: number) => {
     const data = new Uint8Array(randomBytes(bytes));
@@ -381,7 +381,7 @@ describe.skipIf(!!skip)(suite("blob downloads"), () => {
     const { data, desc } = await blobOf(4 << 20);
     const relay = await startRelay(suiteOf().reg.port, 1 << 20);
     try {
-      const viaRelay = new RegistryClient({ dockerConfigPath: null, retryBaseMs: 20 });
+      const viaRelay = new RegistryClient({ dockerConfigPath: null, retryBaseMs: 20, insecureRegistries: [`127.0.0.1:${relay.port}`] });
       const dest = join(suiteOf().dir, "resumed.blob");
       const r = await viaRelay.fetchBlob(`127.0.0.1:${relay.port}/tests/blobs`, desc, dest);
       expect(relay.cuts()).toBe(1);
@@ -428,7 +428,7 @@ describe.skipIf(!!skip)(suite("blob downloads"), () => {
   test("two fetches of one blob to one dest at once both succeed with one valid file", async () => {
     const { data, desc } = await blobOf(2 << 20);
     const dest = join(suiteOf().dir, "raced.blob");
-    const other = new RegistryClient({ dockerConfigPath: null });
+    const other = new RegistryClient({ dockerConfigPath: null, insecureRegistries: suiteOf().insecure });
     const [a, b] = await Promise.all([client.fetchBlob(repo(), desc, dest), other.fetchBlob(repo(), desc, dest)]);
     expect(a.path).toBe(dest);
     expect(b.path).toBe(dest);
@@ -438,7 +438,7 @@ describe.skipIf(!!skip)(suite("blob downloads"), () => {
   });
 
   test("a chunked push (PATCH per chunk) and a repeated push give the same descriptor", async () => {
-    const chunked = new RegistryClient({ dockerConfigPath: null, chunkSize: 64 << 10 });
+    const chunked = new RegistryClient({ dockerConfigPath: null, chunkSize: 64 << 10, insecureRegistries: suiteOf().insecure });
     const file = join(suiteOf().dir, "upload.bin");
     const data = new Uint8Array(randomBytes((200 << 10) + 7));
     await writeFile(file, data);
@@ -469,13 +469,13 @@ describe.skipIf(!!skip)(suite("Basic auth (htpasswd) and Docker's config file"),
 
   beforeAll(async () => {
     const { reg, dir } = suiteOf();
-    const writer = new RegistryClient({ dockerConfigPath: null, credentials: { [reg.host]: alice } });
+    const writer = new RegistryClient({ dockerConfigPath: null, credentials: { [reg.host]: alice }, insecureRegistries: suiteOf().insecure });
     img = await pushBusyboxImage(writer, `${reg.host}/private/busybox:1`, { workDir: join(dir, "bb") });
   });
 
   test("the right password resolves and fetches", async () => {
     const { reg, dir } = suiteOf();
-    const c = new RegistryClient({ dockerConfigPath: null, credentials: { [reg.host]: alice } });
+    const c = new RegistryClient({ dockerConfigPath: null, credentials: { [reg.host]: alice }, insecureRegistries: suiteOf().insecure });
     const r = await c.resolve(img.ref);
     expect(r.manifestDigest).toBe(img.manifestDigest);
     expect(r.config.Env).toContain("FOO=bar");
@@ -485,13 +485,13 @@ describe.skipIf(!!skip)(suite("Basic auth (htpasswd) and Docker's config file"),
 
   test("a wrong password, or none, is Unauthorized (401) naming the registry", async () => {
     const { reg } = suiteOf();
-    const wrong = new RegistryClient({ dockerConfigPath: null, credentials: { [reg.host]: { ...alice, password: "nope" } } });
+    const wrong = new RegistryClient({ dockerConfigPath: null, credentials: { [reg.host]: { ...alice, password: "nope" } }, insecureRegistries: suiteOf().insecure });
     const e = await rejection(wrong.resolve(img.ref));
     expect(e.code).toBe("Unauthorized");
     expect(e.status).toBe(401);
     expect(e.message).toContain(reg.host);
     expect(e.message).toContain("rejected the credentials");
-    const none = await rejection(new RegistryClient({ dockerConfigPath: null }).resolve(img.ref));
+    const none = await rejection(new RegistryClient({ dockerConfigPath: null, insecureRegistries: suiteOf().insecure }).resolve(img.ref));
     expect(none.code).toBe("Unauthorized");
     expect(none.message).toContain("needs credentials");
   });
@@ -502,19 +502,19 @@ describe.skipIf(!!skip)(suite("Basic auth (htpasswd) and Docker's config file"),
     await mkdir(cfgDir, { recursive: true });
     const auth = Buffer.from(`${alice.username}:${alice.password}`).toString("base64");
     await writeFile(join(cfgDir, "config.json"), JSON.stringify({ auths: { [`http://${reg.host}`]: { auth }, "https://index.docker.io/v1/": { auth: "eDp5" } } }));
-    const c = new RegistryClient({ dockerConfigPath: join(cfgDir, "config.json") });
+    const c = new RegistryClient({ dockerConfigPath: join(cfgDir, "config.json"), insecureRegistries: [reg.host] });
     expect((await c.resolve(img.ref)).manifestDigest).toBe(img.manifestDigest);
 
     const before = process.env.DOCKER_CONFIG;
     process.env.DOCKER_CONFIG = cfgDir;
     try {
-      expect((await new RegistryClient().resolve(img.ref)).manifestDigest).toBe(img.manifestDigest);
+      expect((await new RegistryClient({ insecureRegistries: [reg.host] }).resolve(img.ref)).manifestDigest).toBe(img.manifestDigest);
     } finally {
       if (before === undefined) delete process.env.DOCKER_CONFIG;
       else process.env.DOCKER_CONFIG = before;
     }
     // The caller's credentials win over the file's.
-    const e = await rejection(new RegistryClient({ dockerConfigPath: join(cfgDir, "config.json"), credentials: { [reg.host]: { ...alice, password: "x" } } }).resolve(img.ref));
+    const e = await rejection(new RegistryClient({ dockerConfigPath: join(cfgDir, "config.json"), credentials: { [reg.host]: { ...alice, password: "x" } }, insecureRegistries: [reg.host] }).resolve(img.ref));
     expect(e.code).toBe("Unauthorized");
   });
 });
@@ -528,11 +528,11 @@ describe.skipIf(!!skip)(suite("Bearer tokens from a token server the registry tr
     const bare = await fetch(`http://${reg.host}/v2/team/busybox/manifests/1`);
     expect(bare.status).toBe(401);
     expect(bare.headers.get("www-authenticate")).toStartWith(`Bearer realm="${tokens!.auth.realm}"`);
-    const c = new RegistryClient({ dockerConfigPath: null, credentials: { [reg.host]: alice } });
+    const c = new RegistryClient({ dockerConfigPath: null, credentials: { [reg.host]: alice }, insecureRegistries: suiteOf().insecure });
     const img = await pushBusyboxImage(c, `${reg.host}/team/busybox:1`, { workDir: join(dir, "bb") });
     expect(tokens!.requests.some((r) => r.scope.includes("repository:team/busybox:pull,push") && r.user === "alice")).toBe(true);
 
-    const reader = new RegistryClient({ dockerConfigPath: null, credentials: { [reg.host]: alice } });
+    const reader = new RegistryClient({ dockerConfigPath: null, credentials: { [reg.host]: alice }, insecureRegistries: suiteOf().insecure });
     const r = await reader.resolve(img.ref);
     expect(r.manifestDigest).toBe(img.manifestDigest);
     expect(r.config.WorkingDir).toBe("/work");
@@ -544,11 +544,11 @@ describe.skipIf(!!skip)(suite("Bearer tokens from a token server the registry tr
 
   test("a wrong password, or none, is Unauthorized at the token server", async () => {
     const { reg } = suiteOf();
-    const wrong = await rejection(new RegistryClient({ dockerConfigPath: null, credentials: { [reg.host]: { ...alice, password: "no" } } }).resolve(`${reg.host}/team/busybox:1`));
+    const wrong = await rejection(new RegistryClient({ dockerConfigPath: null, credentials: { [reg.host]: { ...alice, password: "no" } }, insecureRegistries: suiteOf().insecure }).resolve(`${reg.host}/team/busybox:1`));
     expect(wrong.code).toBe("Unauthorized");
     expect(wrong.status).toBe(401);
     expect(wrong.message).toContain("rejected the credentials of alice");
-    const none = await rejection(new RegistryClient({ dockerConfigPath: null }).resolve(`${reg.host}/team/busybox:1`));
+    const none = await rejection(new RegistryClient({ dockerConfigPath: null, insecureRegistries: suiteOf().insecure }).resolve(`${reg.host}/team/busybox:1`));
     expect(none.code).toBe("Unauthorized");
   });
 });
@@ -558,7 +558,7 @@ describe.skipIf(!!skip)(suite("retries, timeouts, nesting"), () => {
 
   test("5xx answers are retried with backoff; past the tries they are Unreachable (502)", async () => {
     const { reg, dir } = suiteOf();
-    const writer = new RegistryClient({ dockerConfigPath: null });
+    const writer = new RegistryClient({ dockerConfigPath: null, insecureRegistries: [reg.host] });
     await pushBusyboxImage(writer, `${reg.host}/tests/busybox:1`, { workDir: join(dir, "bb") });
     let failFirst = 2;
     let seen = 0;
@@ -574,12 +574,12 @@ describe.skipIf(!!skip)(suite("retries, timeouts, nesting"), () => {
       },
     });
     try {
-      const c = new RegistryClient({ dockerConfigPath: null, retryBaseMs: 10 });
+      const c = new RegistryClient({ dockerConfigPath: null, retryBaseMs: 10, insecureRegistries: [`127.0.0.1:${front.port}`] });
       const r = await c.resolve(`127.0.0.1:${front.port}/tests/busybox:1`);
       expect(r.config.Env).toContain("FOO=bar");
       expect(seen).toBeGreaterThanOrEqual(4);
       failFirst = 1000;
-      const e = await rejection(new RegistryClient({ dockerConfigPath: null, retryBaseMs: 10, tries: 3 }).resolve(`127.0.0.1:${front.port}/tests/busybox:1`));
+      const e = await rejection(new RegistryClient({ dockerConfigPath: null, retryBaseMs: 10, tries: 3, insecureRegistries: [`127.0.0.1:${front.port}`] }).resolve(`127.0.0.1:${front.port}/tests/busybox:1`));
       expect(e.code).toBe("Unreachable");
       expect(e.status).toBe(502);
       expect(e.message).toContain("answered 503 (after 3 tries)");
@@ -592,13 +592,13 @@ describe.skipIf(!!skip)(suite("retries, timeouts, nesting"), () => {
     const closed = Bun.listen({ hostname: "127.0.0.1", port: 0, socket: { data() {} } });
     const port = closed.port;
     closed.stop(true);
-    const e = await rejection(new RegistryClient({ dockerConfigPath: null, retryBaseMs: 10, tries: 2 }).resolve(`127.0.0.1:${port}/x/y:1`));
+    const e = await rejection(new RegistryClient({ dockerConfigPath: null, retryBaseMs: 10, tries: 2, insecureRegistries: [`127.0.0.1:${port}`] }).resolve(`127.0.0.1:${port}/x/y:1`));
     expect(e.code).toBe("Unreachable");
     expect(e.message).toContain(`127.0.0.1:${port}`);
 
     const silent = Bun.listen({ hostname: "127.0.0.1", port: 0, socket: { data() {} } });
     try {
-      const t = await rejection(new RegistryClient({ dockerConfigPath: null, retryBaseMs: 10, tries: 2, timeoutMs: 300 }).resolve(`127.0.0.1:${silent.port}/x/y:1`));
+      const t = await rejection(new RegistryClient({ dockerConfigPath: null, retryBaseMs: 10, tries: 2, timeoutMs: 300, insecureRegistries: [`127.0.0.1:${silent.port}`] }).resolve(`127.0.0.1:${silent.port}/x/y:1`));
       expect(t.code).toBe("Timeout");
       expect(t.status).toBe(504);
       expect(t.message).toContain("did not answer in time (after 2 tries)");
@@ -609,7 +609,7 @@ describe.skipIf(!!skip)(suite("retries, timeouts, nesting"), () => {
 
   test("indexes nested 4 deep resolve; 5 deep is Protocol", async () => {
     const { reg, dir } = suiteOf();
-    const c = new RegistryClient({ dockerConfigPath: null });
+    const c = new RegistryClient({ dockerConfigPath: null, insecureRegistries: [reg.host] });
     const img = await pushBusyboxImage(c, `${reg.host}/tests/nest:leaf`, { workDir: join(dir, "nest") });
     const leaf = await c.getManifest(img.ref);
     let child: { mediaType: string; digest: string; size: number } = { mediaType: MEDIA.ociManifest, digest: leaf.digest, size: leaf.bytes.length };
@@ -628,7 +628,7 @@ describe.skipIf(!!skip)(suite("retries, timeouts, nesting"), () => {
 });
 
 describe.skipIf(!!skip)(suite("https and credentials stay where they belong"), () => {
-  test("a realm or redirect to plain http off loopback is refused before any connection", async () => {
+  test("a realm or redirect to plain http of an unlisted host is Forbidden (403) before any connection", async () => {
     const front = Bun.serve({
       hostname: "127.0.0.1",
       port: 0,
@@ -639,14 +639,16 @@ describe.skipIf(!!skip)(suite("https and credentials stay where they belong"), (
       },
     });
     try {
-      const c = new RegistryClient({ dockerConfigPath: null, tries: 1 });
+      const listed = [`127.0.0.1:${front.port}`];
+      const c = new RegistryClient({ dockerConfigPath: null, tries: 1, insecureRegistries: listed });
       const realm = await rejection(c.resolve(`127.0.0.1:${front.port}/x/y:1`));
-      expect(realm.code).toBe("Protocol");
+      expect(realm.code).toBe("Forbidden");
+      expect(realm.status).toBe(403);
       expect(realm.message).toContain("refusing http://192.0.2.1");
       const desc = { mediaType: MEDIA.ociLayerGzip, digest: `sha256:${"0".repeat(64)}`, size: 1 };
       // A fresh client: this one remembers the bad realm.
-      const redirect = await rejection(new RegistryClient({ dockerConfigPath: null, tries: 1 }).readBlob(`127.0.0.1:${front.port}/x/y:1`, desc));
-      expect(redirect.code).toBe("Protocol");
+      const redirect = await rejection(new RegistryClient({ dockerConfigPath: null, tries: 1, insecureRegistries: listed }).readBlob(`127.0.0.1:${front.port}/x/y:1`, desc));
+      expect(redirect.code).toBe("Forbidden");
       expect(redirect.message).toContain("refusing http://192.0.2.1");
       expect(redirect.message).toContain(`blob ${desc.digest}`);
     } finally {
@@ -677,13 +679,170 @@ describe.skipIf(!!skip)(suite("https and credentials stay where they belong"), (
       },
     });
     try {
-      const c = new RegistryClient({ dockerConfigPath: null, credentials: { [`127.0.0.1:${registry.port}`]: { username: "alice", password: "pw" } } });
+      const c = new RegistryClient({ dockerConfigPath: null, credentials: { [`127.0.0.1:${registry.port}`]: { username: "alice", password: "pw" } }, insecureRegistries: [`127.0.0.1:${registry.port}`, `localhost:${cdn.port}`] });
       const got = await c.readBlob(`127.0.0.1:${registry.port}/x/y`, { mediaType: "application/octet-stream", digest, size: body.length });
       expect(new TextDecoder().decode(got)).toBe("blob bytes behind a redirect");
       expect(authorizations).toEqual([null]);
     } finally {
       registry.stop(true);
       cdn.stop(true);
+    }
+  });
+});
+
+/** A loopback server that records each request (`METHOD /path`) and answers with `answer`. */
+function recordingServer(answer: (req: Request) => Response) {
+  const seen: string[] = [];
+  const server = Bun.serve({
+    hostname: "127.0.0.1",
+    port: 0,
+    fetch(req) {
+      seen.push(`${req.method} ${new URL(req.url).pathname}`);
+      return answer(req);
+    },
+  });
+  return { host: `127.0.0.1:${server.port}`, port: server.port, seen, stop: () => server.stop(true) };
+}
+
+describe("registries at internal addresses: only those listed in insecure_registries", () => {
+  const data = new TextEncoder().encode("data");
+  const desc = { mediaType: "application/octet-stream", digest: `sha256:${sha256(data)}`, size: data.length };
+
+  test("an unlisted loopback registry is Forbidden (403) naming the setting; nothing is sent to it", async () => {
+    const reg = recordingServer(() => new Response("{}", { status: 404 }));
+    try {
+      for (const ref of [`${reg.host}/x/y:1`, `localhost:${reg.port}/x/y:1`]) {
+        const e = await rejection(new RegistryClient({ dockerConfigPath: null, tries: 1 }).resolve(ref));
+        expect({ ref, code: e.code, status: e.status }).toEqual({ ref, code: "Forbidden", status: 403 });
+        expect(e.message).toContain("a loopback address (127.0.0.1)");
+        expect(e.message).toContain("listed in insecure_registries (AENV_INSECURE_REGISTRIES)");
+      }
+      // Another port of the same host is another registry.
+      const other = await rejection(new RegistryClient({ dockerConfigPath: null, tries: 1, insecureRegistries: ["127.0.0.1:1"] }).readBlob(`${reg.host}/x/y`, desc));
+      expect(other.code).toBe("Forbidden");
+      expect(reg.seen).toEqual([]);
+    } finally {
+      reg.stop();
+    }
+  });
+
+  test("a listed one (host:port, or the host for any port) is spoken to over plain http", async () => {
+    const reg = recordingServer(() => Response.json({ errors: [{ code: "MANIFEST_UNKNOWN" }] }, { status: 404 }));
+    try {
+      for (const listed of [reg.host, "127.0.0.1"]) {
+        const e = await rejection(new RegistryClient({ dockerConfigPath: null, tries: 1, insecureRegistries: [listed] }).resolve(`${reg.host}/x/y:1`));
+        expect({ listed, code: e.code }).toEqual({ listed, code: "NotFound" });
+      }
+      expect(reg.seen).toEqual(["GET /v2/x/y/manifests/1", "GET /v2/x/y/manifests/1"]);
+    } finally {
+      reg.stop();
+    }
+  });
+
+  test("a listed registry's redirect to an unlisted loopback port, or anywhere internal, is Forbidden and never followed", async () => {
+    const target = recordingServer(() => new Response(data));
+    let location = "";
+    const reg = recordingServer(() => new Response(null, { status: 307, headers: { location } }));
+    const own = Object.values(networkInterfaces()).flat().find((a) => a && a.family === "IPv4" && !a.internal)?.address;
+    try {
+      const c = new RegistryClient({ dockerConfigPath: null, tries: 1, insecureRegistries: [reg.host] });
+      const internal = [`http://${target.host}/blob`, `https://${target.host}/blob`, `http://localhost:${target.port}/blob`, "https://169.254.169.254/latest/meta-data",
+        "https://[::1]:1/x", "https://[fe80::1]/x", "https://0.0.0.0/x", "https://[::ffff:127.0.0.1]/x", ...(own ? [`https://${own}/x`] : [])];
+      for (location of internal) {
+        const e = await rejection(c.readBlob(`${reg.host}/x/y`, desc));
+        expect({ location, code: e.code, status: e.status }).toEqual({ location, code: "Forbidden", status: 403 });
+        expect(e.message).toContain(`refusing ${new URL(location).origin}`);
+      }
+      expect(target.seen).toEqual([]);
+      // Listed too, it is followed.
+      location = `http://${target.host}/blob`;
+      const both = new RegistryClient({ dockerConfigPath: null, tries: 1, insecureRegistries: [reg.host, target.host] });
+      expect(new TextDecoder().decode(await both.readBlob(`${reg.host}/x/y`, desc))).toBe("data");
+      expect(target.seen).toEqual(["GET /blob"]);
+    } finally {
+      reg.stop();
+      target.stop();
+    }
+  });
+
+  test("an upload Location at an unlisted loopback port is Forbidden: the blob never goes there", async () => {
+    const target = recordingServer(() => new Response(null, { status: 201 }));
+    const reg = recordingServer((req) => (req.method === "HEAD" ? new Response(null, { status: 404 }) : new Response(null, { status: 202, headers: { location: `http://${target.host}/upload/1` } })));
+    try {
+      const c = new RegistryClient({ dockerConfigPath: null, tries: 1, insecureRegistries: [reg.host] });
+      const e = await rejection(c.pushBlob(`${reg.host}/x/y`, data));
+      expect({ code: e.code, status: e.status }).toEqual({ code: "Forbidden", status: 403 });
+      expect(e.message).toContain(`upload Location: refusing http://${target.host}`);
+      expect(target.seen).toEqual([]);
+      expect(reg.seen).toEqual([`HEAD /v2/x/y/blobs/${desc.digest}`, "POST /v2/x/y/blobs/uploads/"]);
+    } finally {
+      reg.stop();
+      target.stop();
+    }
+  });
+
+  test("a Bearer realm at an unlisted loopback port is Forbidden: the credentials never go there", async () => {
+    const realm = recordingServer(() => Response.json({ token: "t" }));
+    const reg = recordingServer(() => new Response("", { status: 401, headers: { "www-authenticate": `Bearer realm="http://${realm.host}/token",service="x"` } }));
+    try {
+      const c = new RegistryClient({ dockerConfigPath: null, tries: 1, insecureRegistries: [reg.host], credentials: { [reg.host]: alice } });
+      const e = await rejection(c.resolve(`${reg.host}/x/y:1`));
+      expect({ code: e.code, status: e.status }).toEqual({ code: "Forbidden", status: 403 });
+      expect(e.message).toContain(`refusing http://${realm.host}`);
+      expect(realm.seen).toEqual([]);
+    } finally {
+      reg.stop();
+      realm.stop();
+    }
+  });
+});
+
+describe("blob bounds: max_blob_mb and the descriptor's size", () => {
+  const dir = scratchDir("blob-bounds");
+  test("a descriptor above maxBlobBytes is TooLarge naming max_blob_mb, before any request", async () => {
+    const reg = recordingServer(() => new Response("x"));
+    try {
+      const c = new RegistryClient({ dockerConfigPath: null, tries: 1, insecureRegistries: [reg.host], maxBlobBytes: 1 << 20 });
+      const dest = join(dir, "big.blob");
+      const e = await rejection(c.fetchBlob(`${reg.host}/x/y`, { mediaType: "application/octet-stream", digest: `sha256:${"2".repeat(64)}`, size: (1 << 20) + 1 }, dest));
+      expect({ code: e.code, status: e.status }).toEqual({ code: "TooLarge", status: 502 });
+      expect(e.message).toContain("more than this node's max_blob_mb (1048576 bytes)");
+      expect(reg.seen).toEqual([]);
+      expect(existsSync(`${dest}.partial`)).toBe(false);
+    } finally {
+      reg.stop();
+    }
+  });
+
+  test("a Content-Length past the descriptor's size is TooLarge before the body is read; a body without one is cut at the size", async () => {
+    const MiB = 1 << 20;
+    let produced = 0;
+    let chunked = false;
+    const reg = recordingServer(() => {
+      if (!chunked) return new Response(new Uint8Array(8 * MiB));
+      // No Content-Length: 64 KiB at a time, up to 256 MiB, as fast as it is read.
+      return new Response(new ReadableStream({
+        pull(ctl) {
+          if (produced >= 256 * MiB) return ctl.close();
+          produced += 64 << 10;
+          ctl.enqueue(new Uint8Array(64 << 10));
+        },
+      }));
+    });
+    try {
+      const c = new RegistryClient({ dockerConfigPath: null, tries: 1, insecureRegistries: [reg.host] });
+      const desc = { mediaType: "application/octet-stream", digest: `sha256:${"3".repeat(64)}`, size: MiB };
+      const announced = await rejection(c.fetchBlob(`${reg.host}/x/y`, desc, join(dir, "announced.blob")));
+      expect(announced.code).toBe("TooLarge");
+      expect(announced.message).toContain(`announced ${8 * MiB} bytes from byte 0, past the ${MiB} bytes the manifest names`);
+      chunked = true;
+      const streamed = await rejection(c.fetchBlob(`${reg.host}/x/y`, desc, join(dir, "streamed.blob")));
+      expect(streamed.code).toBe("TooLarge");
+      expect(streamed.message).toContain(`sent more than the ${MiB} bytes the manifest names`);
+      expect(produced).toBeLessThan(64 * MiB);
+      expect(existsSync(join(dir, "streamed.blob.partial"))).toBe(false);
+    } finally {
+      reg.stop();
     }
   });
 });

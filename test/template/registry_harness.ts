@@ -6,7 +6,7 @@
 // minbase root from mmdebstrap) and push them with our RegistryClient.
 //
 //   const reg = await startRegistry({ dir: scratchDir("reg") });        // stopped by reg.stop()
-//   const client = new RegistryClient({ dockerConfigPath: null });
+//   const client = new RegistryClient({ dockerConfigPath: null, insecureRegistries: [reg.host] });
 //   const img = await pushBusyboxImage(client, `${reg.host}/busybox:1`, { workDir });
 //   const r = await client.resolve(img.ref);                              // r.config.Env has FOO=bar
 //
@@ -220,6 +220,8 @@ export interface RegistrySuite {
   dir: string;
   reg: RegistryServer;
   tokens?: TokenServer;
+  /** The registry and its token server (both on loopback, plain http): a client's insecureRegistries. */
+  insecure: string[];
 }
 
 /**
@@ -233,7 +235,7 @@ export function registrySuite(label: string, opts: { basicAuth?: BasicAuthUser[]
     const dir = scratchDir(label, { keep: true });
     const tokens = opts.token ? await startTokenServer(join(dir, "tokens"), opts.basicAuth) : undefined;
     const reg = await startRegistry({ dir: join(dir, "registry"), basicAuth: opts.token ? undefined : opts.basicAuth, tokenAuth: tokens?.auth, accessLog: opts.accessLog });
-    suite = { dir, reg, tokens };
+    suite = { dir, reg, tokens, insecure: [reg.host, ...(tokens ? [new URL(tokens.auth.realm).host] : [])] };
   });
   afterAll(async () => {
     if (!suite) return;

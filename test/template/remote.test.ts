@@ -44,7 +44,7 @@ describe.skipIf(!!skip)("templates in a registry, lazily (layer level)", async (
   const { client: blockd } = await startBlockd("remote-tpl-blockd");
   const reg: RegistryServer = await startRegistry({ dir: join(dir, "registry"), accessLog: true });
   let layer: string;
-  const client = new RegistryClient({ dockerConfigPath: null });
+  const client = new RegistryClient({ dockerConfigPath: null, insecureRegistries: [reg.host] });
   const config = { env: { FOO: "bar", PATH: "/bin" }, user: "root", workdir: "/work" };
 
   afterAll(async () => {
@@ -151,7 +151,8 @@ describe.skipIf(!!skip)("templates in a registry, lazily (layer level)", async (
     const tokens = await startTokenServer(join(dir, "tokens"), users);
     const treg = await startRegistry({ dir: join(dir, "token-registry"), tokenAuth: tokens.auth });
     try {
-      const authed = new RegistryClient({ dockerConfigPath: null, credentials: { [treg.host]: users[0]! } });
+      const insecure = [treg.host, new URL(tokens.auth.realm).host];
+      const authed = new RegistryClient({ dockerConfigPath: null, credentials: { [treg.host]: users[0]! }, insecureRegistries: insecure });
       const ref = `${treg.host}/remote/tpl:1`;
       await pushImage(ref, [layer], config, { registry: authed, workDir: dir });
       const pulled = await pullImage(ref, { registry: authed, cache: new LayerCache(join(dir, "layers")), blockd, remote: { cache: { dir: join(dir, "probe-cache"), capacity: 1024 * MiB }, download: false } });
@@ -164,7 +165,7 @@ describe.skipIf(!!skip)("templates in a registry, lazily (layer level)", async (
       expect(refused).toBeInstanceOf(Error);
       expect((refused as Error).message).toContain("401");
 
-      const auth = new RegistryAuthFiles({ dir: join(dir, "registry-auth"), secretsDir: join(dir, "secrets"), registry: { dockerConfigPath: null } });
+      const auth = new RegistryAuthFiles({ dir: join(dir, "registry-auth"), secretsDir: join(dir, "secrets"), registry: { dockerConfigPath: null, insecureRegistries: insecure } });
       try {
         auth.remember(ref, users[0]!);
         const file = (await auth.fileFor(l.remote.sources[0]!.kind === "http" ? l.remote.sources[0]!.url : ""))!;

@@ -11,7 +11,12 @@ import { existsSync, mkdirSync, statSync, writeFileSync } from "node:fs";
 import { rm } from "node:fs/promises";
 import { join } from "node:path";
 import { nodeImages, remoteLayerView, type NodeRemoteLayers } from "../../src/node/images.ts";
-import type { RemoteLayer, TemplateStore } from "../../src/orchestrator/templates.ts";
+import { createApi } from "../../src/api/app.ts";
+import { templateRoutes } from "../../src/api/templates.ts";
+import { TemplateBuilder } from "../../src/orchestrator/builder.ts";
+import type { Orchestrator } from "../../src/orchestrator/orchestrator.ts";
+import { SandboxStore } from "../../src/orchestrator/store.ts";
+import { type RemoteLayer, TemplateStore } from "../../src/orchestrator/templates.ts";
 import { LayerCache } from "../../src/template/layer_cache.ts";
 import { pullImage, type RemoteLayerRef } from "../../src/template/pull.ts";
 import { pushImage } from "../../src/template/push.ts";
@@ -149,13 +154,15 @@ describe.skipIf(!!skip)("templates in S3 as an OCI image layout", async () => {
   test.skipIf(!!registrySkipReason())("one image, byte-identical in a registry and in S3: the same manifest digest", async () => {
     const reg = await startRegistry({ dir: join(dir, "registry") });
     try {
-      const pushed = await pushImage(`${reg.host}/team/app:1`, [layer], config, { registry: new RegistryClient({ dockerConfigPath: null }), workDir: dir });
+      const pushed = await pushImage(`${reg.host}/team/app:1`, [layer], config, { registry: new RegistryClient({ dockerConfigPath: null, insecureRegistries: [reg.host] }), workDir: dir });
       expect(pushed.manifestDigest).toBe(manifestDigest);
     } finally {
       await reg.stop();
     }
   }, 120_000);
 
+  /** The lazily pulled layer as the node's view hands it to blockd (set by the lazy pull test). */
+  let lazyView: Awaited<ReturnType<typeof remoteLayerView>> | undefined;
   test("lazy pull: remote refs with S3 origins that carry no credentials; only headers and indexes are read", async () => {
     const cacheDir = join(dir, "block-cache");
     const before = await served(`team/app/blobs/sha256/${layerDigest.slice(7)}`);
@@ -171,14 +178,19 @@ describe.skipIf(!!skip)("templates in S3 as an OCI image layout", async () => {
     expect(read).toBeLessThan(l.size / 4);
     console.log(`S3 layer ${(l.size / MiB).toFixed(1)} MiB: a lazy pull read ${(read / MiB).toFixed(2)} MiB of it`);
 
-    // The node's view adds its credentials at each use; blockd reads the layer from S3 with them.
-    const r = { cache: { dir: cacheDir, capacity: 1024 * MiB }, download: false, auth: { fileFor: async () => undefined }, s3: access } as unknown as NodeRemoteLayers;
+    // The node's view adds its credentials at each use.
+    const r = { cache: { dir: cacheDir, capacity: 1024 * MiB }, download: false, auth: { fileFor: async () => undefined }, s3: access, s3Buckets: [BUCKET] } as unknown as NodeRemoteLayers;
     const view = await remoteLayerView(l as RemoteLayer, r);
     expect(view.remote.sources).toEqual([{ ...(l.remote.sources[0] as Extract<OriginSpec, { kind: "s3" }>), accessKeyId: "S3RVER", secretAccessKey: "S3RVER" }]);
     expect(l.remote.sources[0]).not.toHaveProperty("accessKeyId");
-    if (!haveFuse || !debugfs) return;
+    lazyView = view;
+  }, 180_000);
+
+  const noBlockdReason = !haveFuse ? "needs root and /dev/fuse" : !debugfs ? "debugfs (e2fsprogs) is missing" : undefined;
+  test.skipIf(!!noBlockdReason)(`blockd reads the lazily pulled layer from S3 with the credentials the node's view added${noBlockdReason ? ` (skipped: ${noBlockdReason})` : ""}`, async () => {
+    expect(lazyView).toBeDefined();
     const { client: blockd } = await startBlockd("s3-layout-blockd");
-    const dev = await blockd.call<{ id: string; path: string }>("createReadOnly", { lowers: [view] });
+    const dev = await blockd.call<{ id: string; path: string }>("createReadOnly", { lowers: [lazyView] });
     expect(await catFile(dev.path, "/etc/motd")).toBe("hello from S3\n");
     expect(await catFile(dev.path, "/data/medium")).toBe(medium);
     await blockd.call("delete", { id: dev.id }).catch(() => {});
@@ -192,7 +204,7 @@ describe.skipIf(!!skip)("templates in S3 as an OCI image layout", async () => {
   }, 120_000);
 
   test("the node's image source: s3:// with its S3 settings only; credentials in a request are refused, a node without keys names the settings", async () => {
-    const opts = { dir: join(dir, "node-images"), capacityMB: 1024, templates: { layersInUse: () => new Set<string>() } as unknown as TemplateStore, blockd: noBlockd };
+    const opts = { dir: join(dir, "node-images"), capacityMB: 1024, templates: { layersInUse: () => new Set<string>() } as unknown as TemplateStore, blockd: noBlockd, s3Buckets: [BUCKET] };
     const signal = new AbortController().signal;
     const withKeys = nodeImages({ ...opts, s3: access }).source;
     const img = await withKeys.pull(LOCATION, undefined, () => {}, signal);
@@ -201,6 +213,65 @@ describe.skipIf(!!skip)("templates in S3 as an OCI image layout", async () => {
     expect(await errorOf(withKeys.push!(LOCATION, { layers: [layer], config }, { username: "u", password: "p" }))).toMatchObject({ code: "BadReference", status: 400 });
     const noKeys = nodeImages({ ...opts, s3: { endpoint: s3.endpoint, region: "us-east-1", accessKeyId: "", secretAccessKey: "" } }).source;
     expect(await errorOf(noKeys.pull(LOCATION, undefined, () => {}, signal))).toMatchObject({ code: "NoCredentials", status: 400, message: expect.stringContaining("AWS_SECRET_ACCESS_KEY") });
+  }, 120_000);
+
+  test("the node's S3 credentials only inside s3_buckets: elsewhere a pull or push is Forbidden (403) before any request, an S3 origin gets no keys", async () => {
+    const opts = { dir: join(dir, "scoped-images"), capacityMB: 1024, templates: { layersInUse: () => new Set<string>() } as unknown as TemplateStore, blockd: noBlockd, s3: access };
+    const signal = new AbortController().signal;
+    const scoped = nodeImages({ ...opts, s3Buckets: [`${BUCKET}/team`] }).source;
+    expect(await scoped.pull(LOCATION, undefined, () => {}, signal)).toMatchObject({ digest: manifestDigest });
+    const before = (await requestLog(log)).length;
+    for (const loc of ["s3://other-bucket/team/app:1", `s3://${BUCKET}/teamx/app:1`, `s3://${BUCKET}/app:1`, `s3://${BUCKET}`]) {
+      expect(await errorOf(scoped.pull(loc, undefined, () => {}, signal))).toMatchObject({ code: "Forbidden", status: 403, message: expect.stringContaining("s3_buckets") });
+      expect(await errorOf(scoped.push!(loc, { layers: [layer], config }, undefined))).toMatchObject({ code: "Forbidden", status: 403 });
+    }
+    // Nothing listed: no bucket at all.
+    expect(await errorOf(nodeImages(opts).source.push!(LOCATION, { layers: [layer], config }, undefined))).toMatchObject({ code: "Forbidden", status: 403 });
+    expect((await requestLog(log)).length).toBe(before);
+
+    // A remote layer's S3 origin (a record, a snapshot from another node) gets the keys only inside the scope.
+    const origin = (bucket: string, key: string): RemoteLayer => ({ digest: layerDigest, size: 1, remote: { sources: [{ kind: "s3", bucket, key, endpoint: s3.endpoint, region: "us-east-1" }], cache: { dir: dir, capacity: MiB } } }) as unknown as RemoteLayer;
+    const r = { cache: { dir, capacity: MiB }, download: false, auth: { fileFor: async () => undefined }, s3: access, s3Buckets: [`${BUCKET}/team`] } as unknown as NodeRemoteLayers;
+    const keysOf = async (l: RemoteLayer) => ((await remoteLayerView(l, r)).remote.sources[0] as { accessKeyId?: string }).accessKeyId;
+    expect(await keysOf(origin(BUCKET, `team/app/blobs/sha256/${layerDigest.slice(7)}`))).toBe("S3RVER");
+    for (const [bucket, key] of [["other-bucket", "team/app/blobs/x"], [BUCKET, "teamx/blobs/x"], [BUCKET, "team/../other/blobs/x"]] as const) expect(await keysOf(origin(bucket, key))).toBeUndefined();
+  }, 120_000);
+
+  test("POST /templates/{id}/push to a bucket outside s3_buckets: 403 {code, message}", async () => {
+    const store = new SandboxStore(join(dir, "push-api.db"));
+    const templates = new TemplateStore(store.db);
+    templates.insert({ id: "tpl1", alias: "tpl1", kind: "template", names: ["tpl1:default"], cpuCount: 1, memoryMB: 256, diskSizeMB: 128, layers: [layer], checkpoint: null, sourceSandboxId: null, envdVersion: "0.6.13", createdAt: Date.now() });
+    const images = nodeImages({ dir: join(dir, "push-api"), capacityMB: 1024, templates, blockd: noBlockd, s3: access, s3Buckets: [`${BUCKET}/team`] }).source;
+    const builder = new TemplateBuilder({ templates } as unknown as Orchestrator, store.db, { filesDir: join(dir, "push-api-files"), stepsDir: join(dir, "push-api-steps"), images });
+    const key = "e2b_" + "5a".repeat(20);
+    const api = createApi({ apiKey: key, maxBodyBytes: 4096, notReadyReason: () => undefined, version: "0.0.0-test" }).use(templateRoutes(() => builder)).listen({ hostname: "127.0.0.1", port: 0 });
+    try {
+      const push = (ref: string) => fetch(`http://127.0.0.1:${api.server!.port}/templates/tpl1/push`, { method: "POST", headers: { "x-api-key": key, "content-type": "application/json" }, body: JSON.stringify({ ref }) });
+      const refused = await push("s3://other-bucket/team/app:1");
+      expect(refused.status).toBe(403);
+      expect(await refused.json()).toEqual({ code: 403, message: expect.stringContaining("is not among the buckets and prefixes this node's S3 credentials may be used on (s3_buckets, AENV_S3_BUCKETS)") });
+      expect((await push(LOCATION)).status).toBe(200);
+    } finally {
+      api.stop(true);
+      await builder.close();
+      store.close();
+    }
+  }, 120_000);
+
+  test("a pull's bounds: a layer above maxBlobBytes is TooLarge before any of it is read; a disk above maxDiskSizeMB as soon as its header is", async () => {
+    const cache = new LayerCache(join(dir, "bounded-layers"));
+    const key = `team/app/blobs/sha256/${layerDigest.slice(7)}`;
+    const before = await served(key);
+    const blob = await errorOf(pullImage(S3Layout.open(LOCATION, access), { cache, blockd: noBlockd, maxBlobBytes: 1 * MiB }));
+    expect(blob.code).toBe("TooLarge");
+    expect(blob.message).toContain(`layer ${layerDigest} is`);
+    expect(blob.message).toContain("max_blob_mb");
+    expect(await served(key)).toBe(before);
+    // The layer's virtual size is 128 MiB: past a 64 MiB bound once its header and index are read, the rest never is.
+    const disk = await errorOf(pullImage(S3Layout.open(LOCATION, access), { cache, blockd: noBlockd, maxDiskSizeMB: 64, remote: { cache: { dir: join(dir, "bounded-cache"), capacity: 1024 * MiB }, download: false } }));
+    expect(disk.code).toBe("TooLarge");
+    expect(disk.message).toContain("a disk of 128 MiB, more than this node's max_disk_size_mb (64 MiB)");
+    expect((await served(key)) - before).toBeLessThan(statSync(layer).size / 4);
   }, 120_000);
 
   test("errors: missing bucket, prefix or tag are 404; a malformed layout, index or blob is 502; no credentials is 400", async () => {

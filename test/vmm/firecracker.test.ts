@@ -3,11 +3,13 @@
 // must hold only documented fields, all required ones, the right JSON types and valid enums.
 
 import { afterAll, describe, expect, test } from "bun:test";
-import { existsSync, mkdirSync, mkdtempSync, readdirSync, readFileSync, readlinkSync, realpathSync, rmSync, statSync, symlinkSync, truncateSync, writeFileSync } from "node:fs";
+import { existsSync, lstatSync, mkdirSync, mkdtempSync, readdirSync, readFileSync, readlinkSync, realpathSync, rmSync, statSync, symlinkSync, truncateSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import * as fc from "../../src/vmm/firecracker.ts";
 import { selectDriver } from "../../src/vmm/select.ts";
 import { readSnapshot, type SnapshotInfo, VmmError, type VmSpec } from "../../src/vmm/types.ts";
+import { CONSOLE_LOG_MAX_BYTES } from "../../src/vmm/console.ts";
+import { ensureSystemUser, VMM_USER } from "../../src/vmm/vmm_user.ts";
 import { scratchDir } from "../helpers/tmp.ts";
 
 // ---- the documented schema, written out independently of the builders ---------------------------
@@ -645,6 +647,21 @@ const ok = () => new Response(null, { status: 204 });
 const exists = (p) => { try { statSync(at(p)); return true; } catch { return false; } };
 const listeners = [];
 function bindVsock(p) { listeners.push(Bun.listen({ unix: at(p), socket: { data() {} } })); }
+// The guest's serial console is stdout, non-blocking as Firecracker makes it: a full pipe is EAGAIN.
+function toConsole(bytes) { try { writeSync(1, bytes); return true; } catch { return false; } }
+// At InstanceStart a line; with $FAKE_FC_LOG_DIR/console-flood, that many bytes more (each 4 KiB
+// write retried until the pipe takes it, so all of them reach the reader), then "flood-done".
+function startConsole() {
+  toConsole(Buffer.from("console: " + id + " started\n"));
+  const flood = join(process.env.FAKE_FC_LOG_DIR, "console-flood");
+  if (!existsSync(flood)) return;
+  let left = Number(readFileSync(flood, "utf8"));
+  const chunk = Buffer.alloc(4096, 0x61);
+  const t = setInterval(() => {
+    while (left > 0 && toConsole(chunk)) left -= chunk.length;
+    if (left <= 0 && toConsole(Buffer.from("\nflood-done\n"))) clearInterval(t);
+  }, 1);
+}
 function handle(method, path, b) {
   const preBoot = () => (st.started ? fault(400, "pre-boot only") : null);
   const cfg = () => { st.configured = true; };
@@ -669,7 +686,7 @@ function handle(method, path, b) {
   }
   if (method === "PUT" && path === "/vsock") { cfg(); if (st.started) return fault(400, "pre-boot only"); st.vsock = b; bindVsock(b.uds_path); return ok(); }
   if (method === "PUT" && path === "/entropy") { cfg(); return preBoot() || ok(); }
-  if (method === "PUT" && path === "/actions") { if (b.action_type === "InstanceStart") st.started = true; return ok(); }
+  if (method === "PUT" && path === "/actions") { if (b.action_type === "InstanceStart") { st.started = true; startConsole(); } return ok(); }
   if (method === "PATCH" && path === "/vm") {
     if (!st.started) return fault(400, "not started");
     st.paused = b.state === "Paused";
@@ -964,6 +981,67 @@ describe("FirecrackerDriver against a fake Firecracker", () => {
       rmSync(forced);
     }
   }, 60_000);
+
+  test("the console: Firecracker's stdout is a FIFO the node drains into console.log, never past 1 MiB; run files 0600, the run directory 0700", async () => {
+    const flood = join(fake.dir, "logs", "console-flood");
+    writeFileSync(flood, String(3 << 20));
+    const driver = new fc.FirecrackerDriver({ binary: fake.bin });
+    const vm = (await driver.boot(spec("fc-con"))) as fc.FirecrackerVm;
+    try {
+      let largest = 0;
+      const t0 = performance.now();
+      for (;;) {
+        await vm.syncConsole();
+        largest = Math.max(largest, statSync(vm.consoleLog).size);
+        if (readFileSync(vm.consoleLog, "utf8").endsWith("flood-done\n")) break;
+        if (performance.now() - t0 > 60_000) throw new Error("the flood did not reach console.log in 60 s");
+        await Bun.sleep(50);
+      }
+      console.log(`  3 MiB through the console FIFO in ${Math.round(performance.now() - t0)} ms; console.log at most ${largest} B`);
+      expect(largest).toBeLessThanOrEqual(CONSOLE_LOG_MAX_BYTES);
+      expect(largest).toBeGreaterThan(CONSOLE_LOG_MAX_BYTES / 2);
+      expect(statSync(vm.spec.runDir).mode & 0o777).toBe(0o700);
+      const modes = readdirSync(vm.spec.runDir).flatMap((n) => {
+        const st = lstatSync(join(vm.spec.runDir, n));
+        return st.isSymbolicLink() || (st.mode & 0o777) === 0o600 ? [] : [`${n} ${(st.mode & 0o777).toString(8)}`];
+      });
+      expect(modes).toEqual([]);
+    } finally {
+      rmSync(flood);
+      await vm.stop();
+    }
+  }, 90_000);
+
+  test("the jailer by default: one on PATH and a root node run the VMM under it, as the VMM user", async () => {
+    expect(fc.defaultJailer({ uid: 990, gid: 991 }, null)).toBeUndefined();
+    const j = fc.defaultJailer({ uid: 990, gid: 991 }, "/usr/bin/jailer")!;
+    expect(j).toEqual({ binary: "/usr/bin/jailer", uid: 990, gid: 991 });
+    const plan = fc.launchPlan({ id: "fc-dj", runDir: "/run/fc-dj" }, { binary: fake.bin, jailer: j });
+    expect(plan.argv.slice(0, 9)).toEqual(["/usr/bin/jailer", "--id", "fc-dj", "--exec-file", realpathSync(fake.bin), "--uid", "990", "--gid", "991"]);
+    expect(plan.argv.slice(9)).toEqual(["--", "--api-sock", "/firecracker.sock"]);
+    // null: never, whatever is on PATH.
+    expect(fc.launchPlan({ id: "fc-dj", runDir: "/run/fc-dj" }, { binary: fake.bin, jailer: null }).argv[0]).toBe(fake.bin);
+    if (process.getuid?.() !== 0) return;
+    // The driver itself: the fake jailer found on PATH, the VMM user made when missing.
+    const path = process.env.PATH;
+    process.env.PATH = `${fake.dir}:${path}`;
+    // The default chroot base: made by the driver if missing, and removed again here then.
+    const madeBase = !existsSync("/srv/jailer");
+    try {
+      expect(fc.findJailer()).toBe(fake.jailer);
+      const driver = new fc.FirecrackerDriver({ binary: fake.bin });
+      const user = await ensureSystemUser(VMM_USER);
+      const err = await driver.boot(spec("fc-dj")).catch((e) => e);
+      if (err instanceof Error) throw err;
+      const args = readFileSync(join(fake.dir, "logs", "jailer.args"), "utf8").trim().split("\n").at(-1)!;
+      expect(args).toStartWith(`--id fc-dj --exec-file ${realpathSync(fake.bin)} --uid ${user.uid} --gid ${user.gid} `);
+      expect(err).toBeInstanceOf(fc.FirecrackerVm);
+      await (err as fc.FirecrackerVm).stop();
+    } finally {
+      process.env.PATH = path;
+      if (madeBase) rmSync("/srv/jailer", { recursive: true, force: true });
+    }
+  }, 30_000);
 
   test("a request that gets no answer is a Timeout naming it", async () => {
     const path = join(fake.dir, "mute.sock");

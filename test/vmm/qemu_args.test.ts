@@ -4,7 +4,7 @@
 import { describe, expect, test } from "bun:test";
 import { existsSync, openSync, closeSync, ftruncateSync, statSync, writeSync } from "node:fs";
 import { join } from "node:path";
-import { effectiveCmdline, probeKvm, qemuArgs, qemuOptValue, resolveAccel, sparseCopy, type QemuLaunch } from "../../src/vmm/qemu.ts";
+import { driveDescriptors, effectiveCmdline, probeKvm, qemuArgs, qemuOptValue, resolveAccel, sparseCopy, type QemuLaunch } from "../../src/vmm/qemu.ts";
 import { VmmError, netnsArgv, type VmSpec } from "../../src/vmm/types.ts";
 import { scratchDir } from "../helpers/tmp.ts";
 
@@ -25,6 +25,7 @@ const launch: QemuLaunch = {
   accel: "tcg",
   ram: { path: "/dev/shm/vm-1/ram", share: true },
   qmpSocket: "/run/vm-1/qmp.sock",
+  fdMonitor: "/run/vm-1/qmp-fd.sock",
   consoleLog: "/run/vm-1/console.log",
   pidFile: "/run/vm-1/qemu.pid",
   tscKhz: 2596134,
@@ -47,14 +48,22 @@ describe("qemuArgs", () => {
     expect(values(a, "-kernel")).toEqual(["/k/vmlinux"]);
     expect(values(a, "-initrd")).toEqual(["/k/initrd.cpio"]);
     expect(values(a, "-append")).toEqual(["console=ttyS0 quiet tsc_early_khz=2596134 tsc=reliable"]);
+    // Drives are descriptors the node opened (QEMU under -runas cannot open the paths): a read-only
+    // one for each drive, and a read-write one for a writable drive, in one fdset per drive.
+    expect(values(a, "-add-fd")).toEqual(["fd=4,set=1", "fd=5,set=2", "fd=6,set=2"]);
+    expect(driveDescriptors(spec.drives)).toEqual([
+      { drive: 0, fdset: 1, fd: 4, write: false }, { drive: 1, fdset: 2, fd: 5, write: false }, { drive: 1, fdset: 2, fd: 6, write: true },
+    ]);
     expect(values(a, "-drive")).toEqual([
-      "id=d0,file=/tools.img,format=raw,if=none,cache=writeback,aio=threads,readonly=on",
-      "id=d1,file=/state/dev/rw-1,format=raw,if=none,cache=writeback,aio=threads",
+      "id=d0,file=/dev/fdset/1,format=raw,if=none,cache=writeback,aio=threads,readonly=on",
+      "id=d1,file=/dev/fdset/2,format=raw,if=none,cache=writeback,aio=threads",
     ]);
     expect(values(a, "-device")).toEqual(["virtio-blk-device,drive=d0", "virtio-blk-device,drive=d1", "virtio-net-device,netdev=n0", "virtio-balloon-device,deflate-on-oom=on,free-page-reporting=on"]);
     expect(values(a, "-netdev")).toEqual(["user,id=n0,hostfwd=tcp:127.0.0.1:20001-:49983,hostfwd=tcp:127.0.0.1:20002-:8080"]);
-    expect(values(a, "-qmp")).toEqual(["unix:/run/vm-1/qmp.sock,server=on,wait=off"]);
-    expect(values(a, "-serial")).toEqual(["file:/run/vm-1/console.log"]);
+    expect(values(a, "-qmp")).toEqual(["unix:/run/vm-1/qmp.sock,server=on,wait=off", "unix:/run/vm-1/qmp-fd.sock,server=on,wait=off"]);
+    // The console is a bounded ring in QEMU, drained by the node: no file QEMU appends to.
+    expect(values(a, "-chardev")).toEqual([`ringbuf,id=console,size=${256 << 10}`]);
+    expect(values(a, "-serial")).toEqual(["chardev:console"]);
     expect(values(a, "-pidfile")).toEqual(["/run/vm-1/qemu.pid"]);
     for (const f of ["-nodefaults", "-no-user-config", "-no-reboot"]) expect(a).toContain(f);
     expect(a).not.toContain("-incoming");
@@ -64,6 +73,20 @@ describe("qemuArgs", () => {
     const a = qemuArgs({ ...launch, ram: { path: "/snap/mem", share: false }, incoming: true });
     expect(values(a, "-object")).toEqual(["memory-backend-file,id=ram0,size=256M,mem-path=/snap/mem,share=off"]);
     expect(values(a, "-incoming")).toEqual(["defer"]);
+  });
+
+  test("confinement: seccomp sandbox always; -runas an unprivileged user, with setuid left to -runas itself", () => {
+    const root = qemuArgs(launch);
+    expect(values(root, "-sandbox")).toEqual(["on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"]);
+    expect(root).not.toContain("-runas");
+    const dropped = qemuArgs({ ...launch, runAs: "aenv-vmm" });
+    expect(values(dropped, "-sandbox")).toEqual(["on,obsolete=deny,elevateprivileges=allow,spawn=deny,resourcecontrol=deny"]);
+    expect(values(dropped, "-runas")).toEqual(["aenv-vmm"]);
+    expect(() => qemuArgs({ ...launch, runAs: "-evil" })).toThrow(/runas/);
+    // A restore reads its device state from an inherited descriptor, never through exec:.
+    const restore = qemuArgs({ ...launch, runAs: "aenv-vmm", incoming: true });
+    expect(values(restore, "-incoming")).toEqual(["defer"]);
+    expect(restore.join(" ")).not.toContain("exec:");
   });
 
   test("KVM: host CPU and the command line untouched", () => {
@@ -102,8 +125,8 @@ describe("qemuArgs", () => {
 
   test("commas in paths are doubled so they cannot add options", () => {
     expect(qemuOptValue("/a,b/c")).toBe("/a,,b/c");
-    const a = qemuArgs({ ...launch, spec: { ...spec, drives: [{ path: "/x,readonly=off" }] } });
-    expect(values(a, "-drive")[0]).toBe("id=d0,file=/x,,readonly=off,format=raw,if=none,cache=writeback,aio=threads");
+    const a = qemuArgs({ ...launch, spec: { ...spec, kernel: "/k,initrd=/evil" } });
+    expect(values(a, "-kernel")[0]).toBe("/k,,initrd=/evil");
   });
 
   test("tsc_early_khz is added once, only under TCG", () => {

@@ -4,15 +4,17 @@
 // left behind (QEMU processes, blockd devices).
 
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
-import { existsSync, mkdirSync, readFileSync, statSync } from "node:fs";
+import { existsSync, lstatSync, mkdirSync, readdirSync, readFileSync, statSync } from "node:fs";
 import { join } from "node:path";
 import { dirname } from "node:path";
 import { guestCmdline, toolsDisk } from "../../src/template/artifacts.ts";
 import type { BlockdClient } from "../../src/blockdev/client.ts";
 import { QemuDriver } from "../../src/vmm/qemu.ts";
 import type { SnapshotInfo, Vmm } from "../../src/vmm/types.ts";
+import { CONSOLE_LOG_MAX_BYTES } from "../../src/vmm/console.ts";
+import { lookupUser, VMM_USER } from "../../src/vmm/vmm_user.ts";
 import { startBlockd } from "../blockdev/harness.ts";
-import { freePort, guestFixture, guestSh, qemuPids, rmrf, runRoot, until, vmSkipReason, waitHttp, type GuestFixture } from "./harness.ts";
+import { freePort, guestFixture, guestRun, guestSh, qemuPids, rmrf, runRoot, until, vmSkipReason, waitHttp, type GuestFixture } from "./harness.ts";
 
 const skip = vmSkipReason();
 if (skip) console.log(`QEMU VM tests skipped: ${skip}`);
@@ -138,6 +140,102 @@ describe.skipIf(!!skip)("QEMU microVMs", async () => {
         await stop(vm);
       }
       expect(vm.state).toBe("stopped");
+    },
+    150_000,
+  );
+
+  test(
+    "confined and bounded: QEMU runs as the VMM user under seccomp; a console flood leaves at most 1 MiB; run files 0600, dirs 0700",
+    async () => {
+      const port = freePort();
+      const { vm } = await boot("confined1", port);
+      try {
+        await waitHttp(`http://127.0.0.1:${port}/health`, 45_000);
+        const status = readFileSync(`/proc/${vm.pid}/status`, "utf8");
+        const field = (name: string) => new RegExp(`^${name}:\\s*(.*)$`, "m").exec(status)![1]!.split(/\s+/);
+        const user = (await lookupUser(VMM_USER))!;
+        expect(user.uid).toBeGreaterThan(0);
+        expect(field("Uid")).toEqual(Array(4).fill(String(user.uid)));
+        expect(field("Gid")).toEqual(Array(4).fill(String(user.gid)));
+        expect(field("Seccomp")).toEqual(["2"]);
+        expect(field("NoNewPrivs")).toEqual(["1"]);
+        expect(field("CapEff")).toEqual(["0000000000000000"]);
+
+        // 4 MiB into the serial console, 4x the bound; the file never holds more than the bound.
+        let largest = 0;
+        let flooding = true;
+        const watch = (async () => {
+          while (flooding) {
+            largest = Math.max(largest, existsSync(vm.consoleLog) ? statSync(vm.consoleLog).size : 0);
+            await Bun.sleep(50);
+          }
+        })();
+        const t0 = performance.now();
+        await guestRun(port, "yes 0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ | head -c 4194304 > /dev/ttyS0; echo console-flood-done > /dev/ttyS0", 240_000);
+        await vm.syncConsole();
+        flooding = false;
+        await watch;
+        const size = statSync(vm.consoleLog).size;
+        console.log(`  console flood: 4 MiB written in ${Math.round(performance.now() - t0)} ms; console.log ${size} B (largest seen ${largest} B)`);
+        expect(Math.max(size, largest)).toBeLessThanOrEqual(CONSOLE_LOG_MAX_BYTES);
+        // The newest output is there (what GET /logs reads: the last 64 KiB).
+        const f = Bun.file(vm.consoleLog);
+        expect(await f.slice(Math.max(0, f.size - 65536)).text()).toContain("console-flood-done");
+        expect(size).toBeGreaterThan(CONSOLE_LOG_MAX_BYTES / 4);
+
+        const runDir = join(root, "confined1");
+        expect(statSync(runDir).mode & 0o777).toBe(0o700);
+        const wrong: string[] = [];
+        for (const name of readdirSync(runDir)) {
+          const st = lstatSync(join(runDir, name));
+          if (st.isSymbolicLink()) continue;
+          const want = st.isDirectory() ? 0o700 : 0o600;
+          if ((st.mode & 0o777) !== want) wrong.push(`${name} ${(st.mode & 0o777).toString(8)}`);
+        }
+        expect(wrong).toEqual([]);
+      } finally {
+        await stop(vm);
+      }
+    },
+    300_000,
+  );
+
+  test(
+    "adoption: a VM whose node was killed -9 is taken over; what its guest printed meanwhile reaches console.log; it snapshots",
+    async () => {
+      const port = freePort();
+      const runDir = join(root, "adopt1");
+      const rootfs = join(root, "adopt1-rootfs.ext4");
+      await Bun.write(rootfs, Bun.file(fx.rootfsImage));
+      const child = Bun.spawn([process.execPath, join(import.meta.dir, "qemu_boot_child.ts"), JSON.stringify({
+        runDir, kernel: fx.kernel.vmlinux, initrd: fx.kernel.initrd, cmdline: guestCmdline({ httpdPort: GUEST_PORT, httpdRoot: "/srv/www" }),
+        tools: fx.toolsImage, rootfs, port, guestPort: GUEST_PORT,
+      })], { stdout: "pipe", stderr: "inherit" });
+      // Its line says the guest answers; then the "node" dies and the VM runs on without one.
+      const reader = child.stdout.getReader();
+      let line = "";
+      while (!line.includes("\n")) {
+        const { done, value } = await reader.read();
+        if (done) throw new Error(`the booting child exited (${await child.exited}) before its line`);
+        line += new TextDecoder().decode(value);
+      }
+      const { pid: vmPid } = JSON.parse(line) as { pid: number };
+      child.kill("SIGKILL");
+      await child.exited;
+      expect(qemuPids(root)).toContain(vmPid);
+      await guestSh(port, "echo printed-while-no-node-ran > /dev/ttyS0");
+      const vm = await driver.adopt(runDir);
+      live.add(vm);
+      try {
+        expect([vm.pid, vm.state]).toEqual([vmPid, "running"]);
+        await vm.syncConsole();
+        expect(readFileSync(vm.consoleLog, "utf8")).toContain("printed-while-no-node-ran");
+        const snapA = await vm.snapshot(join(root, "snap-adopt"));
+        expect(vm.state).toBe("snapshotted");
+        expect(statSync(snapA.statePath).size).toBeLessThan(1 << 20);
+      } finally {
+        await stop(vm);
+      }
     },
     150_000,
   );

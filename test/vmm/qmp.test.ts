@@ -3,7 +3,7 @@
 import { expect, test } from "bun:test";
 import { existsSync, rmSync } from "node:fs";
 import { join } from "node:path";
-import { QmpClient } from "../../src/vmm/qmp.ts";
+import { QmpClient, QmpFdSession } from "../../src/vmm/qmp.ts";
 import { scratchDir } from "../helpers/tmp.ts";
 
 test("connect waits out a socket file nobody listens on yet, then greets and negotiates", async () => {
@@ -41,4 +41,39 @@ test("connect waits out a socket file nobody listens on yet, then greets and neg
 
 test("connect gives up at its deadline when nobody ever listens", async () => {
   await expect(QmpClient.connect(join(scratchDir("qmp-none"), "absent.sock"), 100)).rejects.toMatchObject({ code: "Timeout" });
+});
+
+test("QmpFdSession (the fd monitor): greets and negotiates, runs a command, bounds a reply's line and its wait", async () => {
+  const path = join(scratchDir("qmp-fd"), "qmp-fd.sock");
+  const seen: string[] = [];
+  let mode: "answer" | "silent" | "flood" = "answer";
+  const server = Bun.listen({
+    unix: path,
+    socket: {
+      open: (s) => void s.write('{"QMP": {"version": {}, "capabilities": []}}\r\n'),
+      data: (s, chunk) => {
+        for (const line of new TextDecoder().decode(chunk).split("\n").filter((l) => l.trim())) {
+          const msg = JSON.parse(line);
+          seen.push(msg.execute);
+          if (msg.execute === "qmp_capabilities" || mode === "answer") s.write(JSON.stringify({ return: { ok: msg.execute }, id: msg.id }) + "\r\n");
+          else if (mode === "flood") s.write("x".repeat(128 << 10));
+        }
+      },
+    },
+  });
+  try {
+    const s = await QmpFdSession.open(path, 500);
+    expect(await s.execute("query-status")).toEqual({ ok: "query-status" });
+    mode = "silent";
+    await expect(s.execute("stop")).rejects.toMatchObject({ code: "Timeout" });
+    s.close();
+    mode = "flood";
+    const f = await QmpFdSession.open(path, 2000);
+    const err = await f.execute("stop").catch((e) => e);
+    expect([err.code, err.message]).toEqual(["Protocol", expect.stringContaining("a line over 65536 bytes")]);
+    f.close();
+    expect(seen).toEqual(["qmp_capabilities", "query-status", "stop", "qmp_capabilities", "stop"]);
+  } finally {
+    server.stop(true);
+  }
 });

@@ -106,6 +106,7 @@ describe.skipIf(!!skip)("sandbox VMs: envd in the guest, VM in a network slot, t
         if (r.status === 204) return performance.now() - t0;
       } catch {}
       if (performance.now() - t0 > timeoutMs || vm.state === "stopped") {
+        await vm.syncConsole().catch(() => {});
         const con = existsSync(vm.consoleLog) ? readFileSync(vm.consoleLog, "utf8").slice(-2000) : "";
         throw new Error(`envd in ${vm.id} did not answer within ${timeoutMs} ms (VM ${vm.state}); console:\n${con}`);
       }
@@ -160,6 +161,7 @@ describe.skipIf(!!skip)("sandbox VMs: envd in the guest, VM in a network slot, t
       // The pid we hold is QEMU itself (nsenter execs in place), inside the slot's namespace.
       expect(readFileSync(`/proc/${vmA.pid}/cmdline`, "utf8")).toContain("qemu-system");
       expect(statSync(`/proc/${vmA.pid}/ns/net`).ino).toBe(statSync(slotA.netnsPath).ino);
+      await vmA.syncConsole(); // the node drains QEMU's console ring on a timer: take what it holds now
       expect(readFileSync(vmA.consoleLog, "utf8")).toContain("aenv: ready");
       sbxA = await sdk(slotA);
     },

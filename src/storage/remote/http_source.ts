@@ -1,7 +1,10 @@
 // A registry blob (or any HTTP object) read by `Range: bytes=a-b`. Auth comes from an injected
 // headers provider (the composition wires the registry client's tokens in), so storage knows
-// no registry protocol beyond ranges.
+// no registry protocol beyond ranges. Redirects are followed by hand, at most MAX_REDIRECTS hops: a
+// hop off the URL's origin carries only the Range and must be https to a public address
+// (destination.ts; the node alone names insecure hosts, in the URL it hands over).
 
+import { destinationRefusal, InsecureHosts } from "./destination.ts";
 import { type ChunkSource, type LayerDigest, SourceError } from "./source.ts";
 
 export type HeadersProvider = (signal: AbortSignal) => Promise<Record<string, string>> | Record<string, string>;
@@ -18,6 +21,12 @@ export interface RegistryRangeSourceOptions {
   /** Connect to this unix socket instead of the URL's host (the node's peer facade). */
   unix?: string;
 }
+
+/** Redirect hops one range read follows (a registry's blob to its CDN is one). */
+export const MAX_REDIRECTS = 5;
+const REDIRECT_STATUSES = new Set([301, 302, 303, 307, 308]);
+/** blockd knows no insecure hosts: a hop off the URL's origin is held to the public rule. */
+const NO_INSECURE_HOSTS = new InsecureHosts();
 
 /** A token file's bound: a few headers, not a data file. */
 const MAX_HEADERS_FILE = 64 << 10;
@@ -58,12 +67,8 @@ export class RegistryRangeSource implements ChunkSource {
 
   async read(digest: LayerDigest, offset: number, length: number, signal: AbortSignal): Promise<Uint8Array> {
     if (!this.opts.url.includes(digest.slice(7))) throw new SourceError(`serves another blob than ${digest}`, false);
-    const headers = { ...(this.opts.headers ? await this.opts.headers(signal) : {}), Range: `bytes=${offset}-${offset + length - 1}` };
-    const res = await fetch(this.opts.url, { headers, signal, ...(this.opts.unix ? { unix: this.opts.unix } : {}) }).catch((e: Error) => {
-      // A socket with no server behind it (the node is down) fails now for the next source, unretried.
-      if (this.opts.unix && !signal.aborted) throw new SourceError(`${this.opts.unix}: ${e.message}`, false);
-      throw e;
-    });
+    const auth = this.opts.headers ? await this.opts.headers(signal) : {};
+    const res = await this.get(auth, `bytes=${offset}-${offset + length - 1}`, signal);
     if (res.status !== 206) {
       await res.body?.cancel().catch(() => {});
       // A 200 is the whole blob: it ignored the Range, which we do not stream around.
@@ -76,6 +81,31 @@ export class RegistryRangeSource implements ChunkSource {
       throw new SourceError(`asked bytes ${offset}-${offset + length - 1}, got Content-Range ${JSON.stringify(cr)}`, false, 206);
     }
     return readExactly(res, length, this.name);
+  }
+
+  /** GET of the URL with auth and the Range, redirects followed by hand (see the file's head). */
+  private async get(auth: Record<string, string>, range: string, signal: AbortSignal): Promise<Response> {
+    const origin = new URL(this.opts.url).origin;
+    let url = this.opts.url;
+    for (let hop = 0; ; hop++) {
+      const sameOrigin = new URL(url).origin === origin;
+      const res = await fetch(url, { headers: sameOrigin ? { ...auth, Range: range } : { Range: range }, signal, redirect: "manual", ...(this.opts.unix ? { unix: this.opts.unix } : {}) }).catch((e: Error) => {
+        // A socket with no server behind it (the node is down) fails now for the next source, unretried.
+        if (this.opts.unix && !signal.aborted) throw new SourceError(`${this.opts.unix}: ${e.message}`, false);
+        throw e;
+      });
+      if (!REDIRECT_STATUSES.has(res.status)) return res;
+      await res.body?.cancel().catch(() => {});
+      const location = res.headers.get("location");
+      if (this.opts.unix) throw new SourceError(`${this.opts.unix}: redirected (a socket source never is)`, false, res.status);
+      if (!location || hop >= MAX_REDIRECTS) throw new SourceError(`redirected ${hop + 1} times or without a Location`, false, res.status);
+      const next = new URL(location, url);
+      if (next.origin !== origin) {
+        const why = await destinationRefusal(next, NO_INSECURE_HOSTS);
+        if (why) throw new SourceError(`redirect to ${next.origin} refused: ${why}`, false, res.status);
+      }
+      url = next.href;
+    }
   }
 }
 

@@ -1,8 +1,10 @@
 // A blob download to a file: bytes go to `<dest>.partial`, hashed (sha256) as they arrive; a
 // dropped connection resumes with `Range: bytes=N-` (a partial left by an earlier run is re-hashed
 // first, so the hash always covers the whole file, and when the whole does not match, the blob is
-// downloaded once more from byte 0); the registry may send at most the descriptor's
-// size; the file is renamed to dest only when its digest matches. A mismatch deletes the partial.
+// downloaded once more from byte 0); a descriptor above the transport's maxBlobBytes is refused
+// before any request, an answer whose Content-Length is past the descriptor's size before its body
+// is read, and the registry may send at most the descriptor's size; the file is renamed to dest
+// only when its digest matches. A mismatch deletes the partial.
 // One download per dest at a time in this process: a second caller for the same dest waits for it.
 import { open, rename, rm, stat } from "node:fs/promises";
 import { resolve as resolvePath } from "node:path";
@@ -65,6 +67,7 @@ async function download(t: Transport, ref: ImageRef, desc: Descriptor, dest: str
   const what = `blob ${desc.digest} of ${formatImageRef(ref)}`;
   if (!SHA256_DIGEST.test(desc.digest)) throw new RegistryError("Protocol", `${what}: not a sha256 digest`);
   if (!Number.isSafeInteger(desc.size) || desc.size < 0) throw new RegistryError("Protocol", `${what}: size ${desc.size} is not a byte count`);
+  if (desc.size > t.maxBlobBytes) throw new RegistryError("TooLarge", `${what}: the manifest names ${desc.size} bytes, more than this node's max_blob_mb (${t.maxBlobBytes} bytes)`);
   const want = desc.digest.slice("sha256:".length);
   const total = desc.size;
 
@@ -112,6 +115,12 @@ async function download(t: Transport, ref: ImageRef, desc: Descriptor, dest: str
             await res.body?.cancel().catch(() => {});
             throw new RegistryError("Protocol", `${what}: asked for bytes ${offset}- and got Content-Range ${JSON.stringify(res.headers.get("content-range"))}`);
           }
+        }
+        const declared = Number(res.headers.get("content-length") ?? "NaN");
+        if (Number.isFinite(declared) && declared > total - offset) {
+          await res.body?.cancel().catch(() => {});
+          await rm(partial, { force: true });
+          throw new RegistryError("TooLarge", `${what}: registry ${ref.endpoint} announced ${declared} bytes from byte ${offset}, past the ${total} bytes the manifest names`);
         }
         const idleMs = opts.idleTimeoutMs ?? t.timeoutMs;
         let idle = setTimeout(() => answer.controller.abort(), idleMs);

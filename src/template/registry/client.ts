@@ -234,15 +234,15 @@ export class RegistryClient {
   }
 
   private async uploadOnce(ref: ImageRef, digest: string, size: number, slice: (s: number, e: number) => Bun.BodyInit, what: string): Promise<void> {
-    const next = (a: Answer): string => {
+    const next = async (a: Answer): Promise<string> => {
       const loc = a.res.headers.get("location");
       if (!loc) throw new RegistryError("Protocol", `${what}: registry ${ref.endpoint} answered ${a.res.status} without a Location`);
       const u = new URL(loc, a.url);
-      this.t.checkScheme(u, what);
+      if (u.origin !== new URL(a.url).origin) await this.t.checkDestination(u, `${what}: upload Location`);
       return u.href;
     };
     const started = await this.t.attempt({ ref, method: "POST", path: "blobs/uploads/", actions: "pull,push", what, expect: [202], body: () => undefined });
-    let location = next(started);
+    let location = await next(started);
     if (size > this.chunkSize) {
       for (let start = 0; start < size; start += this.chunkSize) {
         const end = Math.min(size, start + this.chunkSize);
@@ -256,7 +256,7 @@ export class RegistryClient {
           what,
           expect: [202],
         });
-        location = next(a);
+        location = await next(a);
       }
     }
     const put = new URL(location);

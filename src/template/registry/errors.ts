@@ -12,7 +12,8 @@ export type RegistryErrorCode =
   | "Timeout"
   | "TooLarge"
   | "Protocol"
-  | "NoCredentials";
+  | "NoCredentials"
+  | "Forbidden";
 
 /** The status the API returns for each code: the caller's fault is 4xx, the registry's is 502/504. */
 export const REGISTRY_ERROR_STATUS: Record<RegistryErrorCode, number> = {
@@ -27,6 +28,8 @@ export const REGISTRY_ERROR_STATUS: Record<RegistryErrorCode, number> = {
   TooLarge: 502,
   Protocol: 502,
   NoCredentials: 400,
+  /** The node's own rule refused it (an unlisted internal registry, an S3 bucket not in s3_buckets). */
+  Forbidden: 403,
 };
 
 export class RegistryError extends Error {

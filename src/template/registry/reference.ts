@@ -52,12 +52,6 @@ export function canonicalRegistry(name: string): string {
   return HUB_ALIASES.has(host) ? DOCKER_HUB : host;
 }
 
-/** True for hosts that never leave this machine: `localhost`, 127.0.0.0/8, `[::1]` (any port). */
-export function isLoopbackHost(hostPort: string): boolean {
-  const host = hostPort.startsWith("[") ? hostPort.slice(0, hostPort.indexOf("]") + 1) : hostPort.replace(/:\d+$/, "");
-  return host === "localhost" || host === "[::1]" || /^127\.\d{1,3}\.\d{1,3}\.\d{1,3}$/.test(host);
-}
-
 function bad(s: string, why: string): RegistryError {
   return new RegistryError("BadReference", `image reference ${JSON.stringify(s.slice(0, 300))}: ${why}`);
 }

@@ -1,7 +1,9 @@
-// One HTTP exchange with a registry, with everything around it: the URL (https, plain http only
-// for loopback hosts and the registries named insecure), authorization (Basic, or a Bearer token
-// from the realm a 401 names, cached per scope until it expires), redirects followed by hand (the
-// Authorization header never leaves the registry's origin), a timeout per try, retries with
+// One HTTP exchange with a registry, with everything around it: the URL (https; plain http, and
+// loopback, link-local or this machine's own addresses, only for the registries listed insecure),
+// authorization (Basic, or a Bearer token from the realm a 401 names, cached per scope until it
+// expires), redirects followed by hand (the Authorization header never leaves the registry's
+// origin; a hop, a token realm or an upload Location elsewhere is held to the same destination
+// rule, src/storage/remote/destination.ts), a timeout per try, retries with
 // exponential backoff for what may pass (network errors, timeouts, 408, 429, 5xx), and every
 // other answer turned into a RegistryError that names the image and the registry.
 import {
@@ -17,15 +19,22 @@ import {
   TOKEN_RENEW_MARGIN_MS,
 } from "./auth.ts";
 import { RegistryError, type RegistryErrorCode } from "./errors.ts";
-import { type ImageRef, isLoopbackHost } from "./reference.ts";
+import { type ImageRef } from "./reference.ts";
+import { describeInternal, destinationRefusal, InsecureHosts, internalAddressOf } from "../../storage/remote/destination.ts";
 
 export interface TransportOptions {
   /** Credentials per registry name (`docker.io`, `127.0.0.1:5000`); they win over Docker's config file. */
   credentials?: Record<string, Credentials>;
   /** Docker's config file; null reads none. Default `$DOCKER_CONFIG/config.json` or `~/.docker/config.json`. */
   dockerConfigPath?: string | null;
-  /** Registries (host[:port]) spoken to over plain http although not on loopback. */
-  insecureRegistries?: string[];
+  /**
+   * Registries (`host` for any port, `host:port`) spoken to over plain http and allowed at loopback,
+   * link-local or this machine's own addresses (the node's insecure_registries); any other is https
+   * and public, and so is every redirect, token realm and upload Location that leaves its origin.
+   */
+  insecureRegistries?: readonly string[];
+  /** A blob larger than this is refused, by its descriptor or its Content-Length [DEFAULT_MAX_BLOB_BYTES]. */
+  maxBlobBytes?: number;
   /** Tries per request, the first included [5]. */
   tries?: number;
   /** First backoff; each further one doubles, with jitter, up to retryMaxMs [500 ms]. */
@@ -39,6 +48,8 @@ export const DEFAULT_TRIES = 5;
 export const DEFAULT_RETRY_BASE_MS = 500;
 export const DEFAULT_RETRY_MAX_MS = 8_000;
 export const DEFAULT_TIMEOUT_MS = 30_000;
+/** 10 GiB: above the largest layers of common images (CUDA, ML runtimes: 3-6 GiB), far below a disk's worth. */
+export const DEFAULT_MAX_BLOB_BYTES = 10 * 2 ** 30;
 /** Redirect hops followed per request. */
 const MAX_REDIRECTS = 5;
 /** Bytes of an error body or a token answer read at most. */
@@ -143,7 +154,10 @@ export class Transport {
   readonly retryMaxMs: number;
   readonly timeoutMs: number;
   private readonly creds: CredentialStore;
-  private readonly insecure: Set<string>;
+  readonly maxBlobBytes: number;
+  private readonly insecure: InsecureHosts;
+  /** Each endpoint's check (an internal address needs listing), made once per client: one entry per registry it speaks to. */
+  private readonly endpointChecks = new Map<string, Promise<void>>();
   /** The challenge each endpoint answered last, so later requests carry authorization up front. */
   private readonly challenges = new Map<string, Challenge>();
   private readonly tokens = new Map<string, CachedToken>();
@@ -155,12 +169,30 @@ export class Transport {
     this.retryMaxMs = opts.retryMaxMs ?? DEFAULT_RETRY_MAX_MS;
     this.timeoutMs = opts.timeoutMs ?? DEFAULT_TIMEOUT_MS;
     this.creds = new CredentialStore(opts.credentials, opts.dockerConfigPath === undefined ? defaultDockerConfigPath() : opts.dockerConfigPath);
-    this.insecure = new Set((opts.insecureRegistries ?? []).map((h) => h.toLowerCase()));
+    this.maxBlobBytes = opts.maxBlobBytes ?? DEFAULT_MAX_BLOB_BYTES;
+    this.insecure = new InsecureHosts(opts.insecureRegistries);
   }
 
-  /** Plain http is allowed for loopback hosts and the registries named insecure. */
+  /** Plain http only for the registries listed insecure. */
   allowsHttp(hostPort: string): boolean {
-    return isLoopbackHost(hostPort) || this.insecure.has(hostPort.toLowerCase());
+    return this.insecure.hasHostPort(hostPort);
+  }
+
+  /** Forbidden when the registry is at an internal address (loopback, link-local, this machine's) and not listed insecure. */
+  checkEndpoint(ref: ImageRef, what: string): Promise<void> {
+    let check = this.endpointChecks.get(ref.endpoint);
+    if (!check) {
+      check = (async () => {
+        if (this.allowsHttp(ref.endpoint)) return;
+        const internal = await internalAddressOf(new URL(`https://${ref.endpoint}`).hostname);
+        if (!internal) return;
+        throw new RegistryError("Forbidden", `registry ${ref.endpoint} is ${describeInternal(internal)}: the node reaches such a registry only when it is listed in insecure_registries (AENV_INSECURE_REGISTRIES)`);
+      })();
+      this.endpointChecks.set(ref.endpoint, check);
+    }
+    return check.catch((e: RegistryError) => {
+      throw new RegistryError(e.code, `${what}: ${e.message}`);
+    });
   }
 
   baseUrl(ref: ImageRef): string {
@@ -200,6 +232,7 @@ export class Transport {
     }, spec.timeoutMs ?? this.timeoutMs);
     const host = spec.ref.endpoint;
     try {
+      await this.checkEndpoint(spec.ref, spec.what);
       const start = spec.url ?? this.baseUrl(spec.ref) + (spec.path ?? "");
       let auth = await this.authorization(spec.ref, spec.actions, undefined);
       let answer = await this.follow(spec, start, auth, controller);
@@ -263,7 +296,7 @@ export class Transport {
         throw new RegistryError("Protocol", `${spec.what}: registry ${spec.ref.endpoint} redirected ${hop + 1} times or without a Location`);
       }
       const next = new URL(location, url);
-      this.checkScheme(next, spec.what);
+      if (next.origin !== origin) await this.checkDestination(next, spec.what);
       url = next.href;
       if (res.status === 303) method = "GET";
     }
@@ -281,10 +314,11 @@ export class Transport {
     );
   }
 
-  /** https, or http to a host that allows it. */
-  checkScheme(u: URL, what: string): void {
-    if (u.protocol === "https:" || (u.protocol === "http:" && this.allowsHttp(u.host))) return;
-    throw new RegistryError("Protocol", `${what}: refusing ${u.protocol}//${u.host} (plain http only for loopback and insecure registries)`);
+  /** A redirect, realm or upload Location may go to a listed registry, or over https to a host with no internal address; else Forbidden. */
+  async checkDestination(u: URL, what: string): Promise<void> {
+    if (u.protocol !== "https:" && u.protocol !== "http:") throw new RegistryError("Protocol", `${what}: refusing ${u.protocol}//${u.host} (not http or https)`);
+    const why = await destinationRefusal(u, this.insecure);
+    if (why) throw new RegistryError("Forbidden", `${what}: refusing ${u.origin}: ${why}`);
   }
 
   private pickChallenge(res: Response): Challenge | undefined {
@@ -366,7 +400,7 @@ export class Transport {
     } catch {
       throw new RegistryError("Protocol", `${what}: realm ${JSON.stringify(realm)} is not a URL`);
     }
-    this.checkScheme(url, what);
+    await this.checkDestination(url, what);
     if (challenge.params.service) url.searchParams.set("service", challenge.params.service);
     url.searchParams.set("scope", scope);
     const headers: Record<string, string> = {};
