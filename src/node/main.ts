@@ -15,6 +15,7 @@ import { TemplateBuilder } from "../orchestrator/builder.ts";
 import { defaultDockerConfigPath } from "../template/registry.ts";
 import { nodeImages, remoteLayerView, type NodeRemoteLayers } from "./images.ts";
 import { RegistryAuthFiles } from "./registry_auth.ts";
+import { sandboxUpperBytes } from "./upper_usage.ts";
 import { NodePeers, facadeSocket, parsePeers } from "./peers.ts";
 import { BlockdClient } from "../blockdev/client.ts";
 import { Egress, EgressProxy, SecretStore, SlotPool, defaultUplinks, hostNetworks, hostResolvers, loadOrCreateCa } from "../network/index.ts";
@@ -24,7 +25,7 @@ import { TemplateStore, isRemoteLayer } from "../orchestrator/templates.ts";
 import { buildBaseTemplate } from "../template/debian.ts";
 import { openSnapshotStore } from "../snapshot/index.ts";
 import { selectDriver } from "../vmm/select.ts";
-import { loadConfig, resolveApiKey } from "./config.ts";
+import { loadConfig, resolveApiKey, s3Scopes } from "./config.ts";
 import pkg from "../../package.json";
 
 const cfg = loadConfig();
@@ -60,10 +61,10 @@ const app = createApi({
   .use(templateRoutes(() => {
     if (!builder) throw new ApiError(503, notReady() ?? "starting");
     return builder;
-  }, { keepOpen: (req) => server.timeout(req, 0) }))
+  }, { keepOpen: (req) => server.timeout(req, 0), uploadUrlTtlS: cfg.uploadUrlTtlS }))
   .use(nodeRoutes({
     store, templates, orch: () => orch, status: () => (orch ? "ready" : failed ? "unhealthy" : "connecting"),
-    openStreams: () => proxy?.streams.count(), version: pkg.version, home: cfg.home,
+    openStreams: () => proxy?.streams.count(), version: pkg.version, home: cfg.home, upperBytes: (id) => sandboxUpperBytes(cfg.home, id),
     p2p: async () => {
       if (!peers) return undefined;
       const st = await peers.stats();
@@ -119,6 +120,9 @@ async function start(): Promise<void> {
   // Remote layers (lazily pulled overlaybd images): the block cache blockd's workers share, and
   // the registry auth files their reads carry, kept fresh for every remote layer in use.
   const cache = { dir: cfg.blockCacheDir, capacity: cfg.blockCacheMB * 2 ** 20 };
+  // Every registry client of the node: its Docker config, the registries it may reach insecurely, its blob bound.
+  const registry = { dockerConfigPath: defaultDockerConfigPath(cfg.dockerConfig), insecureRegistries: cfg.insecureRegistries, maxBlobBytes: cfg.maxBlobMB * 2 ** 20 };
+  const s3Buckets = s3Scopes(cfg);
   // The node's S3 settings: the snapshot store's, s3:// images', and the credentials S3 origins get at each use.
   const s3 = { endpoint: cfg.s3Endpoint, region: cfg.s3Region, accessKeyId: cfg.s3AccessKeyId, secretAccessKey: cfg.s3SecretAccessKey, sessionToken: cfg.s3SessionToken };
   // Snapshots: a directory or S3; with peers, a snapshot's shared files are asked of them first.
@@ -136,14 +140,14 @@ async function start(): Promise<void> {
     console.log(`  p2p: endpoint ${peers.worker.id} on ${peers.worker.addrs().join(", ")}, ${peers.worker.peerIds().length} peers`);
   }
   const remote: NodeRemoteLayers = {
-    cache, download: cfg.blockCacheDownload, peers, s3,
-    auth: new RegistryAuthFiles({ dir: join(cfg.home, "registry-auth"), secretsDir: join(cfg.home, "secrets", "registry"), registry: { dockerConfigPath: defaultDockerConfigPath(cfg.dockerConfig) } }),
+    cache, download: cfg.blockCacheDownload, peers, s3, s3Buckets,
+    auth: new RegistryAuthFiles({ dir: join(cfg.home, "registry-auth"), secretsDir: join(cfg.home, "secrets", "registry"), registry }),
   };
   const inUse = [...templates.remoteLayers(), ...store.all().flatMap((r) => ((r.runtime as SandboxRuntime | null)?.layers ?? []).filter(isRemoteLayer))];
   for (const l of inUse) void remoteLayerView(l, remote);
   progress("VMM");
   const { driver, reason } = selectDriver({
-    vmm: cfg.vmm, qemu: { binary: cfg.qemuBin, accel: cfg.qemuAccel === "auto" ? undefined : cfg.qemuAccel, nice: cfg.vmmNice },
+    vmm: cfg.vmm, qemu: { binary: cfg.qemuBin, accel: cfg.qemuAccel === "auto" ? undefined : cfg.qemuAccel, nice: cfg.vmmNice, bootDirs: [cfg.guestCache] },
     firecracker: { binary: cfg.firecrackerBin, nice: cfg.vmmNice },
   });
   console.log(`  VMM: ${reason}`);
@@ -167,7 +171,7 @@ async function start(): Promise<void> {
     kernel: kernel.vmlinux, initrd: kernel.initrd, toolsLayer,
     // The base image maps the hostname `sandbox` in /etc/hosts (sudo looks its host up).
     cmdline: (s) => guestCmdline({ ip: `${s.guestIp}/${s.guestPrefixLen}`, gw: s.gatewayIp, hostname: "sandbox", damonReclaim: kernel.damonReclaim }),
-  }, { home: cfg.home, runRoot: join(cfg.runDir, "vms"), defaultTimeoutS: cfg.defaultTimeoutS, maxSandboxes: cfg.maxSandboxes, preparedDevices: cfg.devicePool, balloonPressurePct: cfg.balloonPressurePct, memoryLayersMax: cfg.memoryLayersMax, memoryZfile: cfg.memoryZfile || undefined,
+  }, { home: cfg.home, runRoot: join(cfg.runDir, "vms"), defaultTimeoutS: cfg.defaultTimeoutS, maxSandboxes: cfg.maxSandboxes, diskReserveBytes: cfg.diskReserveMB * 2 ** 20, maxDiskSizeMB: cfg.maxDiskSizeMB, preparedDevices: cfg.devicePool, balloonPressurePct: cfg.balloonPressurePct, memoryLayersMax: cfg.memoryLayersMax, memoryZfile: cfg.memoryZfile || undefined,
     snapshots, egress, caBundle: egressCa.certPem, remoteLayer: (l) => remoteLayerView(l, remote) });
   const base = templates.resolve("base")!;
   if (!base.checkpoint) {
@@ -185,7 +189,7 @@ async function start(): Promise<void> {
   // fromImage parents: pulled and converted into the node's layer cache (src/node/images.ts).
   const { source: images } = nodeImages({
     dir: join(cfg.home, "image-layers"), capacityMB: cfg.layerCacheMB, templates, sandboxes: store, blockd,
-    registry: { dockerConfigPath: defaultDockerConfigPath(cfg.dockerConfig) }, remote, s3,
+    registry, remote, s3, s3Buckets, maxBlobBytes: cfg.maxBlobMB * 2 ** 20, maxDiskSizeMB: cfg.maxDiskSizeMB,
   });
   builder = new TemplateBuilder(o, store.db, {
     filesDir: join(cfg.home, "template-files"), stepsDir: join(cfg.home, "template-steps"),

@@ -35,24 +35,50 @@ describe.skipIf(!haveFuse)("memory devices taken ahead", async () => {
     devices.unpin([base, mid, top]);
   }, 60_000);
 
+  // Pool devices are recycled (a released id is acquired again), so each test starts with none acquired.
+  const none = () => until(async () => (await acquired()).length === 0, "the test before gave its devices back");
+
   test("one that does not fit the stack (a fresh base) or meets a stack already open stays unused, and drop gives it back", async () => {
-    const before = await acquired();
+    await none();
+    const before: string[] = [];
     const misfit = devices.ahead([base, mid]);
     const kept = await misfit.made;
     await devices.pin([top], misfit); // not over [base, mid]: opened anew
     const fresh = await devices.take([top], "vm-2");
     expect(fresh.id).not.toBe(kept.id);
     expect(misfit.used).toBe(false);
+    await devices.pin([base, mid, top]); // open already when the next pin asks for it
     const late = devices.ahead([base]);
-    await devices.pin([base, mid, top], late); // still open from the test before
+    await devices.pin([base, mid, top], late);
     expect(late.used).toBe(false);
     const lateId = (await late.made).id;
     devices.drop(misfit);
     devices.drop(late);
     await until(async () => !(await acquired()).some((id) => id === kept.id || id === lateId), "both given back");
+    devices.unpin([base, mid, top]);
     devices.release("vm-2");
+    expect((await acquired()).filter((id) => !before.includes(id))).toContain(fresh.id); // still pinned
     devices.unpin([top]);
-    expect((await acquired()).filter((id) => !before.includes(id))).toEqual([fresh.id]);
+    // Nothing maps, pins or keeps either stack warm: both devices go back.
+    await until(async () => (await acquired()).filter((id) => !before.includes(id)).length === 0, "unwanted devices given back");
+  }, 60_000);
+
+  test("a device is kept only while wanted: mapped, pinned, or warm for a paused sandbox until it resumes or goes", async () => {
+    await none();
+    const mine = acquired;
+    const dev = await devices.take([base, top], "vm-4");
+    devices.release("vm-4"); // killed while running: nobody wants it
+    await until(async () => !(await mine()).includes(dev.id), "a device nobody wants goes back");
+    devices.warm([mid, top], "paused-1");
+    await until(async () => (await mine()).length === 1, "a warm device opens");
+    const warm = (await mine())[0]!;
+    expect((await devices.take([mid, top], "paused-1")).id).toBe(warm); // its resume finds it open
+    devices.release("paused-1");
+    await until(async () => (await mine()).length === 0, "resumed, then killed: gone");
+    devices.warm([mid, top], "paused-2");
+    await until(async () => (await mine()).length === 1, "warm again");
+    devices.forget("paused-2"); // killed while paused
+    await until(async () => (await mine()).length === 0, "forgotten: gone");
   }, 60_000);
 
   test("one whose layers failed to open: the stack opens anew", async () => {

@@ -295,12 +295,13 @@ describe.skipIf(!!skip)("node API + orchestrator with the e2b SDK (QEMU, blockd,
   }, 60_000);
 
   test("nothing leaks: no sandbox rows, VMs, devices beyond the shared tools disk, or checkpoints", async () => {
-    await orch.killAll();
-    expect(store.count()).toBe(0);
+    // Counted before anything is cleaned: every test killed its sandboxes, so a row left is a leak.
+    expect(store.all().map((r) => `${r.id} ${r.state}`)).toEqual([]);
     expect(qemuPids(root)).toEqual([]);
-    // Memory devices the node keeps open (the template's, the stacks left last) are its own, not leaks.
     await orch.settledCleanups();
+    // The node holds only the pinned templates' memory devices: none warm (nothing is paused), none mapped.
     const mine = orch.memoryDeviceIds();
+    expect(mine.size).toBe(orch.pinnedMemoryStacks().length);
     const devs = await client.call<{ id: string; acquired: boolean; readOnly: boolean }[]>("list");
     expect(devs.filter((d) => d.acquired && !mine.has(d.id))).toEqual([]);
     expect(devs.filter((d) => mine.has(d.id)).every((d) => d.readOnly)).toBe(true);
