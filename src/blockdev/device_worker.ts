@@ -161,6 +161,11 @@ async function runControl(body: ControlOp): Promise<unknown> {
         io.readOnly = false; // nobody has the device before its acquire
       }
       disk?.invalidate();
+      if (!io.image) {
+        // Back in the pool: what its requests and its image's heap held goes back (docs/blockd.md, Shape).
+        disk?.trimIdle();
+        Bun.gc(true);
+      }
       return { size: io.size() };
     }
     case "attach": {

@@ -26,6 +26,8 @@ import {
   prctl,
   PR_SET_IO_FLUSHER,
   allocAligned,
+  madvise,
+  MADV_DONTNEED,
   FALLOC_FL_KEEP_SIZE,
   FALLOC_FL_PUNCH_HOLE,
   FALLOC_FL_ZERO_RANGE,
@@ -130,6 +132,8 @@ const SLOT_BYTES = 2 * (4096 + MAX_WRITE);
 class Slot extends FuseRequest {
   /** The /dev/fuse fd the request in this slot came from; its reply goes back there. */
   fd = -1;
+  /** Where its SLOT_BYTES start in the arena. */
+  readonly at: number;
   readonly req: Uint8Array;
   /** The reply buffer: fuse_out_header, then `out`. */
   readonly replyBuf: Uint8Array;
@@ -156,6 +160,7 @@ class Slot extends FuseRequest {
     );
     this.req = req;
     this.replyBuf = reply;
+    this.at = at;
   }
 }
 
@@ -166,6 +171,7 @@ export class FuseDisk {
   /** The ring, once it has been set up (then the memory its entries use is freed only by close()). */
   private ring: FuseRing | undefined;
   private arena: AlignedBuffer | undefined;
+  private loop: ServeLoop | undefined;
   /** The connection was aborted (unmount in ring mode): nothing can write into the entries any more. */
   private aborted = false;
   readonly stats = { requests: 0, reads: 0, writes: 0, fsyncs: 0, discards: 0, takenByReader: 0, overRing: 0, readerPauses: 0 };
@@ -243,8 +249,10 @@ export class FuseDisk {
     const slotBytes = (MAX_SLOTS + (this.cloneFd >= 0 ? READER_SLOTS : 0)) * SLOT_BYTES;
     this.arena = allocAligned(slotBytes + (layout?.bytes ?? 0), true);
     try {
-      await new ServeLoop(this, io, wake, ioFd, this.arena, slotBytes, layout).run();
+      this.loop = new ServeLoop(this, io, wake, ioFd, this.arena, slotBytes, layout);
+      await this.loop.run();
     } finally {
+      this.loop = undefined;
       deferLocalIoCompletions(false);
       // Without a ring nothing but this loop wrote into the arena; with one, close() frees it.
       if (!this.ring) {
@@ -336,6 +344,11 @@ export class FuseDisk {
   }
 
   /** Ask the kernel to drop cached attributes and pages (after the image under us changed). */
+  /** The memory of slots holding no request goes back to the kernel (a device back in the pool); returns the bytes given. */
+  trimIdle(): number {
+    return this.loop?.trimIdle() ?? 0;
+  }
+
   invalidate(): void {
     const b = new Uint8Array(F.FUSE_OUT_HEADER + 24);
     const dv = new DataView(b.buffer);
@@ -674,6 +687,18 @@ class ServeLoop {
     // A multishot poll the kernel ended (it says so by leaving out F_MORE) is armed again.
     if (rearm) this.ring!.watch(tag === WATCH_FUSE ? this.disk.fd : tag === WATCH_WAKE ? this.wake.fd : this.ioFd, tag);
   };
+
+  /**
+   * The device worker's idle slots' pages back to the kernel (MADV_DONTNEED: the next request in a
+   * slot faults in zeroed pages): a slot's bytes matter only while it holds a request, and a pooled
+   * device would otherwise keep every slot it ever used resident (up to the arena's 42 MiB). Not in
+   * ring mode (the kernel holds the entries) nor for the reader's slots (its thread owns them).
+   */
+  trimIdle(): number {
+    if (this.layout) return 0;
+    for (const s of this.idle) madvise(this.arena.ptr + s.at, SLOT_BYTES, MADV_DONTNEED);
+    return this.idle.length * SLOT_BYTES;
+  }
 
   /** Take queued /dev/fuse requests while a slot is free; "gone" once the connection is. */
   private takeRequests(): boolean | "gone" {
