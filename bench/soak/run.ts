@@ -11,7 +11,7 @@ const argv = process.argv.slice(2);
 const flag = (name: string, dflt: number) => intFlag(argv, name, dflt);
 const ROUNDS = flag("--rounds", 500);
 const EVERY = flag("--every", 50);
-/** How long a row waits for two equal readings a second apart. */
+/** How long a row waits for the counts of the start (else two equal readings a second apart): the pool's surplus retires after 2 s idle here. */
 const SETTLE_MS = 60_000;
 
 const KEY = "e2b_" + "5b".repeat(20);
@@ -19,12 +19,12 @@ const setup = nodeSetup("bs", 229, KEY, { AENV_MAX_SANDBOXES: String(MIX_MAX_SAN
 const node = await startNode(setup.env, FIRST_START_MS);
 const scope: CensusScope = { home: setup.home, runDir: setup.runDir, slotPrefix: setup.env.AENV_SLOT_PREFIX, slotCidr: setup.env.AENV_SLOT_CIDR, nodePid: node.proc.pid };
 
-async function settled(): Promise<Census> {
+async function settled(want?: Census): Promise<Census> {
   let last = await census(scope);
   for (const end = Date.now() + SETTLE_MS; Date.now() < end; ) {
     await Bun.sleep(1000);
     const now = await census(scope);
-    if (!diffCounts(last.counts, now.counts)) return now;
+    if (!diffCounts(last.counts, now.counts) && (!want || !diffCounts(want.counts, now.counts))) return now;
     last = now;
   }
   return last;
@@ -36,7 +36,7 @@ try {
   rows.push({ round: 0, seconds: 0, census: await settled() });
   for (let r = 0; r < ROUNDS; r++) {
     await mixRound(node, KEY, r);
-    if ((r + 1) % EVERY === 0 || r + 1 === ROUNDS) rows.push({ round: r + 1, seconds: Math.round((performance.now() - t0) / 1000), census: await settled() });
+    if ((r + 1) % EVERY === 0 || r + 1 === ROUNDS) rows.push({ round: r + 1, seconds: Math.round((performance.now() - t0) / 1000), census: await settled(rows[0]!.census) });
     if ((r + 1) % EVERY === 0) console.error(`  ${r + 1} rounds, ${Math.round((performance.now() - t0) / 1000)} s`);
   }
 } finally {

@@ -108,6 +108,7 @@ export const SETTINGS = {
   egressExtraCa: setting("AENV_EGRESS_EXTRA_CA", "egress_extra_ca", "", str, "PEM file of CAs the domain proxy trusts for servers besides the host's trust store, where a header rule terminates TLS; empty: none"),
   guestCache: setting("AENV_GUEST_CACHE", "guest_cache", "$AENV_HOME/guest", str, "the guest's built kernel, initramfs, envd and tools disk (guest/*.sh build them into it)"),
   qemuBin: setting("AENV_QEMU_BIN", "qemu_bin", "qemu-system-x86_64", str, "QEMU binary: a name on PATH or a path"),
+  qemuTcgCacheMB: setting("AENV_QEMU_TCG_CACHE_MB", "qemu_tcg_cache_mb", "0", int(0, 4096), "TCG's translated-code cache per VMM in MiB (`-accel tcg,tb-size=`); 0: QEMU's default (1 GiB, of which an idle base guest fills 75–85 MiB; 64 saves ~15 MiB a VMM and slows commands 1.5×, 16 thrashes)"),
   qemuAccel: setting("AENV_QEMU_ACCEL", "qemu_accel", "auto", oneOf("auto", "kvm", "tcg"), "QEMU's accelerator; auto: KVM when /dev/kvm is usable, else TCG"),
   vmmNice: setting("AENV_VMM_NICE", "vmm_nice", "10", int(0, 19), "CPU niceness of VMM processes (all their vCPU threads, and the scheduler group of each VMM's session): busy guests never starve the node's API and blockd's I/O"),
   firecrackerBin: setting("AENV_FIRECRACKER_BIN", "firecracker_bin", "firecracker", str, "Firecracker binary: a name on PATH or a path"),

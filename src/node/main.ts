@@ -147,7 +147,7 @@ async function start(): Promise<void> {
   for (const l of inUse) void remoteLayerView(l, remote);
   progress("VMM");
   const { driver, reason } = selectDriver({
-    vmm: cfg.vmm, qemu: { binary: cfg.qemuBin, accel: cfg.qemuAccel === "auto" ? undefined : cfg.qemuAccel, nice: cfg.vmmNice, bootDirs: [cfg.guestCache] },
+    vmm: cfg.vmm, qemu: { binary: cfg.qemuBin, accel: cfg.qemuAccel === "auto" ? undefined : cfg.qemuAccel, tcgCacheMiB: cfg.qemuTcgCacheMB || undefined, nice: cfg.vmmNice, bootDirs: [cfg.guestCache] },
     firecracker: { binary: cfg.firecrackerBin, nice: cfg.vmmNice },
   });
   console.log(`  VMM: ${reason}`);

@@ -1,7 +1,7 @@
 // A node ends a workload holding what it held at start. `bun run node` with the stock e2b SDK runs
 // SOAK_ROUNDS rounds of the lifecycle's mix (soak_mix.ts); with zero sandboxes left and the pools back to their size, every count of
 // test/helpers/census.ts equals its value after start, each named in the failure, and blockd's and
-// the node's anonymous memory stay within SOAK_MEMORY_BOUND_KIB of theirs (docs/node.md, Resource
+// the node's anonymous memory stay within BLOCKD_MEMORY_BOUND_KIB and NODE_MEMORY_BOUND_KIB of theirs (docs/node.md, Resource
 // bounds). Then an orphan: a device taken from blockd behind the node's back is reported with no
 // holder and given back by the reaper, and counted in /metrics.
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
@@ -17,10 +17,12 @@ const KEY = "e2b_" + "50".repeat(20);
 const SOAK_ROUNDS = 20;
 /**
  * Anonymous memory blockd and the node may keep past their start values once the workload is over:
- * the JS heaps of blockd's device workers (pool devices warm up and serve swaps) and of the node grow
- * to a plateau the collector keeps (docs/node.md, Resource bounds).
+ * their JS heaps (blockd's main thread and its device workers', the node's) grow to a plateau the
+ * collector keeps; over 100 rounds blockd stayed 43-79 MiB and the node 12-15 MiB above start
+ * (docs/node.md, Resource bounds).
  */
-const SOAK_MEMORY_BOUND_KIB = 96 * 1024;
+const BLOCKD_MEMORY_BOUND_KIB = 96 * 1024;
+const NODE_MEMORY_BOUND_KIB = 48 * 1024;
 /** How long the node may take to give everything back once the last kill answered (the pool's surplus waits 2 s here, the orphan sweep 2 s). */
 const SETTLE_MS = 90_000;
 
@@ -67,8 +69,8 @@ describe.skipIf(!!skip)("soak: a node ends a workload holding what it held at st
     const end = await settled(start);
     console.log(`  after ${SOAK_ROUNDS} rounds: ${JSON.stringify(end)}`);
     expect(diffCounts(start.counts, end.counts)).toBe("");
-    expect(end.memoryKiB.blockd - start.memoryKiB.blockd).toBeLessThan(SOAK_MEMORY_BOUND_KIB);
-    expect(end.memoryKiB.node - start.memoryKiB.node).toBeLessThan(SOAK_MEMORY_BOUND_KIB);
+    expect(end.memoryKiB.blockd - start.memoryKiB.blockd).toBeLessThan(BLOCKD_MEMORY_BOUND_KIB);
+    expect(end.memoryKiB.node - start.memoryKiB.node).toBeLessThan(NODE_MEMORY_BOUND_KIB);
   }, SOAK_ROUNDS * 60_000 + SETTLE_MS);
 
   test("a device nobody holds is reported as an orphan, given back by the reaper and counted", async () => {

@@ -89,6 +89,13 @@ describe("qemuArgs", () => {
     expect(restore.join(" ")).not.toContain("exec:");
   });
 
+  test("TCG's translated-code cache: tb-size when set, QEMU's default otherwise, nothing under KVM", () => {
+    const accelOf = (a: string[]) => a[a.indexOf("-accel") + 1];
+    expect(accelOf(qemuArgs({ ...launch, accel: "tcg", tcgCacheMiB: 16 }))).toBe("tcg,tb-size=16");
+    expect(accelOf(qemuArgs({ ...launch, accel: "tcg" }))).toBe("tcg");
+    expect(accelOf(qemuArgs({ ...launch, accel: "kvm", tcgCacheMiB: 16 }))).toBe("kvm");
+  });
+
   test("KVM: host CPU and the command line untouched", () => {
     const a = qemuArgs({ ...launch, accel: "kvm" });
     expect(values(a, "-accel")).toEqual(["kvm"]);
