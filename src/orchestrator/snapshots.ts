@@ -143,9 +143,12 @@ export async function materializeSnapshot(node: NodeState, t: TemplateRecord): P
         checkpointDir: dir, bootDirs: [dirname(node.guest.kernel), ...(node.guest.initrd ? [dirname(node.guest.initrd)] : [])],
       });
       await writeSnapshot(vm);
-      const memLayers = Array.from({ length: meta.memLayers ?? 0 }, (_, i) => join(dir, `mem-layer-${i}`));
+      // Its record's counts name files the store gave (or remote layers), never more.
+      const layerCount = storedCount(meta.layers, "layers", (i) => !!meta.remote?.[String(i)] || `layer-${i}` in got.paths, t.id);
+      const memCount = storedCount(meta.memLayers ?? 0, "memLayers", (i) => `mem-layer-${i}` in got.paths, t.id);
+      const memLayers = Array.from({ length: memCount }, (_, i) => join(dir, `mem-layer-${i}`));
       const cp: VmCheckpoint = {
-        dir, layers: Array.from({ length: meta.layers }, (_, i) => meta.remote?.[String(i)] ?? join(dir, `layer-${i}`)), envdToken: meta.envdToken,
+        dir, layers: Array.from({ length: layerCount }, (_, i) => meta.remote?.[String(i)] ?? join(dir, `layer-${i}`)), envdToken: meta.envdToken,
         ...(memLayers.length ? { memLayers } : {}),
       };
       node.templates.setCheckpoint(t.id, cp);
@@ -195,3 +198,13 @@ export async function deleteTemplate(node: NodeState, ref: string): Promise<bool
   collectCheckpointsLater(node);
   return true;
 }
+
+/** A count from a stored snapshot's record: a whole number whose every index `has` a file (a record from a shared store is input). */
+export function storedCount(n: unknown, what: string, has: (i: number) => boolean, id: string): number {
+  if (!Number.isSafeInteger(n) || (n as number) < 0 || (n as number) > STORED_LAYERS_MAX) throw new OrchestratorError(500, `snapshot ${id}: its record's ${what} (${String(n)}) is not a count of 0..${STORED_LAYERS_MAX}`);
+  for (let i = 0; i < (n as number); i++) if (!has(i)) throw new OrchestratorError(500, `snapshot ${id}: its record names ${what} ${i}, which the store does not hold`);
+  return n as number;
+}
+
+/** Layers a stored snapshot may name, at most (a stack past this is no snapshot of ours). */
+const STORED_LAYERS_MAX = 4096;
