@@ -6,12 +6,12 @@ import { randomUUID } from "node:crypto";
 import { readFileSync } from "node:fs";
 import { statfs } from "node:fs/promises";
 import { cpus, freemem, hostname, totalmem } from "node:os";
-import { errorResponses, notFound } from "./errors.ts";
+import { ApiError, errorResponses, notFound } from "./errors.ts";
 import { publicState, type SandboxStore } from "../orchestrator/store.ts";
 import type { Orchestrator } from "../orchestrator/orchestrator.ts";
 import type { TemplateStore } from "../orchestrator/templates.ts";
 
-export type NodeStatus = "ready" | "connecting" | "unhealthy";
+export type NodeStatus = "ready" | "connecting" | "unhealthy" | "draining" | "cordoned";
 
 export interface NodeRoutesOptions {
   store: SandboxStore;
@@ -27,6 +27,13 @@ export interface NodeRoutesOptions {
   version: string;
   /** The state directory: its filesystem is the node's disk. */
   home: string;
+  /**
+   * In a cluster: sets whether the node takes new sandboxes (ready) or not (draining, cordoned);
+   * `pause` also pauses its running sandboxes. Absent: the node is alone and the route answers 409.
+   */
+  changeStatus?: (status: "ready" | "draining" | "cordoned", pause: boolean) => Promise<{ paused: number; failed: string[] }>;
+  /** This node's ID (its cluster ID in a cluster); default: the host name. */
+  nodeId?: string;
   /** Bytes on disk of a sandbox's upper layer (aenv_sandbox_upper_bytes); unset: not exported. */
   upperBytes?: (sandboxId: string) => Promise<number>;
 }
@@ -86,7 +93,7 @@ const nodeFields = {
   version: t.String(), commit: t.String(), id: t.String({ description: "the host's name" }),
   serviceInstanceID: t.String({ description: "this run of the node (new at every start)" }), clusterID: t.String({ format: "uuid" }),
   machineInfo: t.Object({ cpuFamily: t.String(), cpuModel: t.String(), cpuModelName: t.String(), cpuArchitecture: t.String() }),
-  status: t.Union([t.Literal("ready"), t.Literal("connecting"), t.Literal("unhealthy")], { description: "connecting while the node starts, unhealthy when its start failed" }),
+  status: t.Union([t.Literal("ready"), t.Literal("connecting"), t.Literal("unhealthy"), t.Literal("draining"), t.Literal("cordoned")], { description: "connecting while the node starts, unhealthy when its start failed; in a cluster draining or cordoned when it takes no new sandboxes" }),
   sandboxCount: Num("running"), sandboxPausedCount: Num(), metrics: NodeMetrics,
   createSuccesses: Num("creates (fork children too) since the node started"), createFails: Num(),
 };
@@ -103,7 +110,7 @@ const NodeDetail = t.Object({
 const ClusterQuery = t.Object({ clusterID: t.Optional(t.String({ description: `this node's is ${CLUSTER_ID}` })) });
 
 export function nodeRoutes(o: NodeRoutesOptions) {
-  const id = hostname();
+  const id = o.nodeId ?? hostname();
   const serviceInstanceID = randomUUID();
   const commit = gitCommit();
   const machine = machineInfo();
@@ -213,5 +220,26 @@ export function nodeRoutes(o: NodeRoutesOptions) {
       query: ClusterQuery,
       response: { 200: NodeDetail, ...errorResponses(400, 401, 404, 500) },
       detail: { ...tag, summary: "This node, with the builds it has cached and blockd's devices with their holders" },
+    })
+    .post("/nodes/:nodeID", async ({ params, body, set }) => {
+      if (params.nodeID !== id || (body.clusterID !== undefined && body.clusterID !== CLUSTER_ID)) throw notFound(`node ${params.nodeID} not found: this node is ${id}`);
+      if (!o.changeStatus) throw new ApiError(409, "this node is not in a cluster (AENV_CLUSTER): it has no placement status to change");
+      if (body.status !== "ready" && body.status !== "draining" && body.status !== "cordoned") throw new ApiError(400, "status must be ready, draining or cordoned");
+      if (body.pause && body.status === "ready") throw new ApiError(400, "pause goes with draining or cordoned");
+      const r = await o.changeStatus(body.status, body.pause ?? false);
+      set.status = 200;
+      return { status: body.status, paused: r.paused, failed: r.failed };
+    }, {
+      params: t.Object({ nodeID: t.String({ minLength: 1, maxLength: 255 }) }),
+      body: t.Object({
+        status: t.String({ description: "ready, draining (no new sandboxes; E2B's) or cordoned (the same, set by an operator)" }),
+        clusterID: t.Optional(t.String()),
+        pause: t.Optional(t.Boolean({ description: "aenv's: also pause every running sandbox (they resume on this node)" })),
+      }),
+      response: {
+        200: t.Object({ status: t.String(), paused: t.Number({ description: "sandboxes paused" }), failed: t.Array(t.String(), { description: "sandboxes whose pause failed, with why" }) }, { description: "the status is in force" }),
+        ...errorResponses(400, 401, 404, 409, 500),
+      },
+      detail: { ...tag, summary: "Change this node's placement status (E2B's NodeStatusChange); draining with pause empties it" },
     });
 }

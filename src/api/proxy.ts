@@ -7,7 +7,10 @@
 // checked and forwarded in one form (envdPath); a WebSocket relay reads one side only while the
 // other's backlog is under WS_BUFFERED_MAX.
 import { posix } from "node:path";
-import type { Server, ServerWebSocket, WebSocketHandler } from "bun";
+import type { Server } from "bun";
+import { WsRelays, forwardedHeaders, relayHttp, type WsData } from "./relay.ts";
+
+export { WS_BUFFERED_MAX, type WsData } from "./relay.ts";
 import type { Orchestrator } from "../orchestrator/orchestrator.ts";
 import type { SandboxRecord } from "../orchestrator/store.ts";
 import { ENVD_PORT } from "../orchestrator/envd.ts";
@@ -31,28 +34,7 @@ const UNRESERVED = /^[A-Za-z0-9._~-]$/;
 const ENCODED_SEPARATOR = /%(2f|5c)/i;
 /** A '%' not followed by two hex digits. */
 const BAD_ESCAPE = /%(?![0-9A-Fa-f]{2})/;
-const HOP_BY_HOP = ["connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "transfer-encoding", "upgrade", "host", "content-length"];
 const SANDBOX_ID = /^[a-z0-9]{1,64}$/;
-/** Messages from the sandbox held while the client's side of a WebSocket is opening. */
-const WS_PENDING_MAX = 1 << 20;
-const WS_CONNECT_TIMEOUT_MS = 10_000;
-/**
- * Bytes a WebSocket relay lets queue toward one side before it stops reading the other: 1 MiB keeps
- * a fast link busy for several round trips and bounds what a side that does not read costs the node.
- */
-export const WS_BUFFERED_MAX = 1 << 20;
-/** How often a client paused for the sandbox's backlog is resumed once it drained (Bun's WebSocket client has no drain event). */
-const WS_DRAIN_POLL_MS = 10;
-
-export interface WsData {
-  upstream: WebSocket;
-  client: ServerWebSocket<WsData> | undefined;
-  pending: (string | Uint8Array)[];
-  pendingBytes: number;
-  /** Set while the client's reading is paused for the sandbox's backlog. */
-  drainPoll: ReturnType<typeof setInterval> | undefined;
-  done: () => void;
-}
 
 export interface ProxyTarget {
   id: string;
@@ -144,7 +126,7 @@ export class SandboxProxy {
   /** Resumes started by traffic, one per sandbox (so at most one per sandbox the node holds); requests for it wait on it. */
   private readonly resuming = new Map<string, Promise<SandboxRecord>>();
   /** Open WebSocket relays (so their buffers can be counted). */
-  private readonly relays = new Set<WsData>();
+  private readonly relays = new WsRelays();
 
   constructor(private readonly orch: Orchestrator, private readonly opts: ProxyOptions) {
     orch.onGone((id) => this.streams.cut(id));
@@ -167,36 +149,13 @@ export class SandboxProxy {
 
   /** Bytes the WebSocket relays hold now: messages waiting for a client to open, and what either side's socket has not yet taken. */
   wsBufferedBytes(): number {
-    let n = 0;
-    for (const d of this.relays) n += d.pendingBytes + d.upstream.bufferedAmount + (d.client?.getBufferedAmount() ?? 0);
-    return n;
+    return this.relays.bufferedBytes();
   }
 
   /** Bun's WebSocket handlers for upgraded sandbox connections (pass as `websocket` to Bun.serve). */
-  readonly websocket: WebSocketHandler<WsData> = {
-    open: (ws) => {
-      const d = ws.data;
-      d.client = ws;
-      for (const m of d.pending) ws.send(m);
-      d.pending.length = 0;
-      d.pendingBytes = 0;
-      if (ws.getBufferedAmount() > WS_BUFFERED_MAX) d.upstream.pause();
-    },
-    message: (ws, msg) => {
-      const up = ws.data.upstream;
-      if (up.readyState !== WebSocket.OPEN) return;
-      up.send(msg);
-      if (up.bufferedAmount > WS_BUFFERED_MAX) pauseClient(ws);
-    },
-    // The client's socket took its backlog: the sandbox's side is read again.
-    drain: (ws) => {
-      if (ws.getBufferedAmount() <= WS_BUFFERED_MAX) ws.data.upstream.resume();
-    },
-    close: (ws, code, reason) => {
-      ws.data.done();
-      try { ws.data.upstream.close(code === 1005 ? 1000 : code, reason); } catch { ws.data.upstream.close(); }
-    },
-  };
+  get websocket() {
+    return this.relays.websocket;
+  }
 
   /** Checks that `r` may go through: the sandbox exists and runs (resumed if it auto-resumes), the port is open to the public. */
   private async admit(req: Request, r: ProxyTarget): Promise<Response | Upstream> {
@@ -247,121 +206,25 @@ export class SandboxProxy {
 
   /** Streams the request to the sandbox and its response back, neither buffered. */
   private async forward(req: Request, r: ProxyTarget, target: Upstream): Promise<Response> {
-    const headers = new Headers(req.headers);
-    for (const h of HOP_BY_HOP) headers.delete(h);
+    const headers = forwardedHeaders(req);
     headers.delete("e2b-traffic-access-token");
     if (target.hostHeader) headers.set("host", target.hostHeader);
     const abort = new AbortController();
     const done = this.streams.add(r.id, abort);
-    req.signal.addEventListener("abort", () => abort.abort(), { once: true });
-    let upstream: Response;
     try {
-      upstream = await fetch(`http://${target.host}:${target.port}${target.path}`, {
-        method: req.method,
-        headers,
-        body: req.method === "GET" || req.method === "HEAD" ? undefined : req.body,
-        redirect: "manual",
-        signal: abort.signal,
-        decompress: false, // Bun: pass encoded bodies through as they are
-        duplex: "half", // stream the request body as it arrives
-      } as RequestInit);
+      return await relayHttp(req, `http://${target.host}:${target.port}${target.path}`, headers, abort, done);
     } catch (e) {
-      done();
       if (abort.signal.aborted) return proxyError(502, r.id, "The sandbox was not found");
       return proxyError(502, r.id, "The sandbox is running but port is not open", { port: r.port, detail: (e as Error).message });
     }
-    const out = new Headers(upstream.headers);
-    for (const h of HOP_BY_HOP) if (h !== "content-length") out.delete(h);
-    if (!upstream.body) {
-      done();
-      return new Response(null, { status: upstream.status, headers: out });
-    }
-    // Pass the body through chunk by chunk (no buffering); an abort (kill) errors it, which cuts
-    // the client's connection; its end or a client going away forgets it.
-    const reader = upstream.body.getReader();
-    const body = new ReadableStream<Uint8Array>({
-      async pull(c) {
-        try {
-          const { done: end, value } = await reader.read();
-          if (end) {
-            done();
-            c.close();
-          } else c.enqueue(value);
-        } catch (e) {
-          done();
-          c.error(e);
-        }
-      },
-      cancel(reason) {
-        done();
-        abort.abort();
-        reader.cancel(reason).catch(() => {});
-      },
-    }, { highWaterMark: 0 });
-    return new Response(body, { status: upstream.status, headers: out });
   }
 
   private async upgrade(req: Request, r: ProxyTarget, target: Upstream, server: Server<WsData>): Promise<Response | undefined> {
-    const protocols = req.headers.get("sec-websocket-protocol")?.split(",").map((p) => p.trim()).filter(Boolean);
-    const upstream = new WebSocket(`ws://${target.host}:${target.port}${target.path}`, protocols);
-    upstream.binaryType = "arraybuffer";
     const abort = new AbortController();
     const forget = this.streams.add(r.id, abort);
-    const data: WsData = {
-      upstream, pending: [], pendingBytes: 0, client: undefined, drainPoll: undefined,
-      done: () => {
-        forget();
-        clearInterval(data.drainPoll);
-        this.relays.delete(data);
-      },
-    };
-    this.relays.add(data);
-    abort.signal.addEventListener("abort", () => {
-      data.client?.close(1001, "sandbox is gone");
-      upstream.close();
-    }, { once: true });
-    upstream.onmessage = (e) => {
-      const m = typeof e.data === "string" ? e.data : new Uint8Array(e.data as ArrayBuffer);
-      if (data.client) {
-        data.client.send(m);
-        // The client's socket backs up: stop reading the sandbox until drain() sees it take the backlog.
-        if (data.client.getBufferedAmount() > WS_BUFFERED_MAX) upstream.pause();
-        return;
-      }
-      data.pendingBytes += typeof m === "string" ? m.length : m.byteLength;
-      if (data.pendingBytes > WS_PENDING_MAX) upstream.close(1009, "client not ready");
-      else data.pending.push(m);
-    };
-    upstream.onclose = (e) => {
-      data.done();
-      data.client?.close(e.code === 1005 || e.code === 1006 ? 1000 : e.code, e.reason);
-    };
-    const opened = await new Promise<boolean>((resolve) => {
-      const t = setTimeout(() => resolve(false), WS_CONNECT_TIMEOUT_MS);
-      upstream.onopen = () => { clearTimeout(t); resolve(true); };
-      upstream.onerror = () => { clearTimeout(t); resolve(false); };
-    });
-    if (!opened) {
-      data.done();
-      upstream.close();
-      return proxyError(502, r.id, "The sandbox is running but port is not open", { port: r.port });
-    }
-    if (server.upgrade(req, { data, headers: upstream.protocol ? { "sec-websocket-protocol": upstream.protocol } : undefined })) return undefined;
-    data.done();
-    upstream.close();
+    const got = await this.relays.upgrade(req, `ws://${target.host}:${target.port}${target.path}`, server, abort, forget);
+    if (got === "upgraded") return undefined;
+    if (got === "unreachable") return proxyError(502, r.id, "The sandbox is running but port is not open", { port: r.port });
     return proxyError(400, r.id, "WebSocket upgrade failed");
   }
-}
-
-/** Stops reading a client whose messages back up toward the sandbox, until that backlog is under WS_BUFFERED_MAX. */
-function pauseClient(ws: ServerWebSocket<WsData>): void {
-  const d = ws.data;
-  if (d.drainPoll !== undefined) return;
-  ws.pause();
-  d.drainPoll = setInterval(() => {
-    if (d.upstream.readyState === WebSocket.OPEN && d.upstream.bufferedAmount > WS_BUFFERED_MAX) return;
-    clearInterval(d.drainPoll);
-    d.drainPoll = undefined;
-    ws.resume();
-  }, WS_DRAIN_POLL_MS);
 }

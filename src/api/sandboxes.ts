@@ -14,6 +14,18 @@ export interface SandboxRoutesOptions {
   defaultTimeoutS: number;
   /** POST /sandboxes-cold: the template of an OCI image at a size, built on first use (the node's builder). */
   coldTemplate?: (image: string, size: { cpuCount?: number; memoryMB?: number }) => Promise<string>;
+  /** In a cluster: whether the node takes new sandboxes, and each new sandbox's binding before its answer. */
+  placement?: Placement;
+}
+
+/**
+ * A node's place in a cluster (src/node/cluster.ts), as the create routes see it: `admit` throws
+ * (an ApiError, 503) when the node may not take a new sandbox, and `bind` makes a created sandbox's
+ * binding durable before the answer; a sandbox whose binding fails is killed and the create fails.
+ */
+export interface Placement {
+  admit(): void;
+  bind(rec: SandboxRecord): Promise<void>;
 }
 
 const rfc3339 = (ms: number) => new Date(ms).toISOString();
@@ -304,11 +316,22 @@ export function sandboxRoutes(getOrch: () => Orchestrator, o: SandboxRoutesOptio
   const orch = (): Orchestrator => getOrch();
 
   type Created = { status?: number | string; headers: Record<string, string | number> };
+  /** The new sandbox's binding (in a cluster); a sandbox that cannot be bound is killed, so no sandbox runs unrouted. */
+  const bound = async (rec: SandboxRecord): Promise<void> => {
+    if (!o.placement) return;
+    try {
+      await o.placement.bind(rec);
+    } catch (e) {
+      await orch().kill(rec.id).catch(() => {});
+      throw e;
+    }
+  };
   const create = ({ body, set }: { body: typeof NewSandbox.static; set: Created }) =>
     call(async () => {
       checkMap("metadata", body.metadata, LIMITS.metadataPairs);
       checkMap("envVars", body.envVars, LIMITS.envVars);
       checkExtensionParams(body.customExtensionParams);
+      o.placement?.admit();
       const rec = await orch().create({
         customExtensionParams: body.customExtensionParams,
         templateId: body.templateID,
@@ -320,6 +343,7 @@ export function sandboxRoutes(getOrch: () => Orchestrator, o: SandboxRoutesOptio
         allowInternetAccess: body.allow_internet_access ?? null,
         network: body.network,
       });
+      await bound(rec);
       set.status = 201;
       set.headers["x-agentenv-sandbox-id"] = rec.id;
       return sandboxBody(rec, domain);
@@ -333,6 +357,7 @@ export function sandboxRoutes(getOrch: () => Orchestrator, o: SandboxRoutesOptio
       if (body.attachedDrives?.length) throw badRequest("attachedDrives: not supported here");
       if (body.extraBootArgs?.trim()) throw badRequest("extraBootArgs: not supported here (a restored VM keeps its template's kernel command line)");
       orch(); // 503 while the node starts, before a build is asked for
+      o.placement?.admit();
       const templateID = await o.coldTemplate(body.image, { cpuCount: body.cpuCount, memoryMB: body.memoryMB });
       const { image: _i, cpuCount: _c, memoryMB: _m, diskSizeMB: _d, attachedDrives: _a, extraBootArgs: _e, allowInternetAccess, ...rest } = body;
       return create({ body: { ...rest, templateID, allow_internet_access: allowInternetAccess }, set });
@@ -521,9 +546,20 @@ export function sandboxRoutes(getOrch: () => Orchestrator, o: SandboxRoutesOptio
     })
     .post("/sandboxes/:sandboxID/fork", async ({ params, body, set }) => {
       const count = body.count ?? 1;
+      o.placement?.admit();
       const results = await call(() => orch().fork(params.sandboxID, count, body.timeout));
+      // Each child bound before the answer; one that cannot be is killed and reported as its error.
+      const out = await Promise.all(results.map(async (r) => {
+        if (!("rec" in r)) return { error: { code: r.error.status, message: r.error.message } };
+        try {
+          await bound(r.rec);
+          return { sandbox: sandboxBody(r.rec, domain) };
+        } catch (e) {
+          return { error: { code: e instanceof ApiError ? e.status : 500, message: (e as Error).message } };
+        }
+      }));
       set.status = 201;
-      return results.map((r) => "rec" in r ? { sandbox: sandboxBody(r.rec, domain) } : { error: { code: r.error.status, message: r.error.message } });
+      return out;
     }, {
       params: idParams,
       body: t.Object({ count: t.Optional(t.Integer({ minimum: 1, maximum: LIMITS.forkCount })), timeout: t.Optional(Timeout) }),

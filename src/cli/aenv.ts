@@ -7,13 +7,14 @@ import { layerCommand, layerVerbList } from "./layer.ts";
 import { UsageError } from "./args.ts";
 import { AUTH_VERB } from "./auth.ts";
 import { CP_VERB } from "./files.ts";
+import { NODE_GROUP_VERBS } from "./nodes.ts";
 import { SANDBOX_VERBS, SNAPSHOT_VERBS } from "./sandbox.ts";
 import { BUILD_VERBS, TEMPLATE_VERBS } from "./template.ts";
 import { groupCommand, verbCommand, verbLine, type Command, type Verb } from "./verbs.ts";
 
 /** The verbs that talk to a node, in the order the help lists them. */
 const NODE_VERBS: Record<string, Verb> = { auth: AUTH_VERB, ...BUILD_VERBS, ...SANDBOX_VERBS, cp: CP_VERB };
-const GROUPS: Record<string, Record<string, Verb>> = { template: TEMPLATE_VERBS, snapshot: SNAPSHOT_VERBS };
+const GROUPS: Record<string, Record<string, Verb>> = { template: TEMPLATE_VERBS, snapshot: SNAPSHOT_VERBS, node: NODE_GROUP_VERBS };
 
 const COMMANDS: Record<string, Command> = {
   layer: layerCommand,

@@ -44,8 +44,8 @@ export const unreachable = (url: string) =>
 export const keyRefused = (t: NodeTarget) =>
   new NodeError("KeyRefused", `the node refused the API key (from ${t.keyFrom}): run \`aenv auth\``, 401);
 
-export type Subject = { kind: "sandbox" | "template" | "snapshot"; id: string };
-const LISTED_BY: Record<Subject["kind"], string> = { sandbox: "aenv ls", template: "aenv template ls", snapshot: "aenv snapshot ls" };
+export type Subject = { kind: "sandbox" | "template" | "snapshot" | "node"; id: string };
+const LISTED_BY: Record<Subject["kind"], string> = { sandbox: "aenv ls", template: "aenv template ls", snapshot: "aenv snapshot ls", node: "aenv node ls" };
 export const unknown = (t: NodeTarget, s: Subject) =>
   new NodeError("NotFound", `no ${s.kind} ${s.id} on ${t.url}: \`${LISTED_BY[s.kind]}\` lists them`, 404);
 

@@ -2,6 +2,7 @@
 // with the step it is on (blockd, network slots, VMM, guest kernel, the base template) until it
 // can create sandboxes, then 200. blockd and the VMMs outlive it: a stop leaves sandboxes running.
 import { mkdirSync, readFileSync } from "node:fs";
+import { hostname } from "node:os";
 import { join } from "node:path";
 import { debianKernel, envdToolsDisk, guestCmdline, sealedLayer } from "../template/artifacts.ts";
 import { createApi } from "../api/app.ts";
@@ -17,6 +18,9 @@ import { nodeImages, remoteLayerView, type NodeRemoteLayers } from "./images.ts"
 import { RegistryAuthFiles } from "./registry_auth.ts";
 import { sandboxUpperBytes } from "./upper_usage.ts";
 import { NodePeers, facadeSocket, parsePeers } from "./peers.ts";
+import { ClusterMember } from "./cluster.ts";
+import { advertisedUrl, cachedTemplateBytes, dialableEndpoint } from "./cluster_info.ts";
+import { EtcdClient } from "../../services/etcd/client.ts";
 import { BlockdClient } from "../blockdev/client.ts";
 import { Egress, EgressProxy, SecretStore, SlotPool, defaultUplinks, hostNetworks, hostResolvers, loadOrCreateCa } from "../network/index.ts";
 import { Orchestrator, type SandboxRuntime } from "../orchestrator/orchestrator.ts";
@@ -30,6 +34,8 @@ import pkg from "../../package.json";
 
 const cfg = loadConfig();
 const { key, path: keyPath } = resolveApiKey(cfg);
+/** The node's ID: in a cluster its key in etcd, and what GET /nodes names it. */
+const nodeId = cfg.nodeId || hostname().toLowerCase().replace(/[^a-z0-9.-]/g, "-").slice(0, 63);
 mkdirSync(cfg.home, { recursive: true });
 const store = new SandboxStore(join(cfg.home, "node.db"));
 const templates = new TemplateStore(store.db);
@@ -40,6 +46,7 @@ let proxy: SandboxProxy | undefined;
 let builder: TemplateBuilder | undefined;
 let failed: string | undefined;
 let peers: NodePeers | undefined;
+let member: ClusterMember | undefined;
 const notReady = () => (orch ? undefined : failed ? `start failed at ${step}: ${failed}` : `starting: ${step}`);
 
 const app = createApi({
@@ -53,6 +60,13 @@ const app = createApi({
     return orch;
   }, {
     domain: cfg.domain || null, defaultTimeoutS: cfg.defaultTimeoutS,
+    placement: cfg.cluster.length > 0 ? {
+      admit: () => {
+        if (!member) throw new ApiError(503, notReady() ?? "joining the cluster");
+        member.admit();
+      },
+      bind: (rec) => member!.bind(rec),
+    } : undefined,
     coldTemplate: (image, size) => {
       if (!builder) throw new ApiError(503, notReady() ?? "starting");
       return builder.coldTemplate(image, size);
@@ -63,8 +77,18 @@ const app = createApi({
     return builder;
   }, { keepOpen: (req) => server.timeout(req, 0), uploadUrlTtlS: cfg.uploadUrlTtlS }))
   .use(nodeRoutes({
-    store, templates, orch: () => orch, status: () => (orch ? "ready" : failed ? "unhealthy" : "connecting"),
-    openStreams: () => proxy?.streams.count(), version: pkg.version, home: cfg.home, upperBytes: (id) => sandboxUpperBytes(cfg.home, id),
+    store, templates, orch: () => orch, status: () => (orch ? (member?.nodeStatus ?? "ready") : failed ? "unhealthy" : "connecting"),
+    changeStatus: cfg.cluster.length > 0 ? async (status, pause) => {
+      if (!member || !orch) throw new ApiError(503, notReady() ?? "joining the cluster");
+      await member.setStatus(status);
+      const out = { paused: 0, failed: [] as string[] };
+      // Drained one at a time: each pause writes its memory layer (disk-bound), and new ones are refused meanwhile.
+      if (pause) for (const r of store.all().filter((x) => x.state === "running")) {
+        await orch.pause(r.id).then(() => out.paused++, (e) => out.failed.push(`${r.id}: ${(e as Error).message}`));
+      }
+      return out;
+    } : undefined,
+    openStreams: () => proxy?.streams.count(), version: pkg.version, home: cfg.home, nodeId, upperBytes: (id) => sandboxUpperBytes(cfg.home, id),
     p2p: async () => {
       if (!peers) return undefined;
       const st = await peers.stats();
@@ -195,6 +219,25 @@ async function start(): Promise<void> {
     filesDir: join(cfg.home, "template-files"), stepsDir: join(cfg.home, "template-steps"),
     maxConcurrent: cfg.maxBuilds, buildTimeoutMs: cfg.buildTimeoutS * 1000, stepCacheBytes: cfg.stepCacheMB * 2 ** 20, images,
   });
+  if (cfg.cluster.length > 0) {
+    progress("cluster");
+    const cached = { bytes: {} as Record<string, number> };
+    const refreshCached = async () => { cached.bytes = await cachedTemplateBytes(templates.list("template").concat(templates.list("snapshot"))); };
+    await refreshCached();
+    setInterval(() => void refreshCached().catch(() => {}), 30_000).unref();
+    const apiUrl = cfg.advertiseUrl || advertisedUrl(cfg.host, server.port!);
+    member = new ClusterMember({
+      etcd: new EtcdClient(cfg.cluster), nodeId, apiUrl, version: pkg.version,
+      home: cfg.home, leaseFile: join(cfg.home, "cluster-lease"), maxSandboxes: cfg.maxSandboxes,
+      sandboxes: () => store.all(), running: () => o.runningCount(), cached: () => cached.bytes,
+      p2p: peers ? () => dialableEndpoint(peers!.worker.self(), apiUrl) : undefined,
+      onPeers: peers ? (list) => void peers!.worker.setPeers(list).catch((e) => console.error(`cluster: peers: ${(e as Error).message}`)) : undefined,
+      log: (line) => console.log(`  ${line}`),
+    });
+    o.onRemoved((id) => member!.unbind(id));
+    // Registers now when etcd answers; otherwise the node serves what it runs and keeps trying.
+    await member.start().catch((e) => console.error(`  cluster: not registered yet: ${(e as Error).message}`));
+  }
   orch = o;
   progress(`ready (${((performance.now() - t0) / 1000).toFixed(1)} s)`);
 }
@@ -208,6 +251,7 @@ for (const sig of ["SIGINT", "SIGTERM"] as const) {
   process.on(sig, async () => {
     console.log(`aenv node: ${sig}: stopping (sandboxes, blockd and VMMs keep running)`);
     const builds = builder?.close();
+    void member?.close();
     orch?.close();
     server.stop();
     // What operations left for after their answers (a pause's slot and device) is finished, and

@@ -154,6 +154,7 @@ async function giveBack(node: NodeState, id: string, list: Holding[]): Promise<v
         break;
       case "row":
         node.store.delete(id);
+        node.removed(id);
         break;
     }
   }

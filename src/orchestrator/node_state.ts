@@ -100,6 +100,8 @@ export class NodeState {
   sweptAt = 0;
   closed = false;
   readonly goneListeners: ((id: string) => void)[] = [];
+  /** Told when a sandbox's row is deleted: it no longer exists on this node (a cluster unbinds it). */
+  readonly removedListeners: ((id: string) => void)[] = [];
   /** Phase timings of recent operations (create, resume, pause, fork, snapshot). */
   readonly timings = new TimingLog();
   /** Metric samples by sandbox, at most METRICS_KEPT each; a sandbox's go when it is killed or lost. */
@@ -147,6 +149,10 @@ export class NodeState {
   envdUrl(id: string): string | undefined {
     const l = this.live.get(id);
     return l ? `http://${l.slot.nsIp}:${ENVD_PORT}` : undefined;
+  }
+
+  removed(id: string): void {
+    for (const cb of this.removedListeners) cb(id);
   }
 
   /** The proxy's listeners are told that the sandbox's VM goes away. */

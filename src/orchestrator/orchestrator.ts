@@ -85,6 +85,11 @@ export class Orchestrator {
     this.node.goneListeners.push(cb);
   }
 
+  /** `cb(id)` runs when a sandbox no longer exists here (killed, timed out, failed): its row is gone. */
+  onRemoved(cb: (id: string) => void): void {
+    this.node.removedListeners.push(cb);
+  }
+
   get(id: string): SandboxRecord {
     return this.node.sandbox(id);
   }

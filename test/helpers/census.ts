@@ -89,6 +89,17 @@ export function diffCounts(start: Counts, now: Counts): string {
 }
 
 /**
+ * The counts above their start value. A count below it is no leak (something of the start, such
+ * as a file the node had just deleted and not yet closed, went away) and is left to the log.
+ */
+export function grownCounts(start: Counts, now: Counts): string {
+  return Object.keys(start)
+    .filter((k) => (now[k] ?? 0) > (start[k] ?? 0))
+    .map((k) => `${k}: ${start[k]} at start, ${now[k]} now`)
+    .join("; ");
+}
+
+/**
  * A process's threads by name, its open files other than sockets (a client's keep-alive connection
  * is the client's), the deleted ones among them, and its anonymous memory.
  */

@@ -12,6 +12,10 @@ import { stopBlockd } from "../blockdev/harness.ts";
 import { scratchDir } from "../helpers/tmp.ts";
 import { sandboxSkipReason } from "../orchestrator/harness.ts";
 import { qemuPids, until } from "../vmm/harness.ts";
+import { NODE_ENTRY, startService } from "../../services/cluster/procs.ts";
+
+/** Lines of a test node's output kept (tests look for its start and recovery lines). */
+const NODE_LOG_LINES = 100_000;
 
 const ROOT = join(import.meta.dir, "../..");
 export const TEMPLATE_CACHE = "/var/tmp/aenv-template-cache";
@@ -94,25 +98,9 @@ export function nodeSetup(name: string, octet: number, key: string, extra: Recor
 export async function startNode(env: Record<string, string | undefined>, readyMs: number): Promise<NodeProc> {
   mkdirSync(TEMPLATE_CACHE, { recursive: true });
   // What `bun run node` runs, without a shell in between (so kill -9 reaches the node itself).
-  const proc = Bun.spawn([process.execPath, "src/node/main.ts"], { cwd: ROOT, env, stdout: "pipe", stderr: "pipe" });
-  const log: string[] = [];
-  let base = "";
-  const pump = async (s: ReadableStream<Uint8Array>) => {
-    const dec = new TextDecoder();
-    for await (const chunk of s) {
-      for (const line of dec.decode(chunk, { stream: true }).split("\n")) {
-        if (!line) continue;
-        log.push(line);
-        const m = /listening on http:\/\/127\.0\.0\.1:(\d+)/.exec(line);
-        if (m) base = `http://127.0.0.1:${m[1]}`;
-      }
-    }
-  };
-  void pump(proc.stdout as ReadableStream<Uint8Array>);
-  void pump(proc.stderr as ReadableStream<Uint8Array>);
+  const { proc, url, log } = await startService(NODE_ENTRY, env, { logLines: NODE_LOG_LINES });
+  const base = url;
   try {
-    await until(() => base !== "" || proc.exitCode !== null, 60_000, "the node prints where it listens");
-    if (!base) throw new Error(`node exited: ${log.join("\n")}`);
     // /health: 503 with the step while starting, 200 once sandboxes can be created.
     const first = await fetch(`${base}/health`);
     expect([200, 503]).toContain(first.status);

@@ -1,0 +1,116 @@
+// The cluster's keys in etcd and the records under them: what nodes, gateways and the scheduler
+// agree on. Every record is JSON, checked when read (a record that does not parse is skipped and
+// named, never trusted).
+//
+//   /aenv/nodes/{node}        NodeRecord, on the node's lease (gone ~10 s after the node is)
+//   /aenv/sandboxes/{id}      Binding: the node that owns the sandbox, fenced by that node's lease
+//   /aenv/reservations/{node} Reservations: creates in flight toward the node (compare-and-swap)
+
+export const ROOT = "/aenv/";
+export const NODES = `${ROOT}nodes/`;
+export const SANDBOXES = `${ROOT}sandboxes/`;
+export const RESERVATIONS = `${ROOT}reservations/`;
+
+export const nodeKey = (id: string) => `${NODES}${id}`;
+export const sandboxKey = (id: string) => `${SANDBOXES}${id}`;
+export const reservationsKey = (node: string) => `${RESERVATIONS}${node}`;
+
+/** Node IDs: what Kubernetes node names and hostnames allow, bounded. */
+export const NODE_ID = /^[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?$/;
+
+/** A node's lease TTL: it is gone from placement this long after its last renewal. */
+export const NODE_LEASE_TTL_S = 10;
+
+export type NodeStatus = "ready" | "draining" | "cordoned";
+
+export interface NodeRecord {
+  id: string;
+  /** Where gateways reach its API and proxy: http://ip:port. */
+  apiUrl: string;
+  status: NodeStatus;
+  version: string;
+  /** Its iroh endpoint, for peers to fetch layers from. */
+  p2p?: { id: string; addrs: string[] };
+  capacity: { cpus: number; memoryMB: number; diskFreeMB: number; maxSandboxes: number };
+  /** What it holds now (running and paused; running sandboxes' nominal CPUs and memory). */
+  used: { sandboxes: number; running: number; cpus: number; memoryMB: number };
+  /** Templates (IDs and aliases) whose layers it holds, with their bytes on its disk: the cache bonus (at most MAX_CACHED entries). */
+  cached: Record<string, number>;
+  /** When it last wrote this record (unix ms). */
+  at: number;
+}
+
+/** Bound on a node record's `cached` map (a record stays far below etcd's 1.5 MiB value limit). */
+export const MAX_CACHED = 2048;
+
+export interface Binding {
+  node: string;
+  /** The owning node's lease when it wrote the binding: its fence. */
+  lease: string;
+  templateId: string;
+  alias?: string;
+  cpuCount: number;
+  memoryMB: number;
+  diskSizeMB: number;
+  metadata: Record<string, string>;
+  envdVersion: string;
+  startedAt: number;
+  endAt: number;
+}
+
+export interface Reservation {
+  /** Unique per create (the gateway's request). */
+  id: string;
+  cpus: number;
+  memoryMB: number;
+  /** Unix ms after which it no longer counts (a gateway that died mid-create). */
+  until: number;
+}
+
+const isObj = (v: unknown): v is Record<string, unknown> => typeof v === "object" && v !== null && !Array.isArray(v);
+const isNum = (v: unknown): v is number => typeof v === "number" && Number.isFinite(v);
+
+export class RecordError extends Error {
+  override name = "RecordError";
+}
+
+function parse(text: string, what: string): Record<string, unknown> {
+  let v: unknown;
+  try {
+    v = JSON.parse(text);
+  } catch {
+    throw new RecordError(`${what}: not JSON`);
+  }
+  if (!isObj(v)) throw new RecordError(`${what}: not a JSON object`);
+  return v;
+}
+
+export function parseNode(text: string): NodeRecord {
+  const v = parse(text, "node record");
+  const cap = v.capacity, used = v.used;
+  if (typeof v.id !== "string" || !NODE_ID.test(v.id)) throw new RecordError("node record: bad id");
+  if (typeof v.apiUrl !== "string" || !/^https?:\/\/[^/]+$/.test(v.apiUrl)) throw new RecordError(`node record ${v.id}: bad apiUrl`);
+  if (v.status !== "ready" && v.status !== "draining" && v.status !== "cordoned") throw new RecordError(`node record ${v.id}: bad status`);
+  if (!isObj(cap) || !isNum(cap.cpus) || !isNum(cap.memoryMB) || !isNum(cap.diskFreeMB) || !isNum(cap.maxSandboxes)) throw new RecordError(`node record ${v.id}: bad capacity`);
+  if (!isObj(used) || !isNum(used.sandboxes) || !isNum(used.running) || !isNum(used.cpus) || !isNum(used.memoryMB)) throw new RecordError(`node record ${v.id}: bad used`);
+  if (!isObj(v.cached)) throw new RecordError(`node record ${v.id}: bad cached`);
+  return v as unknown as NodeRecord;
+}
+
+export function parseBinding(text: string): Binding {
+  const v = parse(text, "binding");
+  if (typeof v.node !== "string" || !NODE_ID.test(v.node) || typeof v.lease !== "string") throw new RecordError("binding: bad node or lease");
+  if (typeof v.templateId !== "string" || !isNum(v.startedAt) || !isNum(v.endAt) || !isObj(v.metadata)) throw new RecordError("binding: bad sandbox fields");
+  return v as unknown as Binding;
+}
+
+export function parseReservations(text: string): Reservation[] {
+  let v: unknown;
+  try {
+    v = JSON.parse(text);
+  } catch {
+    throw new RecordError("reservations: not JSON");
+  }
+  if (!Array.isArray(v)) throw new RecordError("reservations: not an array");
+  return v.filter((r): r is Reservation => isObj(r) && typeof r.id === "string" && isNum(r.cpus) && isNum(r.memoryMB) && isNum(r.until));
+}

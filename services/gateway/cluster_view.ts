@@ -1,0 +1,130 @@
+// The gateway's view of the cluster: live nodes and sandbox bindings, loaded once and then kept by
+// one etcd watch on the cluster's prefix. A binding the view lacks is read from etcd (a quorum
+// read) before a request is answered 404, so a create answered a moment ago routes at once.
+import { EtcdClient, EtcdError, type KeyValue } from "../etcd/client.ts";
+import { NODES, ROOT, SANDBOXES, parseBinding, parseNode, sandboxKey, type Binding, type NodeRecord } from "../etcd/records.ts";
+
+/** Bindings kept in memory; past it new ones are read from etcd at each use (a cluster of 256 nodes × 4096 sandboxes fits). */
+export const MAX_CACHED_BINDINGS = 1 << 20;
+/** The watch broken for longer than this makes /health 503 (the view may be stale). */
+const STALE_AFTER_MS = 15_000;
+
+export type Owner =
+  | { kind: "live"; node: NodeRecord; binding: Binding }
+  | { kind: "lost"; nodeId: string; binding: Binding }
+  | { kind: "none" };
+
+export class ClusterView {
+  readonly nodes = new Map<string, NodeRecord>();
+  readonly bindings = new Map<string, Binding>();
+  private loaded = false;
+  private brokenSince: number | undefined;
+  private lastError = "";
+  private watch: { close(): void } | undefined;
+
+  constructor(readonly etcd: EtcdClient, private readonly log: (line: string) => void = () => {}) {}
+
+  /** Loads nodes and bindings, then follows changes. Retries until etcd answers. */
+  async start(): Promise<void> {
+    for (;;) {
+      try {
+        const rev = await this.load();
+        this.watch = this.etcd.watch(ROOT, rev + 1, {
+          events: (events) => {
+            this.brokenSince = undefined;
+            for (const e of events) this.apply(e.type, e.kv);
+          },
+          resync: () => this.load(),
+          broken: (e) => {
+            this.brokenSince ??= performance.now();
+            this.lastError = e.message;
+          },
+        });
+        return;
+      } catch (e) {
+        this.lastError = (e as Error).message;
+        this.log(`gateway: etcd: ${this.lastError}; retrying`);
+        await Bun.sleep(1000);
+      }
+    }
+  }
+
+  close(): void {
+    this.watch?.close();
+  }
+
+  /** Why the gateway cannot route now, or undefined when it can. */
+  notReady(): string | undefined {
+    if (!this.loaded) return `loading the cluster's state from etcd${this.lastError ? ` (${this.lastError})` : ""}`;
+    if (this.brokenSince !== undefined && performance.now() - this.brokenSince > STALE_AFTER_MS) return `etcd watch broken for ${Math.round((performance.now() - this.brokenSince) / 1000)} s: ${this.lastError}`;
+    return undefined;
+  }
+
+  private async load(): Promise<number> {
+    const nodes = await this.etcd.range(NODES, { prefix: true });
+    const bindings = await this.etcd.range(SANDBOXES, { prefix: true });
+    this.nodes.clear();
+    for (const kv of nodes.kvs) this.apply("put", kv);
+    this.bindings.clear();
+    for (const kv of bindings.kvs) this.apply("put", kv);
+    this.loaded = true;
+    return Math.max(nodes.revision, bindings.revision);
+  }
+
+  private apply(type: "put" | "delete", kv: KeyValue): void {
+    if (kv.key.startsWith(NODES)) {
+      const id = kv.key.slice(NODES.length);
+      if (type === "delete") this.nodes.delete(id);
+      else {
+        try {
+          this.nodes.set(id, parseNode(kv.value));
+        } catch (e) {
+          this.log(`gateway: ${kv.key}: ${(e as Error).message}; ignored`);
+        }
+      }
+    } else if (kv.key.startsWith(SANDBOXES)) {
+      const id = kv.key.slice(SANDBOXES.length);
+      if (type === "delete") this.bindings.delete(id);
+      else if (this.bindings.size < MAX_CACHED_BINDINGS || this.bindings.has(id)) {
+        try {
+          this.bindings.set(id, parseBinding(kv.value));
+        } catch (e) {
+          this.log(`gateway: ${kv.key}: ${(e as Error).message}; ignored`);
+        }
+      }
+    }
+  }
+
+  /** A binding learnt from a create's answer, before the watch brings it. */
+  learn(id: string, b: Binding): void {
+    if (this.bindings.size < MAX_CACHED_BINDINGS) this.bindings.set(id, b);
+  }
+
+  forget(id: string): void {
+    this.bindings.delete(id);
+  }
+
+  /** Who owns sandbox `id`: a live node, a node whose lease is gone, or nobody (after a quorum read). */
+  async owner(id: string): Promise<Owner> {
+    let b = this.bindings.get(id);
+    if (!b) {
+      const kv = await this.etcd.get(sandboxKey(id));
+      if (!kv) return { kind: "none" };
+      b = parseBinding(kv.value);
+      this.learn(id, b);
+    }
+    const node = this.nodes.get(b.node);
+    return node ? { kind: "live", node, binding: b } : { kind: "lost", nodeId: b.node, binding: b };
+  }
+
+  liveNodes(): NodeRecord[] {
+    return [...this.nodes.values()];
+  }
+
+  /** Bindings whose node has no live record: their sandboxes are lost (listed so, never silently gone). */
+  lost(): [string, Binding][] {
+    return [...this.bindings].filter(([, b]) => !this.nodes.has(b.node));
+  }
+}
+
+export { EtcdError };

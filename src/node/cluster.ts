@@ -1,0 +1,301 @@
+// A node in a cluster (AENV_CLUSTER, docs/cluster.md): it registers `nodes/{id}` on a lease it
+// renews every RENEW_MS, writes each sandbox's binding before the create's answer (fenced by that
+// lease), and deletes it when the sandbox is gone. A node whose lease is lost takes no new
+// sandboxes (503), keeps the ones it runs, and registers again when etcd answers; on registering
+// it re-binds its sandboxes to its new lease. It never kills a sandbox over a binding.
+import { readFile, rename, statfs, writeFile } from "node:fs/promises";
+import { cpus, totalmem } from "node:os";
+import { ApiError } from "../api/errors.ts";
+import type { Placement } from "../api/sandboxes.ts";
+import type { SandboxRecord } from "../orchestrator/store.ts";
+import { EtcdClient, EtcdError, cmp, op } from "../../services/etcd/client.ts";
+import {
+  MAX_CACHED, NODES, NODE_LEASE_TTL_S, nodeKey, parseBinding, parseNode, sandboxKey,
+  type Binding, type NodeRecord, type NodeStatus,
+} from "../../services/etcd/records.ts";
+
+/** Lease renewals: three within a TTL, so one slow renewal never costs the lease. */
+const RENEW_MS = 3_000;
+/** Unbinds that failed (etcd away) and wait for the next pass; past it the oldest is dropped (a re-register re-reads every binding). */
+const MAX_PENDING_UNBINDS = 4096;
+/** Changes (a bind, an unbind) reach the node's record within this, coalesced. */
+const RECORD_SOON_MS = 200;
+
+export interface ClusterMemberOptions {
+  etcd: EtcdClient;
+  nodeId: string;
+  apiUrl: string;
+  version: string;
+  home: string;
+  /** Where the lease ID is kept, so a restarted node takes its live lease back instead of waiting out its TTL. */
+  leaseFile: string;
+  maxSandboxes: number;
+  /** Every sandbox the node holds (running and paused). */
+  sandboxes: () => SandboxRecord[];
+  running: () => number;
+  /** Templates' IDs and aliases with the bytes of their layers on this node. */
+  cached: () => Record<string, number>;
+  /** This node's iroh endpoint, when it has one. */
+  p2p?: () => { id: string; addrs: string[] } | undefined;
+  /** Called with the other nodes' iroh endpoints whenever they change. */
+  onPeers?: (peers: { id: string; addrs: string[] }[]) => void;
+  log?: (line: string) => void;
+}
+
+export class ClusterMember implements Placement {
+  private lease: string | undefined;
+  private status: NodeStatus = "ready";
+  private lastError = "not registered yet";
+  private timer: ReturnType<typeof setTimeout> | undefined;
+  private closed = false;
+  private readonly pendingUnbinds = new Set<string>();
+  private peersSeen = "";
+
+  constructor(private readonly o: ClusterMemberOptions) {}
+
+  /** Registers now if etcd answers (else keeps trying every RENEW_MS), then renews for as long as the node runs. */
+  async start(): Promise<void> {
+    await this.pass();
+    const loop = async () => {
+      if (this.closed) return;
+      await this.pass().catch((e) => this.o.log?.(`cluster: ${(e as Error).message}`));
+      if (!this.closed) this.timer = setTimeout(loop, RENEW_MS);
+    };
+    this.timer = setTimeout(loop, RENEW_MS);
+  }
+
+  /** Whether this node holds a live lease now. */
+  get registered(): boolean {
+    return this.lease !== undefined;
+  }
+
+  get nodeStatus(): NodeStatus {
+    return this.status;
+  }
+
+  /** ready, draining (no new placements; its sandboxes stay) or cordoned; written at once. */
+  async setStatus(s: NodeStatus): Promise<void> {
+    this.status = s;
+    if (this.lease) await this.writeRecord();
+  }
+
+  /** Placement: whether this node may take a new sandbox now (503 with the reason when not). */
+  admit(): void {
+    if (!this.lease) throw new ApiError(503, `node ${this.o.nodeId} is not in the cluster: ${this.lastError}; it takes no new sandboxes until it registers again`);
+    if (this.status !== "ready") throw new ApiError(503, `node ${this.o.nodeId} is ${this.status}: it takes no new sandboxes`);
+  }
+
+  /** Placement: the sandbox's binding, written before the create's answer, fenced by this node's lease. */
+  async bind(rec: SandboxRecord): Promise<void> {
+    const lease = this.lease;
+    if (!lease) throw new ApiError(503, `node ${this.o.nodeId} lost its cluster lease: ${this.lastError}`);
+    const key = sandboxKey(rec.id);
+    const value = JSON.stringify(this.bindingOf(rec, lease));
+    let r;
+    try {
+      r = await this.o.etcd.txn([cmp.absent(key), cmp.lease(nodeKey(this.o.nodeId), lease)], [op.put(key, value)], [op.get(key)]);
+    } catch (e) {
+      throw new ApiError(503, `the cluster store did not take sandbox ${rec.id}'s binding: ${(e as Error).message}`);
+    }
+    if (r.succeeded) {
+      this.recordSoon();
+      return;
+    }
+    const held = r.gets[0]?.[0];
+    if (held && parseBinding(held.value).node === this.o.nodeId) return; // a retry of our own write
+    throw new ApiError(held ? 409 : 503, held ? `sandbox ${rec.id} is bound to another node` : `node ${this.o.nodeId}'s lease expired while binding sandbox ${rec.id}`);
+  }
+
+  private recordTimer: ReturnType<typeof setTimeout> | undefined;
+  /** The record's counts written within RECORD_SOON_MS of a change, so placements see a create before the next renewal. */
+  private recordSoon(): void {
+    if (this.recordTimer || !this.lease) return;
+    this.recordTimer = setTimeout(() => {
+      this.recordTimer = undefined;
+      if (this.lease && !this.closed) void this.writeRecord().catch(() => {});
+    }, RECORD_SOON_MS);
+  }
+
+  /** The sandbox is gone from this node: its binding goes (retried on later passes while etcd is away). */
+  unbind(id: string): void {
+    this.recordSoon();
+    void this.deleteBinding(id).catch(() => {
+      if (this.pendingUnbinds.size >= MAX_PENDING_UNBINDS) this.pendingUnbinds.delete(this.pendingUnbinds.values().next().value!);
+      this.pendingUnbinds.add(id);
+    });
+  }
+
+  private async deleteBinding(id: string): Promise<void> {
+    const key = sandboxKey(id);
+    const kv = await this.o.etcd.get(key);
+    if (!kv) return;
+    let b: Binding;
+    try {
+      b = parseBinding(kv.value);
+    } catch {
+      return;
+    }
+    if (b.node !== this.o.nodeId) return; // another node owns it now
+    await this.o.etcd.txn([cmp.modRevision(key, kv.modRevision)], [op.del(key)]);
+  }
+
+  private bindingOf(rec: SandboxRecord, lease: string): Binding {
+    return {
+      node: this.o.nodeId, lease, templateId: rec.templateId, ...(rec.alias ? { alias: rec.alias } : {}),
+      cpuCount: rec.cpuCount, memoryMB: rec.memoryMB, diskSizeMB: rec.diskSizeMB, metadata: rec.metadata,
+      envdVersion: rec.envdVersion, startedAt: rec.startedAt, endAt: rec.endAt,
+    };
+  }
+
+  /** One renewal: keep the lease (or register anew), refresh the record, retry unbinds, follow peers. */
+  private async pass(): Promise<void> {
+    try {
+      if (this.lease) {
+        const ttl = await this.o.etcd.leaseKeepAlive(this.lease);
+        if (ttl <= 0) {
+          this.lastError = "its lease expired (etcd was out of reach for longer than the TTL)";
+          this.o.log?.(`cluster: node ${this.o.nodeId}: ${this.lastError}; registering again`);
+          this.lease = undefined;
+        }
+      }
+      if (!this.lease) await this.register();
+      else await this.writeRecord();
+      for (const id of [...this.pendingUnbinds]) {
+        await this.deleteBinding(id);
+        this.pendingUnbinds.delete(id);
+      }
+      await this.followPeers();
+    } catch (e) {
+      this.lastError = e instanceof EtcdError ? `etcd: ${e.message}` : (e as Error).message;
+      // A lease etcd has not confirmed for a TTL is as good as gone: no new sandboxes until it is.
+      if (this.lease && performance.now() - this.renewedAt > NODE_LEASE_TTL_S * 1000) {
+        this.o.log?.(`cluster: node ${this.o.nodeId}: no renewal for ${NODE_LEASE_TTL_S} s (${this.lastError}); taking no new sandboxes`);
+        this.lease = undefined;
+      }
+      throw e;
+    }
+    this.renewedAt = performance.now();
+  }
+
+  private renewedAt = performance.now();
+
+  /** The lease a previous run of this node left, when it is still live and still holds the node's record. */
+  private async leftLease(): Promise<string | undefined> {
+    const left = await readFile(this.o.leaseFile, "utf8").then((t) => t.trim(), () => "");
+    if (!/^\d{1,20}$/.test(left)) return undefined;
+    if ((await this.o.etcd.leaseKeepAlive(left)) <= 0) return undefined;
+    const kv = await this.o.etcd.get(nodeKey(this.o.nodeId));
+    return kv?.lease === left ? left : undefined;
+  }
+
+  private async register(): Promise<void> {
+    const key = nodeKey(this.o.nodeId);
+    const left = await this.leftLease();
+    if (left) {
+      this.lease = left;
+      await this.writeRecord();
+      this.renewedAt = performance.now();
+      this.o.log?.(`cluster: node ${this.o.nodeId} took its lease back (${left}, ${this.o.apiUrl})`);
+      await this.rebind(left);
+      return;
+    }
+    const lease = await this.o.etcd.leaseGrant(NODE_LEASE_TTL_S);
+    // One process per node ID: a record on another live lease is another process.
+    const r = await this.o.etcd.txn([cmp.absent(key)], [op.put(key, JSON.stringify(await this.record()), lease)], [op.get(key)]);
+    if (!r.succeeded) {
+      await this.o.etcd.leaseRevoke(lease).catch(() => {});
+      throw new EtcdError("rejected", `node ID ${this.o.nodeId} is registered by another process (its lease has not expired); retrying`);
+    }
+    this.lease = lease;
+    this.renewedAt = performance.now();
+    const tmp = `${this.o.leaseFile}.tmp`;
+    await writeFile(tmp, lease + "\n", { mode: 0o600 });
+    await rename(tmp, this.o.leaseFile);
+    this.o.log?.(`cluster: node ${this.o.nodeId} registered (lease ${lease}, ${this.o.apiUrl})`);
+    await this.rebind(lease);
+  }
+
+  /** After registering: every sandbox this node holds is bound to it under the new lease; one another node owns is left (and logged). */
+  private async rebind(lease: string): Promise<void> {
+    for (const rec of this.o.sandboxes()) {
+      if (rec.state === "creating" || rec.state === "killing") continue;
+      const key = sandboxKey(rec.id);
+      const value = JSON.stringify(this.bindingOf(rec, lease));
+      const kv = await this.o.etcd.get(key);
+      if (!kv) {
+        await this.o.etcd.txn([cmp.absent(key), cmp.lease(nodeKey(this.o.nodeId), lease)], [op.put(key, value)]);
+        continue;
+      }
+      let owner: string | undefined;
+      try {
+        owner = parseBinding(kv.value).node;
+      } catch { /* unreadable: ours to rewrite */ }
+      if (owner !== undefined && owner !== this.o.nodeId) {
+        this.o.log?.(`cluster: sandbox ${rec.id} is bound to node ${owner}; this node keeps its copy and does not route it`);
+        continue;
+      }
+      await this.o.etcd.txn([cmp.modRevision(key, kv.modRevision), cmp.lease(nodeKey(this.o.nodeId), lease)], [op.put(key, value)]);
+    }
+  }
+
+  private async writeRecord(): Promise<void> {
+    const lease = this.lease!;
+    const key = nodeKey(this.o.nodeId);
+    const r = await this.o.etcd.txn([cmp.lease(key, lease)], [op.put(key, JSON.stringify(await this.record()), lease)]);
+    if (!r.succeeded) {
+      this.lastError = "its record was gone (lease expired)";
+      this.lease = undefined;
+    }
+  }
+
+  private async record(): Promise<NodeRecord> {
+    const all = this.o.sandboxes();
+    const running = all.filter((r) => r.state !== "paused" && r.state !== "pausing");
+    let diskFreeMB = 0;
+    try {
+      const s = await statfs(this.o.home);
+      diskFreeMB = Math.floor((s.bavail * s.bsize) / 2 ** 20);
+    } catch { /* unknown: 0 */ }
+    const cached = Object.fromEntries(Object.entries(this.o.cached()).slice(0, MAX_CACHED));
+    return {
+      id: this.o.nodeId, apiUrl: this.o.apiUrl, status: this.status, version: this.o.version,
+      ...(this.o.p2p?.() ? { p2p: this.o.p2p()! } : {}),
+      capacity: { cpus: cpus().length, memoryMB: Math.floor(totalmem() / 2 ** 20), diskFreeMB, maxSandboxes: this.o.maxSandboxes },
+      used: {
+        sandboxes: all.length, running: this.o.running(),
+        cpus: running.reduce((n, r) => n + r.cpuCount, 0), memoryMB: running.reduce((n, r) => n + r.memoryMB, 0),
+      },
+      cached, at: Date.now(),
+    };
+  }
+
+  /** The other nodes' iroh endpoints from their records: the node's peers (no static list needed). */
+  private async followPeers(): Promise<void> {
+    if (!this.o.onPeers) return;
+    const { kvs } = await this.o.etcd.range(NODES, { prefix: true, serializable: true });
+    const peers: { id: string; addrs: string[] }[] = [];
+    for (const kv of kvs) {
+      try {
+        const n = parseNode(kv.value);
+        if (n.id !== this.o.nodeId && n.p2p) peers.push(n.p2p);
+      } catch { /* skipped */ }
+    }
+    peers.sort((a, b) => a.id.localeCompare(b.id));
+    const seen = JSON.stringify(peers);
+    if (seen === this.peersSeen) return;
+    this.peersSeen = seen;
+    this.o.onPeers(peers);
+  }
+
+  /**
+   * Stops renewing. The lease is kept (the sandboxes keep running, and a restart within its TTL
+   * takes it back); `leave` gives it back, so the record goes at once.
+   */
+  async close(o: { leave?: boolean } = {}): Promise<void> {
+    this.closed = true;
+    clearTimeout(this.timer);
+    clearTimeout(this.recordTimer);
+    if (o.leave && this.lease) await this.o.etcd.leaseRevoke(this.lease).catch(() => {});
+    this.lease = undefined;
+  }
+}

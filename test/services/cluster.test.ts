@@ -1,0 +1,217 @@
+// The cluster end to end with real processes: three etcd members (Debian's etcd-server), two
+// nodes (`bun run node`, real VMs) and two gateways (`bun run gateway`), driven by the stock e2b
+// SDK through a gateway. Then the failures: a gateway killed, etcd's leader killed and its quorum
+// lost, a node process killed and restarted, a node killed whole (its sandboxes listed as lost),
+// and two gateways racing for a node's last slots.
+import { afterAll, beforeAll, describe, expect, test } from "bun:test";
+import { Sandbox, SandboxNotFoundError } from "e2b";
+import { EtcdMembers } from "../../services/cluster/etcd.ts";
+import { GATEWAY_ENTRY, startService, type ServiceProc } from "../../services/cluster/procs.ts";
+import { EtcdClient } from "../../services/etcd/client.ts";
+import { NODES, SANDBOXES, parseBinding, parseNode } from "../../services/etcd/records.ts";
+import { scratchDir } from "../helpers/tmp.ts";
+import { qemuPids } from "../vmm/harness.ts";
+import { FIRST_START_MS, nodeSetup, nodeSkipReason, startNode, stopNode, until, type NodeProc, type NodeSetup } from "../node/harness.ts";
+import { freePortBase } from "./harness.ts";
+
+const skip = nodeSkipReason() ?? (Bun.which("etcd") ? undefined : "etcd is missing (Debian's etcd-server, see .ci/deps)");
+const KEY = "e2b_" + "c1".repeat(20);
+
+describe.skipIf(!!skip)("a cluster: etcd, two nodes, two gateways, the stock e2b SDK", () => {
+  if (skip) return void test.skip(skip!, () => {});
+  const etcdDir = scratchDir("cluster-etcd");
+  let etcd: EtcdMembers;
+  let client: EtcdClient;
+  const setups: NodeSetup[] = [];
+  const nodes: (NodeProc | undefined)[] = [];
+  const gateways: (ServiceProc | undefined)[] = [];
+  const opts = (g = 0) => ({ apiKey: KEY, apiUrl: gateways[g]!.url, sandboxUrl: gateways[g]!.url, requestTimeoutMs: 180_000 });
+  const gatewayEnv = () => ({ ...process.env, AENV_CLUSTER: etcd.endpoints, AENV_API_KEY: KEY, HOST: "127.0.0.1", PORT: "0" });
+  const metric = async (g: number, name: string) => {
+    const text = await (await fetch(`${gateways[g]!.url}/metrics`)).text();
+    return Number(new RegExp(`^${name} (\\d+)$`, "m").exec(text)?.[1] ?? NaN);
+  };
+  const bindingOf = async (id: string) => {
+    const kv = await client.get(`${SANDBOXES}${id}`);
+    return kv ? parseBinding(kv.value) : undefined;
+  };
+  const startClusterNode = (i: number) => startNode(setups[i]!.env, FIRST_START_MS);
+
+  beforeAll(async () => {
+    etcd = await EtcdMembers.start({ dir: etcdDir, members: 3, host: "127.0.0.1", basePort: await freePortBase(6) });
+    client = EtcdClient.parse(etcd.endpoints);
+    for (const [i, octet] of [[0, 245], [1, 246]] as const) {
+      setups[i] = nodeSetup(`cl${"ab"[i]}`, octet, KEY, { AENV_CLUSTER: etcd.endpoints, AENV_NODE_ID: `n${i + 1}`, AENV_MAX_SANDBOXES: "3", AENV_REAPER_INTERVAL_MS: "200" });
+    }
+    // One at a time: the first start may build the base template into the shared cache.
+    for (let i = 0; i < 2; i++) nodes[i] = await startClusterNode(i);
+    for (let g = 0; g < 2; g++) gateways[g] = await startService(GATEWAY_ENTRY, gatewayEnv());
+    await until(async () => (await metric(0, "aenv_gateway_nodes")) === 2 && (await metric(1, "aenv_gateway_nodes")) === 2, 30_000, "both gateways see both nodes");
+  }, 2 * FIRST_START_MS);
+
+  afterAll(async () => {
+    for (const g of gateways) g?.proc.kill(9);
+    for (let i = 0; i < 2; i++) if (setups[i]) await stopNode(nodes[i], setups[i]!);
+    client?.close();
+    await etcd?.stop();
+  }, 180_000);
+
+  test("each node registered on a lease with its address, capacity and p2p endpoint", async () => {
+    const { kvs } = await client.range(NODES, { prefix: true });
+    const recs = kvs.map((kv) => parseNode(kv.value)).sort((a, b) => a.id.localeCompare(b.id));
+    expect(recs.map((r) => r.id)).toEqual(["n1", "n2"]);
+    for (const [i, r] of recs.entries()) {
+      expect(r.apiUrl).toBe(nodes[i]!.base);
+      expect(r.status).toBe("ready");
+      expect(r.capacity.maxSandboxes).toBe(3);
+      expect(r.cached.base).toBeGreaterThan(0);
+      expect(kvs.find((kv) => kv.key === `${NODES}${r.id}`)!.lease).not.toBe("0");
+    }
+    // The gateway's Swagger is the node's document.
+    const doc = (await (await fetch(`${gateways[0]!.url}/swagger/json`)).json()) as { paths: Record<string, unknown> };
+    expect(Object.keys(doc.paths)).toEqual(expect.arrayContaining(["/v2/sandboxes", "/sandboxes/{sandboxID}/fork"]));
+    expect((await fetch(`${gateways[0]!.url}/v2/sandboxes`)).status).toBe(401);
+  });
+
+  let a: Sandbox;
+  let b: Sandbox;
+  test("through a gateway: create, commands, files, list once each, pause, resume, fork, kill", async () => {
+    a = await Sandbox.create({ ...opts(0), metadata: { suite: "cluster", n: "a" } });
+    b = await Sandbox.create({ ...opts(1), metadata: { suite: "cluster", n: "b" } });
+    expect((await a.commands.run("echo from-a")).stdout).toBe("from-a\n");
+    await b.files.write("/tmp/x", "bee");
+    expect(await b.files.read("/tmp/x")).toBe("bee");
+    // Bound before the create answered, to the node that runs it.
+    const ba = (await bindingOf(a.sandboxId))!;
+    expect(["n1", "n2"]).toContain(ba.node);
+    const listed = await Sandbox.list({ ...opts(1), query: { metadata: { suite: "cluster" } } }).nextItems();
+    expect(listed.map((s) => s.sandboxId).sort()).toEqual([a.sandboxId, b.sandboxId].sort());
+    // A page of one: both pages together hold each sandbox once.
+    const pager = Sandbox.list({ ...opts(0), limit: 1, query: { metadata: { suite: "cluster" } } });
+    const seen: string[] = [];
+    while (pager.hasNext) seen.push(...(await pager.nextItems()).map((s) => s.sandboxId));
+    expect(seen.sort()).toEqual([a.sandboxId, b.sandboxId].sort());
+
+    await a.pause();
+    expect((await Sandbox.getInfo(a.sandboxId, opts(1))).state).toBe("paused");
+    const resumed = await Sandbox.connect(a.sandboxId, opts(1));
+    expect((await resumed.commands.run("echo back")).stdout).toBe("back\n");
+
+    const r = await fetch(`${gateways[1]!.url}/sandboxes/${b.sandboxId}/fork`, { method: "POST", headers: { "x-api-key": KEY, "content-type": "application/json" }, body: JSON.stringify({ count: 1 }) });
+    expect(r.status).toBe(201);
+    const [child] = (await r.json()) as { sandbox: { sandboxID: string } }[];
+    const c = await Sandbox.connect(child!.sandbox.sandboxID, opts(0));
+    expect(await c.files.read("/tmp/x")).toBe("bee");
+    expect((await bindingOf(c.sandboxId))!.node).toBe((await bindingOf(b.sandboxId))!.node);
+    await c.kill();
+    // The node deletes the binding once the sandbox's row is gone.
+    await until(async () => (await bindingOf(c.sandboxId)) === undefined, 10_000, "the killed child's binding is gone");
+    await expect(Sandbox.getInfo(c.sandboxId, opts(0))).rejects.toBeInstanceOf(SandboxNotFoundError);
+  }, 300_000);
+
+  test("kill -9 of a gateway during traffic: the other answers; a restarted one routes at once", async () => {
+    const loop = (async () => {
+      let ok = 0;
+      for (let i = 0; i < 20; i++) {
+        ok += (await a.commands.run(`echo ${i}`)).stdout === `${i}\n` ? 1 : 0;
+      }
+      return ok;
+    })().catch(() => -1); // calls in flight on the killed gateway may fail; none may hang
+    gateways[0]!.proc.kill(9);
+    await gateways[0]!.proc.exited;
+    // The SDK's sandbox `a` was made through gateway 0; its traffic now goes through gateway 1.
+    const viaOther = await Sandbox.connect(a.sandboxId, opts(1));
+    expect((await viaOther.commands.run("echo other")).stdout).toBe("other\n");
+    await loop;
+    gateways[0] = await startService(GATEWAY_ENTRY, gatewayEnv());
+    await until(async () => (await fetch(`${gateways[0]!.url}/health`)).status === 200, 15_000, "restarted gateway healthy");
+    const again = await Sandbox.connect(a.sandboxId, opts(0));
+    expect((await again.commands.run("echo restarted")).stdout).toBe("restarted\n");
+    a = again;
+  }, 180_000);
+
+  test("etcd: the leader killed, creates go on; quorum lost, creates answer 503 and sandboxes stay reachable; quorum back, all resumes", async () => {
+    const leader = (await etcd.leader())!;
+    await etcd.kill(leader);
+    const t0 = performance.now();
+    const s = await Sandbox.create({ ...opts(0), metadata: { suite: "cluster", n: "leaderless" } });
+    console.log(`  create with etcd's leader killed: ${Math.round(performance.now() - t0)} ms`);
+    expect(await bindingOf(s.sandboxId)).toBeDefined();
+    await s.kill();
+    etcd.restart(leader);
+    await etcd.healthy(30_000);
+    // Two of three down: no quorum.
+    const others = [0, 1, 2].filter((i) => i !== leader).slice(0, 2);
+    for (const i of others) await etcd.kill(i);
+    const r = await fetch(`${gateways[0]!.url}/v2/sandboxes`, { method: "POST", headers: { "x-api-key": KEY, "content-type": "application/json" }, body: JSON.stringify({ templateID: "base" }) });
+    expect(r.status).toBe(503);
+    const body = (await r.json()) as { code: number; message: string };
+    expect(body.code).toBe(503);
+    expect(body.message).toMatch(/etcd|cluster/);
+    // Running sandboxes answer through the gateway's view.
+    expect((await a.commands.run("echo still")).stdout).toBe("still\n");
+    for (const i of others) etcd.restart(i);
+    await etcd.healthy(30_000);
+    // The nodes' leases may have lapsed: they register again and take creates.
+    await until(async () => {
+      const x = await Sandbox.create({ ...opts(1), metadata: { suite: "cluster", n: "after" } }).catch(() => undefined);
+      if (x) await x.kill();
+      return x !== undefined;
+    }, 60_000, "a create after quorum is back");
+    expect((await bindingOf(a.sandboxId))?.node).toBeDefined();
+  }, 240_000);
+
+  test("kill -9 of a node process: its sandbox keeps running; restarted, the node takes it back and it routes again", async () => {
+    const owner = (await bindingOf(a.sandboxId))!.node;
+    const i = owner === "n1" ? 0 : 1;
+    nodes[i]!.proc.kill(9);
+    await nodes[i]!.proc.exited;
+    expect(qemuPids(setups[i]!.runDir).length).toBeGreaterThan(0);
+    nodes[i] = await startClusterNode(i);
+    // The gateways learn its address again from its record.
+    await until(async () => {
+      const r = await a.commands.run("echo adopted").catch(() => undefined);
+      return r?.stdout === "adopted\n";
+    }, 60_000, "sandbox a answers through the gateway after its node restarted");
+    expect((await bindingOf(a.sandboxId))!.node).toBe(owner);
+  }, 240_000);
+
+  test("two gateways create on a nearly full node at once: never more than its max; each create answered 201 or 429", async () => {
+    // n1 and n2 hold 3 each; what runs now is `a` (and b). Fill up with creates racing through both gateways.
+    const before = (await Sandbox.list({ ...opts(0), query: { state: ["running", "paused"] } }).nextItems()).length;
+    const free = 6 - before;
+    const tries = free + 2;
+    const results = await Promise.all(Array.from({ length: tries }, (_, k) =>
+      fetch(`${gateways[k % 2]!.url}/v2/sandboxes`, { method: "POST", headers: { "x-api-key": KEY, "content-type": "application/json" }, body: JSON.stringify({ templateID: "base", metadata: { suite: "cluster", n: "race" } }) })
+        .then(async (r) => ({ status: r.status, body: (await r.json()) as { sandboxID?: string } }))));
+    const created = results.filter((r) => r.status === 201);
+    expect(results.every((r) => r.status === 201 || r.status === 429)).toBe(true);
+    expect(created.length).toBe(free);
+    for (const n of await Promise.all([0, 1].map(async (k) => (await (await fetch(`${nodes[k]!.base}/v2/sandboxes`, { headers: { "x-api-key": KEY } })).json()) as unknown[])))
+      expect(n.length).toBeLessThanOrEqual(3);
+    for (const c of created) await Sandbox.kill(c.body.sandboxID!, opts(0));
+  }, 300_000);
+
+  test("a node killed whole (process, VMs): its lease expires and its sandboxes are listed as lost", async () => {
+    const owner = (await bindingOf(b.sandboxId))!.node;
+    const i = owner === "n1" ? 0 : 1;
+    nodes[i]!.proc.kill(9);
+    await nodes[i]!.proc.exited;
+    for (const pid of qemuPids(setups[i]!.runDir)) try { process.kill(pid, "SIGKILL"); } catch {}
+    await until(async () => (await metric(0, "aenv_gateway_nodes")) === 1, 30_000, "the node's lease expired");
+    const r = await fetch(`${gateways[0]!.url}/v2/sandboxes?metadata=${encodeURIComponent("suite=cluster")}`, { headers: { "x-api-key": KEY } });
+    const listed = (await r.json()) as { sandboxID: string; state: string }[];
+    expect(listed.find((s) => s.sandboxID === b.sandboxId)?.state).toBe("lost");
+    const info = await fetch(`${gateways[1]!.url}/sandboxes/${b.sandboxId}`, { headers: { "x-api-key": KEY } });
+    expect(info.status).toBe(502);
+    expect(((await info.json()) as { message: string }).message).toMatch(/lost/);
+    // A kill forgets it.
+    expect((await fetch(`${gateways[1]!.url}/sandboxes/${b.sandboxId}`, { method: "DELETE", headers: { "x-api-key": KEY } })).status).toBe(204);
+    expect(await bindingOf(b.sandboxId)).toBeUndefined();
+    // Creates go to the node that is left.
+    const s = await Sandbox.create({ ...opts(0), metadata: { suite: "cluster", n: "survivor" } });
+    expect((await bindingOf(s.sandboxId))!.node).not.toBe(owner);
+    await s.kill();
+    nodes[i] = undefined;
+  }, 180_000);
+});
