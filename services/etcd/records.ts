@@ -56,6 +56,8 @@ export interface Binding {
   envdVersion: string;
   startedAt: number;
   endAt: number;
+  /** Set while the sandbox is paused and its export is complete in the shared snapshot store: another node may take it. */
+  exported?: boolean;
 }
 
 export interface Reservation {

@@ -51,14 +51,41 @@ export function gatewayApp(o: GatewayAppOptions) {
     if (params.sandboxID !== undefined) return sandboxes.byId(req, pq, params.sandboxID, body);
     if (key === "GET /snapshots") return sandboxes.listUnion(req, pq, "snapshotID");
     if (key === "GET /templates" || key === "GET /v2/templates") return sandboxes.listUnion(req, pq, "templateID");
-    if (key === "GET /nodes") return sandboxes.listUnion(req, pq, "nodeID");
+    if (key === "GET /nodes") return sandboxes.listUnion(req, pq, "id");
     if (params.nodeID !== undefined) {
       const node = view.nodes.get(params.nodeID);
       if (!node) throw notFound(`node ${params.nodeID} not found`);
       return passOn(await callNode(node, req, pq, body, NODE_LIST_TIMEOUT_MS));
     }
+    if (key === "PUT /templates/:templateID/files/:hash") return upload(req, pq, params.templateID!, params.hash!);
     // Templates, snapshots and builds: the first node that knows the ID answers.
-    return sandboxes.firstKnowing(req, pq, body);
+    const r = await sandboxes.firstKnowing(req, pq, body);
+    if (key === "GET /templates/:templateID/files/:hash" && r.status === 201) {
+      // The upload URL the node signed names the node: the client uploads through this gateway instead.
+      const out = (await r.json()) as { present: boolean; url: string };
+      const u = new URL(out.url);
+      return Response.json({ ...out, url: `${url.origin}${u.pathname}${u.search}` }, { status: 201 });
+    }
+    return r;
+  };
+
+  /**
+   * A COPY archive's upload (signed by the node that will build; no API key): relayed as it
+   * streams to the node that knows the template's file, found by asking each with the gateway's key.
+   */
+  const upload = async (req: Request, pq: string, templateID: string, hash: string): Promise<Response> => {
+    const probe = new Request(req.url, { method: "GET", headers: { "x-api-key": o.apiKey } });
+    for (const node of view.liveNodes()) {
+      const r = await callNode(node, probe, `/templates/${encodeURIComponent(templateID)}/files/${encodeURIComponent(hash)}`, undefined, NODE_LIST_TIMEOUT_MS).catch(() => undefined);
+      if (!r || r.status !== 201) continue;
+      await r.arrayBuffer();
+      try {
+        return await relayHttp(req, `${node.apiUrl}${pq}`, forwardedHeaders(req), new AbortController(), () => {});
+      } catch (e) {
+        throw new ApiError(502, `node ${node.id} did not take the upload: ${(e as Error).message}`);
+      }
+    }
+    throw notFound(`no node is building template ${templateID}`);
   };
 
   const app = createApi({ apiKey: o.apiKey, maxBodyBytes: o.maxBodyBytes, notReadyReason: () => view.notReady(), version: o.version })

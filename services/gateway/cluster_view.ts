@@ -12,7 +12,7 @@ const STALE_AFTER_MS = 15_000;
 export type Owner =
   | { kind: "live"; node: NodeRecord; binding: Binding }
   | { kind: "lost"; nodeId: string; binding: Binding }
-  | { kind: "none" };
+  | { kind: "none"; binding?: undefined };
 
 export class ClusterView {
   readonly nodes = new Map<string, NodeRecord>();

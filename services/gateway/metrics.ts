@@ -4,6 +4,7 @@ import type { ClusterView } from "./cluster_view.ts";
 export class GatewayMetrics {
   readonly creates = { placed: 0, retried: 0, failed: 0, none: 0 };
   forwarded = 0;
+  moved = 0;
   proxied = 0;
 
   text(view: ClusterView): string {
@@ -14,6 +15,9 @@ export class GatewayMetrics {
       "# HELP aenv_gateway_forwarded_total API calls forwarded to the owning node.",
       "# TYPE aenv_gateway_forwarded_total counter",
       `aenv_gateway_forwarded_total ${this.forwarded}`,
+      "# HELP aenv_gateway_moved_total Paused sandboxes taken onto another node (their node left or drains).",
+      "# TYPE aenv_gateway_moved_total counter",
+      `aenv_gateway_moved_total ${this.moved}`,
       "# HELP aenv_gateway_proxied_total Requests into sandboxes relayed to their node.",
       "# TYPE aenv_gateway_proxied_total counter",
       `aenv_gateway_proxied_total ${this.proxied}`,

@@ -39,7 +39,8 @@ function lostBody(id: string, b: Binding): Listed {
   return {
     templateID: b.templateId, ...(b.alias ? { alias: b.alias } : {}), sandboxID: id, clientID: "aenv",
     startedAt: rfc3339(b.startedAt), endAt: rfc3339(b.endAt), cpuCount: b.cpuCount, memoryMB: b.memoryMB, diskSizeMB: b.diskSizeMB,
-    metadata: b.metadata, state: "lost", envdVersion: b.envdVersion,
+    // A paused sandbox in the shared store resumes on another node: it is paused, not lost.
+    metadata: b.metadata, state: b.exported ? "paused" : "lost", envdVersion: b.envdVersion,
   };
 }
 
@@ -104,10 +105,49 @@ export class GatewaySandboxes {
     };
   }
 
+  /**
+   * Resume anywhere: paused sandbox `id`, whose node left the cluster or drains, taken onto another
+   * node (the scheduler's candidates in order); that node, or undefined when none could take it.
+   */
+  private async move(req: Request, id: string, b: Binding): Promise<NodeRecord | undefined> {
+    const need = { template: b.templateId, cpus: b.cpuCount, memoryMB: b.memoryMB };
+    const nodes = this.o.view.liveNodes().filter((n) => n.id !== b.node);
+    for (const { node } of rank(nodes, await this.o.reservations.all(), need, this.o.placement).slice(0, MAX_CREATE_TRIES)) {
+      let r: Response;
+      try {
+        r = await callNode(node, req.method === "POST" ? req : new Request(req.url, { method: "POST", headers: req.headers }), `/sandboxes/${id}/move`, {});
+      } catch {
+        continue;
+      }
+      if (r.status === 201) {
+        await r.arrayBuffer();
+        this.o.view.learn(id, { ...b, node: node.id });
+        this.o.metrics.moved++;
+        return node;
+      }
+      const why = (await jsonOf<{ message?: string }>(r).catch(() => ({ message: "" }))).message ?? "";
+      // Another node took it meanwhile: it is there now.
+      if (r.status === 409 && /taken by another node/.test(why)) {
+        const now = await this.o.view.owner(id);
+        if (now.kind === "live") return now.node;
+      }
+    }
+    return undefined;
+  }
+
   /** A route on one sandbox: to the node that owns it. */
   async byId(req: Request, pathAndQuery: string, id: string, body: unknown): Promise<Response> {
-    const owner = await this.o.view.owner(id);
+    let owner = await this.o.view.owner(id);
     if (owner.kind === "none") throw notFound(`sandbox ${id} not found`);
+    const path = pathAndQuery.split("?")[0]!;
+    const resumes = req.method === "POST" && (path === `/sandboxes/${id}/connect` || path === `/v2/sandboxes/${id}/connect` || path === `/sandboxes/${id}/resume` || path === `/sandboxes/${id}/move`);
+    // A paused sandbox in the shared store whose node is gone, or drains and is asked to resume: taken onto another node first.
+    if (owner.binding?.exported && (owner.kind === "lost" || (resumes && owner.node.status !== "ready"))) {
+      const to = await this.move(req, id, owner.binding);
+      if (!to) throw new ApiError(503, `sandbox ${id} is paused in the shared store but no node could take it now`);
+      if (path === `/sandboxes/${id}/move`) return this.byId(new Request(req.url, { method: "GET", headers: req.headers }), `/sandboxes/${id}`, id, undefined);
+      owner = { kind: "live", node: to, binding: { ...owner.binding, node: to.id } };
+    }
     if (owner.kind === "lost") {
       // The node left the cluster: a kill forgets the sandbox; anything else says where it was.
       if (req.method === "DELETE" && pathAndQuery.split("?")[0] === `/sandboxes/${id}`) {

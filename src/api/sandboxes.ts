@@ -26,6 +26,8 @@ export interface SandboxRoutesOptions {
 export interface Placement {
   admit(): void;
   bind(rec: SandboxRecord): Promise<void>;
+  /** Resume anywhere: takes paused sandbox `id` from the shared snapshot store onto this node (ApiErrors say why not). */
+  adopt?(id: string): Promise<SandboxRecord>;
 }
 
 const rfc3339 = (ms: number) => new Date(ms).toISOString();
@@ -568,6 +570,16 @@ export function sandboxRoutes(getOrch: () => Orchestrator, o: SandboxRoutesOptio
         ...bodyFails(404, 409),
       },
       ...tags("sandboxes", "Fork: N children from a live checkpoint; the source keeps running"),
+    })
+    .post("/sandboxes/:sandboxID/move", async ({ params, set }) => {
+      if (!o.placement?.adopt) throw conflict("this node is not in a cluster with a shared snapshot store (AENV_CLUSTER, AENV_RESUME_ANYWHERE)");
+      const rec = await call(() => o.placement!.adopt!(params.sandboxID));
+      set.status = 201;
+      return sandboxBody(rec, domain);
+    }, {
+      params: idParams,
+      response: { 201: sandboxOut("taken: paused on this node, ready to resume"), ...fails(400, 404, 409, 429) },
+      ...tags("sandboxes", "aenv's: take a paused sandbox whose node left the cluster or drains from the shared snapshot store onto this node (a gateway's connect does it by itself)"),
     })
     .post("/sandboxes/:sandboxID/snapshots", async ({ params, body, set }) => {
       const tpl = await call(() => orch().snapshot(params.sandboxID, body.name));

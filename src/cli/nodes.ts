@@ -7,22 +7,22 @@ import type { Verb } from "./verbs.ts";
 
 
 interface ListedNode {
-  nodeID: string;
+  id: string;
   status: string;
   sandboxCount: number;
-  cpuCount?: number;
-  memoryMBUsed?: number;
-  version?: string;
+  sandboxPausedCount: number;
+  version: string;
 }
 
 async function ls(a: ParsedArgs): Promise<void> {
   const t = await resolveTarget(a);
   const { data } = await api<ListedNode[]>(t, "GET", "/nodes");
   printListing(data, [
-    { header: "NODE", cell: (n) => n.nodeID },
+    { header: "NODE", cell: (n) => n.id },
     { header: "STATUS", cell: (n) => n.status },
-    { header: "SANDBOXES", cell: (n) => String(n.sandboxCount) },
-    { header: "VERSION", cell: (n) => n.version ?? "" },
+    { header: "RUNNING", cell: (n) => String(n.sandboxCount) },
+    { header: "PAUSED", cell: (n) => String(n.sandboxPausedCount) },
+    { header: "VERSION", cell: (n) => n.version },
   ], { json: a.flag("json"), empty: "no nodes" });
 }
 

@@ -7,6 +7,7 @@ import { readFile, rename, statfs, writeFile } from "node:fs/promises";
 import { cpus, totalmem } from "node:os";
 import { ApiError } from "../api/errors.ts";
 import type { Placement } from "../api/sandboxes.ts";
+import { OrchestratorError } from "../orchestrator/errors.ts";
 import type { SandboxRecord } from "../orchestrator/store.ts";
 import { EtcdClient, EtcdError, cmp, op } from "../../services/etcd/client.ts";
 import {
@@ -18,6 +19,8 @@ import {
 const RENEW_MS = 3_000;
 /** Unbinds that failed (etcd away) and wait for the next pass; past it the oldest is dropped (a re-register re-reads every binding). */
 const MAX_PENDING_UNBINDS = 4096;
+/** Paused sandboxes waiting to be put into the shared store; past it a pause is not exported (it resumes here only). */
+const MAX_PENDING_EXPORTS = 256;
 /** Changes (a bind, an unbind) reach the node's record within this, coalesced. */
 const RECORD_SOON_MS = 200;
 
@@ -33,12 +36,22 @@ export interface ClusterMemberOptions {
   /** Every sandbox the node holds (running and paused). */
   sandboxes: () => SandboxRecord[];
   running: () => number;
-  /** Templates' IDs and aliases with the bytes of their layers on this node. */
-  cached: () => Record<string, number>;
+  /** Templates' IDs, aliases and names with the bytes of their layers on this node (read at each record write). */
+  cached: () => Promise<Record<string, number>> | Record<string, number>;
   /** This node's iroh endpoint, when it has one. */
   p2p?: () => { id: string; addrs: string[] } | undefined;
-  /** Called with the other nodes' iroh endpoints whenever they change. */
-  onPeers?: (peers: { id: string; addrs: string[] }[]) => void;
+  /**
+   * Resume anywhere (a shared snapshot store): puts a paused sandbox into the store, takes one
+   * from it, drops this node's copy of one another node took. Absent: paused sandboxes stay here.
+   */
+  moves?: {
+    exportPaused(id: string): Promise<void>;
+    adoptPaused(id: string): Promise<SandboxRecord>;
+    dropMoved(id: string): Promise<boolean>;
+    forgetExport(id: string): Promise<void>;
+  };
+  /** Called with the other nodes' iroh endpoints and API URLs whenever they change. */
+  onPeers?: (peers: { id: string; addrs: string[] }[], nodes: { id: string; url: string }[]) => void;
   log?: (line: string) => void;
 }
 
@@ -49,6 +62,11 @@ export class ClusterMember implements Placement {
   private timer: ReturnType<typeof setTimeout> | undefined;
   private closed = false;
   private readonly pendingUnbinds = new Set<string>();
+  /** Paused sandboxes whose binding says `exported` (another node may take them); checked each pass. */
+  private readonly exported = new Set<string>();
+  /** Exports waiting or running, one at a time (each reads the whole paused state). */
+  private exports: Promise<void> = Promise.resolve();
+  private exportsQueued = 0;
   private peersSeen = "";
 
   constructor(private readonly o: ClusterMemberOptions) {}
@@ -116,31 +134,133 @@ export class ClusterMember implements Placement {
     }, RECORD_SOON_MS);
   }
 
+  /** Resume anywhere: a pause finished; the paused sandbox goes into the store, then its binding says so. */
+  paused(id: string): void {
+    const m = this.o.moves;
+    if (!m || this.exportsQueued >= MAX_PENDING_EXPORTS) return;
+    this.exportsQueued++;
+    this.exports = this.exports.then(async () => {
+      try {
+        await m.exportPaused(id);
+        await this.setExported(id, true);
+      } catch (e) {
+        this.o.log?.(`cluster: sandbox ${id} not put into the snapshot store: ${(e as Error).message}`);
+      } finally {
+        this.exportsQueued--;
+      }
+    });
+  }
+
+  /**
+   * Resume anywhere: before sandbox `id` resumes here, its binding stops saying `exported`, so no
+   * other node takes it from now on. One another node took is dropped here (409); while etcd does
+   * not answer, an exported sandbox does not resume (503), since another node may be taking it.
+   */
+  async resuming(id: string): Promise<void> {
+    if (!this.exported.has(id)) return;
+    const kv = await this.o.etcd.get(sandboxKey(id)).catch((e: Error) => {
+      throw new OrchestratorError(503, `sandbox ${id} may be resumed by another node and etcd does not answer: ${e.message}`);
+    });
+    const b = kv ? parseBinding(kv.value) : undefined;
+    if (b && b.node !== this.o.nodeId) {
+      this.exported.delete(id);
+      void this.o.moves?.dropMoved(id);
+      throw new OrchestratorError(409, `sandbox ${id} moved to node ${b.node}`);
+    }
+    const lease = this.lease;
+    if (!lease) throw new OrchestratorError(503, `node ${this.o.nodeId} is not in the cluster: sandbox ${id} may be resumed by another node`);
+    const rec = this.o.sandboxes().find((r) => r.id === id);
+    if (!rec) return;
+    const r = await this.o.etcd.txn(kv ? [cmp.modRevision(sandboxKey(id), kv.modRevision)] : [cmp.absent(sandboxKey(id))], [op.put(sandboxKey(id), JSON.stringify(this.bindingOf(rec, lease)))]);
+    if (!r.succeeded) throw new OrchestratorError(409, `sandbox ${id}'s binding changed while it was resuming; try again`);
+    this.exported.delete(id);
+    void this.o.moves?.forgetExport(id);
+  }
+
+  private async setExported(id: string, on: boolean): Promise<void> {
+    const lease = this.lease;
+    const rec = this.o.sandboxes().find((r) => r.id === id);
+    if (!lease || !rec || (on && rec.state !== "paused")) return;
+    const key = sandboxKey(id);
+    const kv = await this.o.etcd.get(key);
+    if (kv && parseBinding(kv.value).node !== this.o.nodeId) return;
+    const r = await this.o.etcd.txn([kv ? cmp.modRevision(key, kv.modRevision) : cmp.absent(key)], [op.put(key, JSON.stringify(this.bindingOf(rec, lease, on)))]);
+    if (r.succeeded && on) this.exported.add(id);
+  }
+
+  /**
+   * Takes paused sandbox `id` from the shared store onto this node, when its binding names a node
+   * that left the cluster or drains and says `exported`; the binding moves here by compare-and-swap
+   * (so two nodes taking it at once: one wins, the other gives its copy back).
+   */
+  async adopt(id: string): Promise<SandboxRecord> {
+    const m = this.o.moves;
+    if (!m) throw new ApiError(409, `node ${this.o.nodeId} has no shared snapshot store (AENV_RESUME_ANYWHERE): it cannot take sandbox ${id}`);
+    this.admit();
+    const key = sandboxKey(id);
+    const kv = await this.o.etcd.get(key);
+    if (!kv) throw new ApiError(404, `sandbox ${id} not found`);
+    const b = parseBinding(kv.value);
+    if (b.node === this.o.nodeId) throw new ApiError(409, `sandbox ${id} is on this node already`);
+    if (!b.exported) throw new ApiError(409, `sandbox ${id} is not in the shared store (it runs, or its pause has not been put there)`);
+    const owner = await this.o.etcd.get(nodeKey(b.node));
+    if (owner && parseNode(owner.value).status === "ready") throw new ApiError(409, `sandbox ${id}'s node ${b.node} is in the cluster and ready: resume it there`);
+    const rec = await m.adoptPaused(id);
+    const lease = this.lease!;
+    const r = await this.o.etcd.txn([cmp.modRevision(key, kv.modRevision), cmp.lease(nodeKey(this.o.nodeId), lease)], [op.put(key, JSON.stringify(this.bindingOf(rec, lease, true)))]);
+    if (!r.succeeded) {
+      await m.dropMoved(id).catch(() => {});
+      throw new ApiError(409, `sandbox ${id} was taken by another node meanwhile`);
+    }
+    this.exported.add(id);
+    this.o.log?.(`cluster: sandbox ${id} taken from node ${b.node}`);
+    return rec;
+  }
+
+  /** Each pass: a paused sandbox another node took is dropped here. */
+  private async dropTaken(): Promise<void> {
+    for (const id of [...this.exported]) {
+      const kv = await this.o.etcd.get(sandboxKey(id));
+      const b = kv ? parseBinding(kv.value) : undefined;
+      if (b && b.node !== this.o.nodeId) {
+        this.exported.delete(id);
+        if (await this.o.moves?.dropMoved(id)) this.o.log?.(`cluster: sandbox ${id} went to node ${b.node}; this node's copy is given back`);
+      } else if (!this.o.sandboxes().some((r) => r.id === id && r.state === "paused")) this.exported.delete(id);
+    }
+  }
+
   /** The sandbox is gone from this node: its binding goes (retried on later passes while etcd is away). */
   unbind(id: string): void {
     this.recordSoon();
-    void this.deleteBinding(id).catch(() => {
+    this.exported.delete(id);
+    void this.deleteBinding(id).then((ours) => {
+      // Its export goes with it, unless another node took the sandbox (its export is that node's now).
+      if (ours) void this.o.moves?.forgetExport(id);
+    }, () => {
       if (this.pendingUnbinds.size >= MAX_PENDING_UNBINDS) this.pendingUnbinds.delete(this.pendingUnbinds.values().next().value!);
       this.pendingUnbinds.add(id);
     });
   }
 
-  private async deleteBinding(id: string): Promise<void> {
+  /** Deletes the binding when this node owns it (or it is absent or unreadable): whether the sandbox was this node's. */
+  private async deleteBinding(id: string): Promise<boolean> {
     const key = sandboxKey(id);
     const kv = await this.o.etcd.get(key);
-    if (!kv) return;
+    if (!kv) return true;
     let b: Binding;
     try {
       b = parseBinding(kv.value);
     } catch {
-      return;
+      return true;
     }
-    if (b.node !== this.o.nodeId) return; // another node owns it now
+    if (b.node !== this.o.nodeId) return false; // another node owns it now
     await this.o.etcd.txn([cmp.modRevision(key, kv.modRevision)], [op.del(key)]);
+    return true;
   }
 
-  private bindingOf(rec: SandboxRecord, lease: string): Binding {
+  private bindingOf(rec: SandboxRecord, lease: string, exported = false): Binding {
     return {
+      ...(exported ? { exported: true } : {}),
       node: this.o.nodeId, lease, templateId: rec.templateId, ...(rec.alias ? { alias: rec.alias } : {}),
       cpuCount: rec.cpuCount, memoryMB: rec.memoryMB, diskSizeMB: rec.diskSizeMB, metadata: rec.metadata,
       envdVersion: rec.envdVersion, startedAt: rec.startedAt, endAt: rec.endAt,
@@ -161,10 +281,11 @@ export class ClusterMember implements Placement {
       if (!this.lease) await this.register();
       else await this.writeRecord();
       for (const id of [...this.pendingUnbinds]) {
-        await this.deleteBinding(id);
+        if (await this.deleteBinding(id)) void this.o.moves?.forgetExport(id);
         this.pendingUnbinds.delete(id);
       }
       await this.followPeers();
+      await this.dropTaken();
     } catch (e) {
       this.lastError = e instanceof EtcdError ? `etcd: ${e.message}` : (e as Error).message;
       // A lease etcd has not confirmed for a TTL is as good as gone: no new sandboxes until it is.
@@ -231,10 +352,14 @@ export class ClusterMember implements Placement {
         owner = parseBinding(kv.value).node;
       } catch { /* unreadable: ours to rewrite */ }
       if (owner !== undefined && owner !== this.o.nodeId) {
-        this.o.log?.(`cluster: sandbox ${rec.id} is bound to node ${owner}; this node keeps its copy and does not route it`);
+        // Another node took it (resume anywhere) while this one was away: a paused copy goes; one running here is kept and logged.
+        if (rec.state === "paused" && this.o.moves && (await this.o.moves.dropMoved(rec.id))) this.o.log?.(`cluster: sandbox ${rec.id} went to node ${owner}; this node's copy is given back`);
+        else this.o.log?.(`cluster: sandbox ${rec.id} is bound to node ${owner}; this node keeps its copy and does not route it`);
         continue;
       }
-      await this.o.etcd.txn([cmp.modRevision(key, kv.modRevision), cmp.lease(nodeKey(this.o.nodeId), lease)], [op.put(key, value)]);
+      const wasExported = (() => { try { return parseBinding(kv.value).exported === true; } catch { return false; } })();
+      const r = await this.o.etcd.txn([cmp.modRevision(key, kv.modRevision), cmp.lease(nodeKey(this.o.nodeId), lease)], [op.put(key, JSON.stringify(this.bindingOf(rec, lease, wasExported && rec.state === "paused")))]);
+      if (r.succeeded && wasExported && rec.state === "paused") this.exported.add(rec.id);
     }
   }
 
@@ -256,7 +381,7 @@ export class ClusterMember implements Placement {
       const s = await statfs(this.o.home);
       diskFreeMB = Math.floor((s.bavail * s.bsize) / 2 ** 20);
     } catch { /* unknown: 0 */ }
-    const cached = Object.fromEntries(Object.entries(this.o.cached()).slice(0, MAX_CACHED));
+    const cached = Object.fromEntries(Object.entries(await this.o.cached()).slice(0, MAX_CACHED));
     return {
       id: this.o.nodeId, apiUrl: this.o.apiUrl, status: this.status, version: this.o.version,
       ...(this.o.p2p?.() ? { p2p: this.o.p2p()! } : {}),
@@ -274,17 +399,20 @@ export class ClusterMember implements Placement {
     if (!this.o.onPeers) return;
     const { kvs } = await this.o.etcd.range(NODES, { prefix: true, serializable: true });
     const peers: { id: string; addrs: string[] }[] = [];
+    const nodes: { id: string; url: string }[] = [];
     for (const kv of kvs) {
       try {
         const n = parseNode(kv.value);
-        if (n.id !== this.o.nodeId && n.p2p) peers.push(n.p2p);
+        if (n.id === this.o.nodeId) continue;
+        if (n.p2p) peers.push(n.p2p);
+        nodes.push({ id: n.id, url: n.apiUrl });
       } catch { /* skipped */ }
     }
     peers.sort((a, b) => a.id.localeCompare(b.id));
-    const seen = JSON.stringify(peers);
+    const seen = JSON.stringify([peers, nodes]);
     if (seen === this.peersSeen) return;
     this.peersSeen = seen;
-    this.o.onPeers(peers);
+    this.o.onPeers(peers, nodes);
   }
 
   /**

@@ -13,7 +13,7 @@ export function advertisedUrl(host: string, port: number): string {
   return `http://127.0.0.1:${port}`;
 }
 
-/** Each template's ID and alias with the bytes of its layer files here (a layer still remote counts 0). */
+/** Each template's ID, alias and names with the bytes of its layer files here (a layer still remote counts 0). */
 export async function cachedTemplateBytes(templates: TemplateRecord[]): Promise<Record<string, number>> {
   const out: Record<string, number> = {};
   const sizes = new Map<string, number>();
@@ -27,8 +27,8 @@ export async function cachedTemplateBytes(templates: TemplateRecord[]): Promise<
       }
       bytes += n;
     }
-    out[t.id] = bytes;
-    if (t.alias) out[t.alias] = bytes;
+    // Every way a create may name it: ID, alias, `name:tag` (a snapshot's `<id>:default`).
+    for (const name of [t.id, ...(t.alias ? [t.alias] : []), ...t.names]) out[name] = bytes;
   }
   return out;
 }

@@ -127,6 +127,7 @@ export const SETTINGS = {
   diskReserveMB: setting("AENV_DISK_RESERVE_MB", "disk_reserve_mb", "2048", int(0, 1 << 24), "free space a create leaves on $AENV_HOME's filesystem; below it creates are refused with 507"),
   cluster: setting("AENV_CLUSTER", "cluster", "", listOf((e) => /^https?:\/\/[^/\s]+$/.test(e), "http(s)://host:port"), "etcd endpoints (comma-separated http(s)://host:port) of the cluster this node joins (docs/cluster.md); empty: a node alone"),
   nodeId: setting("AENV_NODE_ID", "node_id", "", matching(/^$|^[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?$/, "lower-case letters, digits, '.' and '-', at most 63"), "this node's ID in the cluster; empty: the host name"),
+  resumeAnywhere: setting("AENV_RESUME_ANYWHERE", "resume_anywhere", "0", flag, "in a cluster whose nodes share AENV_SNAPSHOT_STORE: 1 puts every paused sandbox into the store, so another node resumes it when this one left or drains; 0: a paused sandbox resumes on its node only"),
   advertiseUrl: setting("AENV_ADVERTISE_URL", "advertise_url", "", matching(/^$|^https?:\/\/[^/\s]+$/, "http(s)://host:port"), "where gateways reach this node's API and proxy; empty: http://<first non-loopback IPv4>:<port>"),
   s3Buckets: setting("AENV_S3_BUCKETS", "s3_buckets", "", listOf(isS3Scope, "bucket or bucket/prefix"), "buckets and prefixes (comma-separated bucket or bucket/prefix) s3:// images may be in, read and written with the node's S3 credentials; empty: the snapshot store's bucket when it is in S3, else none"),
 };

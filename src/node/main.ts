@@ -21,6 +21,8 @@ import { NodePeers, facadeSocket, parsePeers } from "./peers.ts";
 import { ClusterMember } from "./cluster.ts";
 import { advertisedUrl, cachedTemplateBytes, dialableEndpoint } from "./cluster_info.ts";
 import { EtcdClient } from "../../services/etcd/client.ts";
+import { HttpPeers } from "../../p2p/http_peers.ts";
+import { layerRoutes } from "../api/layers.ts";
 import { BlockdClient } from "../blockdev/client.ts";
 import { Egress, EgressProxy, SecretStore, SlotPool, defaultUplinks, hostNetworks, hostResolvers, loadOrCreateCa } from "../network/index.ts";
 import { Orchestrator, type SandboxRuntime } from "../orchestrator/orchestrator.ts";
@@ -47,6 +49,8 @@ let builder: TemplateBuilder | undefined;
 let failed: string | undefined;
 let peers: NodePeers | undefined;
 let member: ClusterMember | undefined;
+/** In a cluster: the other nodes, asked for layers over HTTP before the iroh peers. */
+const httpPeers = cfg.cluster.length > 0 ? new HttpPeers(key) : undefined;
 const notReady = () => (orch ? undefined : failed ? `start failed at ${step}: ${failed}` : `starting: ${step}`);
 
 const app = createApi({
@@ -66,6 +70,10 @@ const app = createApi({
         member.admit();
       },
       bind: (rec) => member!.bind(rec),
+      adopt: (id) => {
+        if (!member) throw new ApiError(503, notReady() ?? "joining the cluster");
+        return member.adopt(id);
+      },
     } : undefined,
     coldTemplate: (image, size) => {
       if (!builder) throw new ApiError(503, notReady() ?? "starting");
@@ -95,6 +103,7 @@ const app = createApi({
       return { servedBytes: st.endpoint.bytesServed, fetchedBytes: st.facade.bytes, misses: st.facade.misses };
     },
   }));
+app.use(layerRoutes({ provide: async (digest) => (peers && /^sha256:[0-9a-f]{64}$/.test(digest) ? peers.provide(digest as `sha256:${string}`) : undefined) }));
 const server = serveNode(app, { hostname: cfg.host, port: cfg.port, proxy: () => proxy });
 
 const shown = cfg.host === "0.0.0.0" ? "127.0.0.1" : cfg.host;
@@ -159,7 +168,7 @@ async function start(): Promise<void> {
     progress("p2p");
     peers = await NodePeers.start({
       home: cfg.home, db: store.db, bindAddr: cfg.p2pBind, peers: parsePeers(cfg.p2pPeers), allow: list(cfg.p2pAllow),
-      relayUrls: list(cfg.p2pRelays), cache, socketPath: facadeSocket(cfg.runDir), blobDirs: [snapshots.blobsDir],
+      relayUrls: list(cfg.p2pRelays), cache, socketPath: facadeSocket(cfg.runDir), blobDirs: [snapshots.blobsDir], httpPeers,
     });
     console.log(`  p2p: endpoint ${peers.worker.id} on ${peers.worker.addrs().join(", ")}, ${peers.worker.peerIds().length} peers`);
   }
@@ -196,7 +205,8 @@ async function start(): Promise<void> {
     // The base image maps the hostname `sandbox` in /etc/hosts (sudo looks its host up).
     cmdline: (s) => guestCmdline({ ip: `${s.guestIp}/${s.guestPrefixLen}`, gw: s.gatewayIp, hostname: "sandbox", damonReclaim: kernel.damonReclaim }),
   }, { home: cfg.home, runRoot: join(cfg.runDir, "vms"), defaultTimeoutS: cfg.defaultTimeoutS, maxSandboxes: cfg.maxSandboxes, diskReserveBytes: cfg.diskReserveMB * 2 ** 20, maxDiskSizeMB: cfg.maxDiskSizeMB, preparedDevices: cfg.devicePool, balloonPressurePct: cfg.balloonPressurePct, memoryLayersMax: cfg.memoryLayersMax, memoryZfile: cfg.memoryZfile || undefined,
-    snapshots, egress, caBundle: egressCa.certPem, remoteLayer: (l) => remoteLayerView(l, remote) });
+    snapshots, egress, caBundle: egressCa.certPem, remoteLayer: (l) => remoteLayerView(l, remote),
+    moves: cfg.cluster.length > 0 && cfg.resumeAnywhere ? { paused: (id) => member?.paused(id), resuming: (id) => member?.resuming(id) ?? Promise.resolve() } : undefined });
   const base = templates.resolve("base")!;
   if (!base.checkpoint) {
     progress("template base: boot and checkpoint");
@@ -221,18 +231,18 @@ async function start(): Promise<void> {
   });
   if (cfg.cluster.length > 0) {
     progress("cluster");
-    const cached = { bytes: {} as Record<string, number> };
-    const refreshCached = async () => { cached.bytes = await cachedTemplateBytes(templates.list("template").concat(templates.list("snapshot"))); };
-    await refreshCached();
-    setInterval(() => void refreshCached().catch(() => {}), 30_000).unref();
     const apiUrl = cfg.advertiseUrl || advertisedUrl(cfg.host, server.port!);
     member = new ClusterMember({
       etcd: new EtcdClient(cfg.cluster), nodeId, apiUrl, version: pkg.version,
       home: cfg.home, leaseFile: join(cfg.home, "cluster-lease"), maxSandboxes: cfg.maxSandboxes,
-      sandboxes: () => store.all(), running: () => o.runningCount(), cached: () => cached.bytes,
+      sandboxes: () => store.all(), running: () => o.runningCount(), cached: () => cachedTemplateBytes(templates.list("template").concat(templates.list("snapshot"))),
       p2p: peers ? () => dialableEndpoint(peers!.worker.self(), apiUrl) : undefined,
-      onPeers: peers ? (list) => void peers!.worker.setPeers(list).catch((e) => console.error(`cluster: peers: ${(e as Error).message}`)) : undefined,
+      onPeers: peers ? (list, others) => {
+        httpPeers?.setPeers(others);
+        void peers!.worker.setPeers(list).catch((e) => console.error(`cluster: peers: ${(e as Error).message}`));
+      } : undefined,
       log: (line) => console.log(`  ${line}`),
+      moves: cfg.resumeAnywhere ? { exportPaused: (id) => o.exportPaused(id), adoptPaused: (id) => o.adoptPaused(id), dropMoved: (id) => o.dropMoved(id), forgetExport: (id) => o.forgetExport(id) } : undefined,
     });
     o.onRemoved((id) => member!.unbind(id));
     // Registers now when etcd answers; otherwise the node serves what it runs and keeps trying.

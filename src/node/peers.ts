@@ -17,6 +17,7 @@ import type { Database } from "bun:sqlite";
 import { mkdir, rm, stat } from "node:fs/promises";
 import { dirname, join } from "node:path";
 import { LayerShelf, MAX_SHELF, NoPeerError, PeerChunkSource, PeerWorker, type PeerConfig } from "../../p2p/index.ts";
+import { HttpPeers } from "../../p2p/http_peers.ts";
 import { BlockCache, type BlockCacheOptions } from "../storage/remote/block_cache.ts";
 import { isLayerDigest, type LayerDigest } from "../storage/remote/source.ts";
 import type { OriginSpec } from "../storage/remote/spec.ts";
@@ -49,6 +50,8 @@ export interface NodePeersOptions {
   socketPath: string;
   /** Folders of verified files named by their sha256 in hex (the snapshot store's blobs). */
   blobDirs?: string[];
+  /** In a cluster: the other nodes over HTTP (asked before the iroh peers). */
+  httpPeers?: HttpPeers;
 }
 
 /** `AENV_P2P_PEERS`: comma-separated `ID@ip:port`, several addresses of one peer joined by `;`. */
@@ -81,6 +84,10 @@ export class NodePeers {
     private readonly facade: ReturnType<typeof Bun.serve>,
     readonly socketPath: string,
     private readonly db: Database,
+    /** What this node serves: a verified file of the layer, or undefined. */
+    readonly provide: (digest: LayerDigest) => Promise<{ path: string; size: number } | undefined>,
+    /** The cluster's nodes over HTTP, when it is in one: asked first. */
+    private readonly httpSource: PeerChunkSource | undefined,
   ) {}
 
   static async start(o: NodePeersOptions): Promise<NodePeers> {
@@ -105,7 +112,8 @@ export class NodePeers {
     await rm(o.socketPath, { force: true });
     let self!: NodePeers;
     const facade = Bun.serve({ unix: o.socketPath, fetch: (req) => self.answer(req) });
-    self = new NodePeers(worker, source, shelf, cache, facade, o.socketPath, o.db);
+    const httpSource = o.httpPeers ? new PeerChunkSource(o.httpPeers, { haveTimeoutMs: HAVE_TIMEOUT_MS, readTimeoutMs: READ_TIMEOUT_MS }) : undefined;
+    self = new NodePeers(worker, source, shelf, cache, facade, o.socketPath, o.db, provide, httpSource);
     return self;
   }
 
@@ -130,15 +138,23 @@ export class NodePeers {
    */
   async fetchBlob(sha256: string, size: number, dest: string, signal: AbortSignal): Promise<boolean> {
     const digest = `sha256:${sha256}` as LayerDigest;
-    if (!isLayerDigest(digest) || (await this.source.size(digest, signal)) === undefined) return false;
-    try {
-      await this.source.fetchLayer(digest, dest, { signal, size });
-      this.served.blobs++;
-      return true;
-    } catch (e) {
-      console.error(`p2p: ${digest} from peers failed, going to the store: ${(e as Error).message}`);
-      return false;
+    if (!isLayerDigest(digest)) return false;
+    for (const source of this.sources()) {
+      if ((await source.size(digest, signal)) === undefined) continue;
+      try {
+        await source.fetchLayer(digest, dest, { signal, size });
+        this.served.blobs++;
+        return true;
+      } catch (e) {
+        console.error(`p2p: ${digest} from ${source.name} failed: ${(e as Error).message}`);
+      }
     }
+    return false;
+  }
+
+  /** Where layers come from, in order: the cluster's nodes over HTTP, then the iroh peers. */
+  private sources(): PeerChunkSource[] {
+    return this.httpSource ? [this.httpSource, this.source] : [this.source];
   }
 
   async stats() {
@@ -157,8 +173,21 @@ export class NodePeers {
     this.served.requests++;
     const digest = m[1] as LayerDigest;
     try {
-      const data = await this.source.read(digest, start, end - start + 1, AbortSignal.any([req.signal, AbortSignal.timeout(FACADE_TIMEOUT_MS)]));
-      const size = await this.source.size(digest);
+      const signal = AbortSignal.any([req.signal, AbortSignal.timeout(FACADE_TIMEOUT_MS)]);
+      let data: Uint8Array | undefined;
+      let size: number | undefined;
+      let lastError: unknown = new NoPeerError(digest, "no peer holds it");
+      // The cluster's nodes over HTTP first (direct and fast), then the iroh peers.
+      for (const source of this.sources()) {
+        try {
+          data = await source.read(digest, start, end - start + 1, signal);
+          size = await source.size(digest);
+          break;
+        } catch (e) {
+          lastError = e;
+        }
+      }
+      if (!data) throw lastError;
       this.served.bytes += data.length;
       return new Response(data, { status: 206, headers: { "content-range": `bytes ${start}-${end}/${size ?? "*"}` } });
     } catch (e) {

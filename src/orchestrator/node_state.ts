@@ -66,6 +66,12 @@ export interface OrchestratorOptions {
   traceWindowMs?: number;
   /** How long a blockd device stays unheld before the reaper gives it back as an orphan (default ORPHAN_GRACE_MS). */
   orphanGraceMs?: number;
+  /**
+   * Resume anywhere (a cluster with a shared snapshot store): told of each pause once the sandbox
+   * is paused, and asked before each resume, which fails with its error (the sandbox stays paused)
+   * when another node may take the sandbox.
+   */
+  moves?: { paused(id: string): void; resuming(id: string): Promise<void> };
 }
 
 /** A sandbox's VM that this process drives, and the slot it runs in. */

@@ -19,6 +19,7 @@ import { ENVD_PORT } from "./envd.ts";
 import { notFound, type OrchestratorError } from "./errors.ts";
 import * as forks from "./fork.ts";
 import * as kills from "./kill.ts";
+import * as moves from "./moves.ts";
 import * as ledger from "./ledger.ts";
 import { NodeState, type GuestArtifacts, type OrchestratorOptions } from "./node_state.ts";
 import type { ListedDevice } from "./orphans.ts";
@@ -222,6 +223,26 @@ export class Orchestrator {
   }
 
   /** At node start: snapshots in the store this node has no record of become snapshot templates. */
+  /** Paused sandbox `id` into the snapshot store, for another node to take (moves.ts). */
+  exportPaused(id: string): Promise<void> {
+    return moves.exportPaused(this.node, id);
+  }
+
+  /** Paused sandbox `id` taken from the snapshot store as one of this node's (moves.ts). */
+  adoptPaused(id: string): Promise<SandboxRecord> {
+    return moves.adoptPaused(this.node, id);
+  }
+
+  /** This node's paused copy of a sandbox another node took goes (moves.ts). */
+  dropMoved(id: string): Promise<boolean> {
+    return moves.dropMoved(this.node, id);
+  }
+
+  /** The snapshot store's export of `id` goes. */
+  forgetExport(id: string): Promise<void> {
+    return moves.forgetExport(this.node, id);
+  }
+
   importSnapshots(): Promise<string[]> {
     return snapshots.importSnapshots(this.node);
   }

@@ -59,6 +59,7 @@ export async function pause(node: NodeState, id: string): Promise<void> {
       node.store.transition(id, ["pausing"], "paused", { runtime: paused });
       clock.lap("record");
       node.timings.add("pause", id, clock);
+      node.opts.moves?.paused(id);
       // The answer does not wait for the rest: the slot's scrub, the device and the page cache.
       node.afterReply(id, "pause", async () => {
         await giveBackVm(node, id, rt);
@@ -112,6 +113,7 @@ export async function connect(node: NodeState, id: string, timeoutS: number, o: 
     const held = rt.resumeDevice ?? undefined;
     node.resumeReady.delete(id);
     try {
+      await node.opts.moves?.resuming(id);
       const clock = new PhaseClock();
       const started = await startFrom(node, now, cp, clock, { resume: { held } });
       const until = Date.now() + timeoutS * 1000;

@@ -17,7 +17,7 @@ import { MEMORY_TRACE, ROOTFS_TRACE } from "./start_traces.ts";
 import { isRemoteLayer, type RemoteLayer, type TemplateRecord, type VmCheckpoint } from "./templates.ts";
 
 /** What a stored snapshot's record carries besides its files (`vmstate`, `mem`, `layer-<i>`). */
-interface StoredSnapshotMeta {
+export interface StoredSnapshotMeta {
   vm: SnapshotInfo;
   layers: number;
   /** Memory layers (`mem-layer-<i>` files), lowest first; 0 or absent: memory in `mem`. */
@@ -101,20 +101,55 @@ export function traceKept(node: NodeState, path: string): void {
   store.attach(snap.id, basename(path), path).catch((e) => console.error(`orchestrator: attaching ${basename(path)} to snapshot ${snap.id}: ${(e as Error).message}`));
 }
 
-/** The snapshot's files and record into the snapshot store (layers stored once by content). */
-async function storeSnapshot(node: NodeState, t: TemplateRecord, cp: VmCheckpoint): Promise<void> {
+/** A checkpoint's files as the snapshot store takes them (layers shared by content), and the part of its record they make. */
+export async function checkpointFiles(cp: VmCheckpoint): Promise<{ files: { name: string; path: string; shared?: boolean }[]; meta: Pick<StoredSnapshotMeta, "vm" | "layers" | "memLayers" | "envdToken" | "remote"> }> {
   const vm = await readSnapshot(cp.dir);
   const files = [{ name: "vmstate", path: vm.statePath }, ...(vm.memPath ? [{ name: "mem", path: vm.memPath }] : []),
     ...cp.layers.flatMap((path, i) => (typeof path === "string" ? [{ name: `layer-${i}`, path, shared: true }] : [])),
     ...(cp.memLayers ?? []).map((path, i) => ({ name: `mem-layer-${i}`, path, shared: true }))];
   // A remote layer stays where it is (its registry): the record names it instead of a file.
   const remote = Object.fromEntries(cp.layers.flatMap((l, i) => (isRemoteLayer(l) ? [[String(i), l]] : [])));
+  return { files, meta: { vm, layers: cp.layers.length, memLayers: cp.memLayers?.length ?? 0, envdToken: cp.envdToken, ...(Object.keys(remote).length ? { remote } : {}) } };
+}
+
+/** The snapshot's files and record into the snapshot store (layers stored once by content). */
+async function storeSnapshot(node: NodeState, t: TemplateRecord, cp: VmCheckpoint): Promise<void> {
+  const { files, meta: part } = await checkpointFiles(cp);
   const meta: StoredSnapshotMeta = {
-    vm, layers: cp.layers.length, memLayers: cp.memLayers?.length ?? 0, envdToken: cp.envdToken, alias: t.alias, names: t.names, cpuCount: t.cpuCount,
+    ...part, alias: t.alias, names: t.names, cpuCount: t.cpuCount,
     memoryMB: t.memoryMB, diskSizeMB: t.diskSizeMB, envdVersion: t.envdVersion, sourceSandboxId: t.sourceSandboxId, createdAt: t.createdAt,
-    ...(Object.keys(remote).length ? { remote } : {}),
   };
   await node.opts.snapshots!.put(t.id, files, meta as unknown as Json);
+}
+
+/**
+ * A stored checkpoint (`storeId`) fetched (S3) or found (a directory) and linked into `dir`, a
+ * checkpoint directory of this node, with its start traces; its record's paths confined to `dir`
+ * and the node's guest files, its counts to the files the store gave.
+ */
+export async function fetchCheckpoint(node: NodeState, storeId: string, dir: string): Promise<{ cp: VmCheckpoint; meta: StoredSnapshotMeta }> {
+  const store = node.opts.snapshots!;
+  const got = await store.get(storeId);
+  const meta = got.meta as unknown as StoredSnapshotMeta;
+  for (const [name, path] of Object.entries(got.paths)) await linkOrCopy(path, join(dir, name));
+  // Start traces the store has for it (recorded where the snapshot was first started): replayed at this node's starts.
+  for (const name of [ROOTFS_TRACE, MEMORY_TRACE]) {
+    await store.attachment(storeId, name, join(dir, name)).catch((e) => console.error(`orchestrator: ${name} of ${storeId}: ${(e as Error).message}`));
+  }
+  // A stored snapshot may come from another node: its paths must lie in this checkpoint and the node's guest files.
+  const vm: SnapshotInfo = confineSnapshot({ ...meta.vm, dir, statePath: join(dir, "vmstate"), memPath: got.paths.mem ? join(dir, "mem") : undefined }, {
+    checkpointDir: dir, bootDirs: [dirname(node.guest.kernel), ...(node.guest.initrd ? [dirname(node.guest.initrd)] : [])],
+  });
+  await writeSnapshot(vm);
+  // Its record's counts name files the store gave (or remote layers), never more.
+  const layerCount = storedCount(meta.layers, "layers", (i) => !!meta.remote?.[String(i)] || `layer-${i}` in got.paths, storeId);
+  const memCount = storedCount(meta.memLayers ?? 0, "memLayers", (i) => `mem-layer-${i}` in got.paths, storeId);
+  const memLayers = Array.from({ length: memCount }, (_, i) => join(dir, `mem-layer-${i}`));
+  const cp: VmCheckpoint = {
+    dir, layers: Array.from({ length: layerCount }, (_, i) => meta.remote?.[String(i)] ?? join(dir, `layer-${i}`)), envdToken: meta.envdToken,
+    ...(memLayers.length ? { memLayers } : {}),
+  };
+  return { cp, meta };
 }
 
 /**
@@ -127,30 +162,11 @@ export async function materializeSnapshot(node: NodeState, t: TemplateRecord): P
   const running = node.preparing.get(t.id);
   if (running) return running;
   const p = (async () => {
-    const got = await store.get(t.id);
-    const meta = got.meta as unknown as StoredSnapshotMeta;
     const dir = join(node.opts.home, "checkpoints", `snapshot-${t.id}`);
     await rm(dir, { recursive: true, force: true });
     mkdirSync(dir, { recursive: true });
     try {
-      for (const [name, path] of Object.entries(got.paths)) await linkOrCopy(path, join(dir, name));
-      // Start traces the store has for it (recorded where the snapshot was first started): replayed at this node's starts.
-      for (const name of [ROOTFS_TRACE, MEMORY_TRACE]) {
-        await store.attachment(t.id, name, join(dir, name)).catch((e) => console.error(`orchestrator: ${name} of snapshot ${t.id}: ${(e as Error).message}`));
-      }
-      // A stored snapshot may come from another node: its paths must lie in this checkpoint and the node's guest files.
-      const vm: SnapshotInfo = confineSnapshot({ ...meta.vm, dir, statePath: join(dir, "vmstate"), memPath: got.paths.mem ? join(dir, "mem") : undefined }, {
-        checkpointDir: dir, bootDirs: [dirname(node.guest.kernel), ...(node.guest.initrd ? [dirname(node.guest.initrd)] : [])],
-      });
-      await writeSnapshot(vm);
-      // Its record's counts name files the store gave (or remote layers), never more.
-      const layerCount = storedCount(meta.layers, "layers", (i) => !!meta.remote?.[String(i)] || `layer-${i}` in got.paths, t.id);
-      const memCount = storedCount(meta.memLayers ?? 0, "memLayers", (i) => `mem-layer-${i}` in got.paths, t.id);
-      const memLayers = Array.from({ length: memCount }, (_, i) => join(dir, `mem-layer-${i}`));
-      const cp: VmCheckpoint = {
-        dir, layers: Array.from({ length: layerCount }, (_, i) => meta.remote?.[String(i)] ?? join(dir, `layer-${i}`)), envdToken: meta.envdToken,
-        ...(memLayers.length ? { memLayers } : {}),
-      };
+      const { cp } = await fetchCheckpoint(node, t.id, dir);
       node.templates.setCheckpoint(t.id, cp);
       return cp;
     } catch (e) {
@@ -172,7 +188,8 @@ export async function importSnapshots(node: NodeState): Promise<string[]> {
   if (!store) return [];
   const added: string[] = [];
   for (const id of await store.list()) {
-    if (node.templates.resolve(id)) continue;
+    // A paused sandbox on its way between nodes is no snapshot (src/orchestrator/moves.ts).
+    if (id.startsWith("paused.") || node.templates.resolve(id)) continue;
     try {
       const meta = (await store.get(id)).meta as unknown as StoredSnapshotMeta;
       node.templates.insert({

@@ -4,7 +4,9 @@
 // lost, a node process killed and restarted, a node killed whole (its sandboxes listed as lost),
 // and two gateways racing for a node's last slots.
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
-import { Sandbox, SandboxNotFoundError } from "e2b";
+import { writeFileSync } from "node:fs";
+import { join } from "node:path";
+import { Sandbox, SandboxNotFoundError, Template } from "e2b";
 import { EtcdMembers } from "../../services/cluster/etcd.ts";
 import { GATEWAY_ENTRY, startService, type ServiceProc } from "../../services/cluster/procs.ts";
 import { EtcdClient } from "../../services/etcd/client.ts";
@@ -20,6 +22,7 @@ const KEY = "e2b_" + "c1".repeat(20);
 describe.skipIf(!!skip)("a cluster: etcd, two nodes, two gateways, the stock e2b SDK", () => {
   if (skip) return void test.skip(skip!, () => {});
   const etcdDir = scratchDir("cluster-etcd");
+  const sharedStore = scratchDir("cluster-store");
   let etcd: EtcdMembers;
   let client: EtcdClient;
   const setups: NodeSetup[] = [];
@@ -41,7 +44,11 @@ describe.skipIf(!!skip)("a cluster: etcd, two nodes, two gateways, the stock e2b
     etcd = await EtcdMembers.start({ dir: etcdDir, members: 3, host: "127.0.0.1", basePort: await freePortBase(6) });
     client = EtcdClient.parse(etcd.endpoints);
     for (const [i, octet] of [[0, 245], [1, 246]] as const) {
-      setups[i] = nodeSetup(`cl${"ab"[i]}`, octet, KEY, { AENV_CLUSTER: etcd.endpoints, AENV_NODE_ID: `n${i + 1}`, AENV_MAX_SANDBOXES: "3", AENV_REAPER_INTERVAL_MS: "200" });
+      // One snapshot store for both (a shared filesystem): a paused sandbox resumes on either node.
+      setups[i] = nodeSetup(`cl${"ab"[i]}`, octet, KEY, {
+        AENV_CLUSTER: etcd.endpoints, AENV_NODE_ID: `n${i + 1}`, AENV_MAX_SANDBOXES: "3", AENV_REAPER_INTERVAL_MS: "200",
+        AENV_SNAPSHOT_STORE: sharedStore, AENV_RESUME_ANYWHERE: "1",
+      });
     }
     // One at a time: the first start may build the base template into the shared cache.
     for (let i = 0; i < 2; i++) nodes[i] = await startClusterNode(i);
@@ -107,6 +114,17 @@ describe.skipIf(!!skip)("a cluster: etcd, two nodes, two gateways, the stock e2b
     // The node deletes the binding once the sandbox's row is gone.
     await until(async () => (await bindingOf(c.sandboxId)) === undefined, 10_000, "the killed child's binding is gone");
     await expect(Sandbox.getInfo(c.sandboxId, opts(0))).rejects.toBeInstanceOf(SandboxNotFoundError);
+  }, 300_000);
+
+  test("a template built through a gateway (a COPY uploaded through it) starts through the other gateway", async () => {
+    const ctx = scratchDir("cluster-tpl");
+    writeFileSync(join(ctx, "hello.txt"), "copied through the gateway\n");
+    const name = `cl-tpl-${process.pid}`;
+    const t = Template({ fileContextPath: ctx }).fromTemplate("base").copy("hello.txt", "/home/user/hello.txt").runCmd("echo built > /tmp/built");
+    await Template.build(t, name, opts(0));
+    const s = await Sandbox.create(name, opts(1));
+    expect((await s.commands.run("cat /home/user/hello.txt /tmp/built")).stdout).toBe("copied through the gateway\nbuilt\n");
+    await s.kill();
   }, 300_000);
 
   test("kill -9 of a gateway during traffic: the other answers; a restarted one routes at once", async () => {
@@ -192,9 +210,41 @@ describe.skipIf(!!skip)("a cluster: etcd, two nodes, two gateways, the stock e2b
     for (const c of created) await Sandbox.kill(c.body.sandboxID!, opts(0));
   }, 300_000);
 
-  test("a node killed whole (process, VMs): its lease expires and its sandboxes are listed as lost", async () => {
+  test("drain: no creates go to a draining node; its paused sandbox resumes on the other node on connect", async () => {
+    const owner = (await bindingOf(a.sandboxId))!.node;
+    const i = owner === "n1" ? 0 : 1;
+    await a.files.write("/tmp/drained", "state before the drain");
+    await a.pause();
+    await until(async () => (await bindingOf(a.sandboxId))?.exported === true, 60_000, "the paused sandbox is in the shared store");
+    const r = await fetch(`${gateways[0]!.url}/nodes/${owner}`, { method: "POST", headers: { "x-api-key": KEY, "content-type": "application/json" }, body: JSON.stringify({ status: "draining" }) });
+    expect(r.status).toBe(200);
+    await until(async () => ((await (await fetch(`${gateways[1]!.url}/nodes`, { headers: { "x-api-key": KEY } })).json()) as { id: string; status: string }[]).some((n) => n.id === owner && n.status === "draining"), 10_000, "the node drains");
+    await until(async () => {
+      const s = await Sandbox.create({ ...opts(1), metadata: { suite: "cluster", n: "while-draining" } });
+      const placed = (await bindingOf(s.sandboxId))!.node;
+      await s.kill();
+      return placed !== owner;
+    }, 30_000, "a create avoids the draining node");
+    const moved = await Sandbox.connect(a.sandboxId, opts(0));
+    expect((await bindingOf(a.sandboxId))!.node).not.toBe(owner);
+    expect(await moved.files.read("/tmp/drained")).toBe("state before the drain");
+    // The drained node gave its copy back.
+    await until(async () => (await (await fetch(`${nodes[i]!.base}/sandboxes/${a.sandboxId}`, { headers: { "x-api-key": KEY } })).status) === 404, 15_000, "the draining node's copy is gone");
+    expect((await fetch(`${gateways[0]!.url}/nodes/${owner}`, { method: "POST", headers: { "x-api-key": KEY, "content-type": "application/json" }, body: JSON.stringify({ status: "ready" }) })).status).toBe(200);
+    a = moved;
+  }, 240_000);
+
+  test("a node killed whole (process, VMs): its lease expires, its running sandboxes are listed as lost, its paused one resumes on the other node", async () => {
     const owner = (await bindingOf(b.sandboxId))!.node;
     const i = owner === "n1" ? 0 : 1;
+    // A sandbox on the same node, paused with a process and a file: both must come back elsewhere.
+    // Created on that node's own API (bound as any), used through the gateway.
+    const p = await Sandbox.create({ ...opts(0), apiUrl: nodes[i]!.base, metadata: { suite: "cluster", n: "paused-away" } });
+    expect((await bindingOf(p.sandboxId))!.node).toBe(owner);
+    await p.files.write("/tmp/kept", "kept across nodes");
+    const bg = await p.commands.run("sleep 3600", { background: true, timeoutMs: 0 });
+    await p.pause();
+    await until(async () => (await bindingOf(p.sandboxId))?.exported === true, 60_000, "the paused sandbox is in the shared store");
     nodes[i]!.proc.kill(9);
     await nodes[i]!.proc.exited;
     for (const pid of qemuPids(setups[i]!.runDir)) try { process.kill(pid, "SIGKILL"); } catch {}
@@ -212,6 +262,13 @@ describe.skipIf(!!skip)("a cluster: etcd, two nodes, two gateways, the stock e2b
     const s = await Sandbox.create({ ...opts(0), metadata: { suite: "cluster", n: "survivor" } });
     expect((await bindingOf(s.sandboxId))!.node).not.toBe(owner);
     await s.kill();
+    // The paused one is listed paused (resumable), and resumes on the node that is left: its file and its process are there.
+    expect(listed.find((x) => x.sandboxID === p.sandboxId)?.state).toBe("paused");
+    const back = await Sandbox.connect(p.sandboxId, opts(1));
+    expect((await bindingOf(p.sandboxId))!.node).not.toBe(owner);
+    expect(await back.files.read("/tmp/kept")).toBe("kept across nodes");
+    expect((await back.commands.list()).some((x) => x.pid === bg.pid)).toBe(true);
+    await back.kill();
     nodes[i] = undefined;
   }, 180_000);
 });

@@ -21,18 +21,27 @@ describe.skipIf(skip !== undefined)("the gateway against etcd", () => {
 
   beforeAll(async () => {
     client = suite.client();
-    fake = Bun.serve({
+    fake = Bun.serve<undefined>({
       hostname: "127.0.0.1", port: 0,
-      fetch(req) {
+      websocket: { message: (ws, m) => void ws.send(`echo ${String(m)}`) },
+      fetch(req, server) {
         const u = new URL(req.url);
+        if (u.pathname === "/proxy/sb1/8080/ws" && server.upgrade(req, { data: undefined })) return undefined as unknown as Response;
         seen.push(`${req.method} ${u.pathname}${u.search} key=${req.headers.get("x-api-key") === KEY}`);
         if (u.pathname === "/v2/sandboxes" && req.method === "POST") return Response.json({ code: 429, message: "full" }, { status: 429 });
+        if (u.pathname.endsWith("/move")) return Response.json({ sandboxID: u.pathname.split("/")[2] }, { status: 201 });
         if (u.pathname.startsWith("/proxy/")) return new Response(`proxied ${u.pathname}${u.search}`);
         if (u.pathname === "/v2/sandboxes") return Response.json([], { headers: { "x-total-running": "0" } });
         return Response.json({ sandboxID: "sb1", state: "running" });
       },
     });
     gw = await startService(GATEWAY_ENTRY, { ...process.env, AENV_CLUSTER: suite.etcd().endpoints, AENV_API_KEY: KEY, HOST: "127.0.0.1", PORT: "0" });
+    // It listens at once and answers 503 until its view of etcd is loaded.
+    const t0 = performance.now();
+    while ((await fetch(`${gw.url}/health`)).status !== 200) {
+      if (performance.now() - t0 > 15_000) throw new Error(`the gateway never loaded its view:\n${gw.log.join("\n")}`);
+      await Bun.sleep(50);
+    }
   });
   afterAll(async () => {
     gw?.proc.kill(9);
@@ -45,7 +54,6 @@ describe.skipIf(skip !== undefined)("the gateway against etcd", () => {
   });
 
   test("health, Swagger and auth are the node's; no node: a create is 503 with the reason", async () => {
-    expect((await fetch(`${gw.url}/health`)).status).toBe(200);
     const doc = (await (await fetch(`${gw.url}/swagger/json`)).json()) as { paths: Record<string, unknown> };
     expect(Object.keys(doc.paths)).toContain("/v2/sandboxes");
     expect((await fetch(`${gw.url}/v2/sandboxes`)).status).toBe(401);
@@ -74,6 +82,15 @@ describe.skipIf(skip !== undefined)("the gateway against etcd", () => {
     const hostForm = await fetch(`${gw.url}/x`, { headers: { host: "8080-sb1.example.test" } });
     expect(await hostForm.text()).toBe("proxied /proxy/sb1/8080/x");
     expect(seen).toEqual(["POST /sandboxes/sb1/pause key=true", "GET /proxy/sb1/49983/files?path=%2Fx key=false", "GET /proxy/sb1/8080/x key=false"]);
+    // A WebSocket into the sandbox: relayed both ways through the gateway and the node.
+    const ws = new WebSocket(`${gw.url.replace("http", "ws")}/proxy/sb1/8080/ws`);
+    const echoed = await new Promise<string>((resolve, reject) => {
+      ws.onopen = () => ws.send("ping");
+      ws.onmessage = (e) => resolve(String(e.data));
+      ws.onerror = () => reject(new Error("WebSocket failed"));
+    });
+    ws.close();
+    expect(echoed).toBe("echo ping");
     // A proxied request for a sandbox nobody holds: E2B's 502 "not found".
     const gone = await fetch(`${gw.url}/`, { headers: { "e2b-sandbox-id": "zz9" } });
     expect(gone.status).toBe(502);
@@ -91,6 +108,24 @@ describe.skipIf(skip !== undefined)("the gateway against etcd", () => {
     expect(r.status).toBe(429);
     expect(seen).toEqual(["POST /v2/sandboxes key=true", "POST /v2/sandboxes key=true"]);
     expect(await client.get("/aenv/reservations/fa")).toBeUndefined(); // released
+  });
+
+  test("a paused sandbox in the shared store whose node left: listed paused; a connect moves it to a live node, then goes there", async () => {
+    const b: Binding = { node: "gone2", lease: "1", templateId: "base", cpuCount: 1, memoryMB: 512, diskSizeMB: 1024, metadata: { m: "x" }, envdVersion: "0.6.13", startedAt: 7, endAt: 8, exported: true };
+    await client.put(sandboxKey("away1"), JSON.stringify(b));
+    const t0 = performance.now();
+    let listed: { sandboxID: string; state: string }[] = [];
+    while (!listed.some((x) => x.sandboxID === "away1")) {
+      expect(performance.now() - t0).toBeLessThan(5000);
+      listed = (await (await fetch(`${gw.url}/v2/sandboxes?metadata=${encodeURIComponent("m=x")}`, { headers: h })).json()) as typeof listed;
+      await Bun.sleep(50);
+    }
+    expect(listed.find((x) => x.sandboxID === "away1")?.state).toBe("paused");
+    seen.length = 0;
+    const r = await fetch(`${gw.url}/sandboxes/away1/connect`, { method: "POST", headers: h, body: JSON.stringify({ timeout: 60 }) });
+    expect(r.status).toBe(200);
+    // The move first (to a live node), then the connect itself to that node.
+    expect(seen).toEqual(["POST /sandboxes/away1/move key=true", "POST /sandboxes/away1/connect key=true"]);
   });
 
   test("a binding whose node left: listed as lost, by-ID 502 naming it, a kill forgets it", async () => {
