@@ -33,7 +33,8 @@ export class HttpPeers implements PeerClient {
     return [...this.peers.keys()];
   }
 
-  private url(peerId: string, digest: LayerDigest): string {
+  /** Where `peerId` serves `digest` (a reader with the cluster's key may read it there directly). */
+  url(peerId: string, digest: LayerDigest): string {
     const base = this.peers.get(peerId);
     if (!base) throw new HttpPeerError(`${peerId} is not a peer`);
     return `${base}/v1/layers/${digest}`;
@@ -55,6 +56,22 @@ export class HttpPeers implements PeerClient {
       out.push({ digest, size });
     }
     return out;
+  }
+
+  /**
+   * A range of up to `maxBytes` from `peerId` as its response streams (no copy in between): the
+   * peer facade passes it on, unverified as every range it serves is. Throws when the peer does
+   * not answer 206 with exactly that range.
+   */
+  async stream(peerId: string, digest: LayerDigest, start: number, end: number, o?: RequestOptions): Promise<Response> {
+    const r = await fetch(this.url(peerId, digest), {
+      headers: { "x-api-key": this.apiKey, range: `bytes=${start}-${end}` }, signal: this.signal(o),
+    });
+    if (r.status !== 206 || Number(r.headers.get("content-length")) !== end - start + 1) {
+      await r.body?.cancel().catch(() => {});
+      throw new HttpPeerError(`${peerId}: GET ${digest} ${start}-${end}: ${r.status}`);
+    }
+    return r;
   }
 
   async read(peerId: string, digest: LayerDigest, offset: number, length: number, o?: RequestOptions): Promise<{ data: Uint8Array; size: number }> {

@@ -13,6 +13,8 @@ export const MAX_LAYER_READ = 16 << 20;
 export interface LayerRoutesOptions {
   /** A verified file of the layer, or undefined when this node holds none. */
   provide: (digest: string) => Promise<{ path: string; size: number } | undefined>;
+  /** Told the bytes of each range served (the node's aenv_p2p_served_bytes_total). */
+  served?: (bytes: number) => void;
 }
 
 export function layerRoutes(o: LayerRoutesOptions) {
@@ -31,6 +33,7 @@ export function layerRoutes(o: LayerRoutesOptions) {
       const start = r ? Number(r[1]) : NaN;
       const end = r ? Number(r[2]) : NaN;
       if (!(end >= start) || end - start + 1 > MAX_LAYER_READ || end >= l.size) throw new ApiError(416, `a Range of 1..${MAX_LAYER_READ} bytes inside the layer (${l.size} bytes) is required`);
+      o.served?.(end - start + 1);
       return new Response(Bun.file(l.path).slice(start, end + 1), { status: 206, headers: { "content-range": `bytes ${start}-${end}/${l.size}`, "content-type": "application/octet-stream" } });
     }, {
       params,

@@ -10,6 +10,7 @@
 // (403 elsewhere); an S3 origin outside them gets no credentials. Templates are pushed back as
 // overlaybd images (src/template/push.ts), to a registry or to S3. Pulls refuse a layer above
 // max_blob_mb and a disk above max_disk_size_mb.
+import type { OriginSpec } from "../storage/remote/spec.ts";
 import { mkdir, mkdtemp, rm } from "node:fs/promises";
 import { join } from "node:path";
 import type { BlockdClient } from "../blockdev/client.ts";
@@ -37,6 +38,8 @@ export interface NodeRemoteLayers {
   auth: RegistryAuthFiles;
   /** Set: the node's peers, asked before each remote layer's origins (src/node/peers.ts). */
   peers?: NodePeers;
+  /** In a cluster: a headers file with the cluster's API key, for reading layers from the other nodes directly. */
+  clusterHeadersFile?: string;
   /** The node's S3 settings: an S3 origin's credentials, added at each use (never in a record). */
   s3?: S3Access;
   /** Buckets and prefixes (s3_buckets) whose S3 origins get the credentials [none]. */
@@ -57,7 +60,10 @@ export async function remoteLayerView(l: RemoteLayer, r: NodeRemoteLayers): Prom
     const headersFile = await r.auth.fileFor(s.url);
     return headersFile ? { ...s, headersFile } : s;
   }));
-  const first = r.peers ? [r.peers.originFor(l.digest)] : [];
+  // In a cluster, the nodes that hold the layer come first (read directly, one hop), then the facade.
+  const holders = r.peers && r.clusterHeadersFile ? await r.peers.clusterHolders(l.digest as `sha256:${string}`).catch(() => []) : [];
+  const direct: OriginSpec[] = holders.map((url) => ({ kind: "http", url, headersFile: r.clusterHeadersFile }));
+  const first = r.peers ? [...direct, r.peers.originFor(l.digest)] : [];
   return { ...l, remote: { ...l.remote, sources: [...first, ...origins], cache: { ...r.cache }, download: r.download } };
 }
 

@@ -2,6 +2,7 @@
 // with the step it is on (blockd, network slots, VMM, guest kernel, the base template) until it
 // can create sandboxes, then 200. blockd and the VMMs outlive it: a stop leaves sandboxes running.
 import { mkdirSync, readFileSync } from "node:fs";
+import { rename, rm, writeFile } from "node:fs/promises";
 import { hostname } from "node:os";
 import { join } from "node:path";
 import { debianKernel, envdToolsDisk, guestCmdline, sealedLayer } from "../template/artifacts.ts";
@@ -100,10 +101,14 @@ const app = createApi({
     p2p: async () => {
       if (!peers) return undefined;
       const st = await peers.stats();
-      return { servedBytes: st.endpoint.bytesServed, fetchedBytes: st.facade.bytes, misses: st.facade.misses };
+      // Served: to iroh peers and, in a cluster, to the other nodes over HTTP.
+      return { servedBytes: st.endpoint.bytesServed + st.httpServed, fetchedBytes: st.facade.bytes, misses: st.facade.misses };
     },
   }));
-app.use(layerRoutes({ provide: async (digest) => (peers && /^sha256:[0-9a-f]{64}$/.test(digest) ? peers.provide(digest as `sha256:${string}`) : undefined) }));
+app.use(layerRoutes({
+  provide: async (digest) => (peers && /^sha256:[0-9a-f]{64}$/.test(digest) ? peers.provide(digest as `sha256:${string}`) : undefined),
+  served: (n) => peers?.countHttpServed(n),
+}));
 const server = serveNode(app, { hostname: cfg.host, port: cfg.port, proxy: () => proxy });
 
 const shown = cfg.host === "0.0.0.0" ? "127.0.0.1" : cfg.host;
@@ -172,8 +177,17 @@ async function start(): Promise<void> {
     });
     console.log(`  p2p: endpoint ${peers.worker.id} on ${peers.worker.addrs().join(", ")}, ${peers.worker.peerIds().length} peers`);
   }
+  // In a cluster blockd reads layers from the other nodes directly, with the cluster's key from this file (0600).
+  let clusterHeadersFile: string | undefined;
+  if (cfg.cluster.length > 0) {
+    clusterHeadersFile = join(cfg.home, "secrets", "cluster-headers.json");
+    mkdirSync(join(cfg.home, "secrets"), { recursive: true, mode: 0o700 });
+    await rm(`${clusterHeadersFile}.tmp`, { force: true });
+    await writeFile(`${clusterHeadersFile}.tmp`, JSON.stringify({ headers: { "x-api-key": key } }), { mode: 0o600, flag: "wx" });
+    await rename(`${clusterHeadersFile}.tmp`, clusterHeadersFile);
+  }
   const remote: NodeRemoteLayers = {
-    cache, download: cfg.blockCacheDownload, peers, s3, s3Buckets,
+    cache, download: cfg.blockCacheDownload, peers, s3, s3Buckets, clusterHeadersFile,
     auth: new RegistryAuthFiles({ dir: join(cfg.home, "registry-auth"), secretsDir: join(cfg.home, "secrets", "registry"), registry }),
   };
   const inUse = [...templates.remoteLayers(), ...store.all().flatMap((r) => ((r.runtime as SandboxRuntime | null)?.layers ?? []).filter(isRemoteLayer))];

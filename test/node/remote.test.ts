@@ -4,8 +4,10 @@
 // POST /sandboxes-cold. B pulls it lazily: its layers stay in the registry, blockd's workers read
 // them by HTTP Range through B's block cache, so the bytes the registry served (its access log)
 // are fewer than the layers; a second sandbox on B is served from the cache (no more bytes).
-// Node C has A as its only peer: it starts the pushed template, then, with the registry stopped,
-// reads a file no start read, every chunk of it from A over iroh.
+// Node D is in a cluster with A: blockd reads a file no start read straight from A over HTTP
+// (A's /v1/layers, the cluster's key), not from the registry. Node C has A as its only peer: it
+// starts the pushed template, then, with the registry stopped, reads a file no start read, every
+// chunk of it from A over iroh.
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { randomBytes } from "node:crypto";
 import { chmodSync, existsSync, mkdirSync, readdirSync, writeFileSync } from "node:fs";
@@ -17,9 +19,10 @@ import { PREFETCH_ROOTFS_ANNOTATION } from "../../src/template/prefetch_trace.ts
 import { RegistryClient } from "../../src/template/registry.ts";
 import { scratchDir } from "../helpers/tmp.ts";
 import { BUSYBOX_CONFIG, blobBytesServed, busyboxRoot, pushImage, registrySkipReason, registrySuite } from "../template/registry_harness.ts";
+import { etcdSkipReason, etcdSuite } from "../services/harness.ts";
 import { FIRST_START_MS, aenvAt, nodeSetup, nodeSkipReason, postJson, sdkOpts, startNode, stopNode, type NodeProc } from "./harness.ts";
 
-const skip = nodeSkipReason() ?? registrySkipReason();
+const skip = nodeSkipReason() ?? registrySkipReason() ?? etcdSkipReason();
 const KEY_A = "e2b_" + "a1".repeat(20);
 const KEY_B = "e2b_" + "b2".repeat(20);
 const KEY_C = "e2b_" + "c3".repeat(20);
@@ -36,6 +39,11 @@ describe.skipIf(!!skip)("a template pushed by one node, started lazily by anothe
   // B fetches only what is read (no background download), so the registry's bytes show the lazy reads.
   const setupB = nodeSetup("rmb", 237, KEY_B, { AENV_BLOCK_CACHE_DOWNLOAD: "0", AENV_P2P: "0" });
   const setupC = nodeSetup("rmc", 238, KEY_C, { AENV_BLOCK_CACHE_DOWNLOAD: "0", AENV_P2P_BIND: "127.0.0.1:0" });
+  // D shares A's cluster (and so its key); it fetches only what is read.
+  const setupD = nodeSetup("rmd", 239, KEY_A, { AENV_BLOCK_CACHE_DOWNLOAD: "0", AENV_P2P_BIND: "127.0.0.1:0", AENV_NODE_ID: "rd" });
+  const etcd = etcdSuite("remote-cluster-etcd");
+  let d: NodeProc | undefined;
+  const metric = async (n: NodeProc, name: string) => Number(new RegExp(`^${name} (\\d+)$`, "m").exec(await (await fetch(`${n.base}/metrics`)).text())?.[1]);
   const idOf = async (home: string) => SecretKey.fromBytes(await loadOrCreateSecretKey(home)).public().toString();
   let c: NodeProc | undefined;
   let pushedRef = "";
@@ -45,7 +53,9 @@ describe.skipIf(!!skip)("a template pushed by one node, started lazily by anothe
   let b: NodeProc;
 
   beforeAll(async () => {
-    for (const s of [setupA, setupB, setupC]) s.env.AENV_INSECURE_REGISTRIES = registry().insecure.join(",");
+    for (const s of [setupA, setupB, setupC, setupD]) s.env.AENV_INSECURE_REGISTRIES = registry().insecure.join(",");
+    for (const s of [setupA, setupD]) s.env.AENV_CLUSTER = etcd.etcd().endpoints;
+    setupA.env.AENV_NODE_ID = "ra";
     setupA.env.AENV_P2P_ALLOW = await idOf(setupC.home);
     setupC.env.AENV_P2P_PEERS = `${await idOf(setupA.home)}@127.0.0.1:${p2pPort}`;
     // One after the other: each boots its base template once on 2 shared cores.
@@ -53,6 +63,7 @@ describe.skipIf(!!skip)("a template pushed by one node, started lazily by anothe
     b = await startNode(setupB.env, FIRST_START_MS);
   }, 2 * FIRST_START_MS + 60_000);
   afterAll(async () => {
+    if (d) await stopNode(d, setupD);
     if (c) await stopNode(c, setupC);
     await stopNode(b, setupB);
     await stopNode(a, setupA);
@@ -160,6 +171,28 @@ describe.skipIf(!!skip)("a template pushed by one node, started lazily by anothe
     expect((await postJson(b, KEY_B, "/templates/no-such-template/push", { ref: copyRef })).status).toBe(404);
   }, 3 * BUILD_MS);
 
+  test("D, in a cluster with A, starts the pushed template and reads a file no start read straight from A over HTTP", async () => {
+    expect(pushedRef).not.toBe("");
+    const { reg } = registry();
+    const client = new RegistryClient({ dockerConfigPath: null, insecureRegistries: [reg.host] });
+    const digests = (await client.resolve(pushedRef)).layers.map((l) => l.digest);
+    d = await startNode(setupD.env, FIRST_START_MS);
+    const servedBefore = await metric(a, "aenv_p2p_served_bytes_total");
+    const registryBefore = await blobBytesServed(reg, digests);
+    const made = await postJson(d, KEY_A, "/sandboxes-cold", { image: pushedRef });
+    expect(made.status).toBe(201);
+    const { sandboxID } = (await made.json()) as { sandboxID: string };
+    const sbx = await Sandbox.connect(sandboxID, sdkOpts(d, KEY_A));
+    const r = await sbx.commands.run("md5sum /data/filler", { timeoutMs: 300_000 });
+    expect(r.stdout).toBe(`${new Bun.CryptoHasher("md5").update(filler).digest("hex")}  /data/filler\n`);
+    const fromA = (await metric(a, "aenv_p2p_served_bytes_total")) - servedBefore;
+    const fromRegistry = (await blobBytesServed(reg, digests)) - registryBefore;
+    console.log(`  D read ${(fromA / MiB).toFixed(1)} MiB from A over HTTP, ${(fromRegistry / MiB).toFixed(1)} MiB from the registry`);
+    expect(fromA).toBeGreaterThanOrEqual(FILLER_MIB * MiB);
+    expect(fromRegistry).toBeLessThan(FILLER_MIB * MiB);
+    await Sandbox.kill(sandboxID, sdkOpts(d, KEY_A));
+  }, 2 * BUILD_MS);
+
   test("C, with A as its only peer, starts the pushed template and reads a file no start read from A while the registry is stopped", async () => {
     expect(pushedRef).not.toBe("");
     const { reg } = registry();
@@ -174,7 +207,6 @@ describe.skipIf(!!skip)("a template pushed by one node, started lazily by anothe
     const r = await sbx.commands.run("md5sum /data/filler; cat /etc/motd", { timeoutMs: 300_000 });
     expect(r.stdout).toBe(`${new Bun.CryptoHasher("md5").update(filler).digest("hex")}  /data/filler\nmade on node A\n`);
     // Counted on both ends: at least the file's bytes crossed from A to C over iroh.
-    const metric = async (n: NodeProc, name: string) => Number(new RegExp(`^${name} (\\d+)$`, "m").exec(await (await fetch(`${n.base}/metrics`)).text())?.[1]);
     expect(await metric(c, "aenv_p2p_fetched_bytes_total")).toBeGreaterThanOrEqual(FILLER_MIB * MiB);
     expect(await metric(a, "aenv_p2p_served_bytes_total")).toBeGreaterThanOrEqual(FILLER_MIB * MiB);
     await Sandbox.kill(sandboxID, sdkOpts(c, KEY_C));
