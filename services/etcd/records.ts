@@ -5,15 +5,18 @@
 //   /aenv/nodes/{node}        NodeRecord, on the node's lease (gone ~10 s after the node is)
 //   /aenv/sandboxes/{id}      Binding: the node that owns the sandbox, fenced by that node's lease
 //   /aenv/reservations/{node} Reservations: creates in flight toward the node (compare-and-swap)
+//   /aenv/templates/{id}      TemplateEntry: a template one node built and pushed, for the others
 
 export const ROOT = "/aenv/";
 export const NODES = `${ROOT}nodes/`;
 export const SANDBOXES = `${ROOT}sandboxes/`;
 export const RESERVATIONS = `${ROOT}reservations/`;
+export const TEMPLATES = `${ROOT}templates/`;
 
 export const nodeKey = (id: string) => `${NODES}${id}`;
 export const sandboxKey = (id: string) => `${SANDBOXES}${id}`;
 export const reservationsKey = (node: string) => `${RESERVATIONS}${node}`;
+export const templateKey = (id: string) => `${TEMPLATES}${id}`;
 
 /** Node IDs: what Kubernetes node names and hostnames allow, bounded. */
 export const NODE_ID = /^[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?$/;
@@ -58,6 +61,25 @@ export interface Binding {
   endAt: number;
   /** Set while the sandbox is paused and its export is complete in the shared snapshot store: another node may take it. */
   exported?: boolean;
+  /** Its traffic resumes it when paused (E2B's autoResume): a gateway moves it for a request too. */
+  autoResume?: boolean;
+}
+
+/** A template built on one node and pushed (overlaybd) to the cluster's templates location: any node imports it under the same ID. */
+export interface TemplateEntry {
+  id: string;
+  alias: string;
+  /** `name:tag` names it answers to. */
+  names: string[];
+  /** Where its image is (a registry reference or s3://…): what the other nodes pull lazily. */
+  ref: string;
+  cpuCount: number;
+  memoryMB: number;
+  startCmd?: string;
+  readyCmd?: string;
+  /** The node that built it. */
+  node: string;
+  at: number;
 }
 
 export interface Reservation {
@@ -115,4 +137,12 @@ export function parseReservations(text: string): Reservation[] {
   }
   if (!Array.isArray(v)) throw new RecordError("reservations: not an array");
   return v.filter((r): r is Reservation => isObj(r) && typeof r.id === "string" && isNum(r.cpus) && isNum(r.memoryMB) && isNum(r.until));
+}
+
+export function parseTemplate(text: string): TemplateEntry {
+  const v = parse(text, "template entry");
+  if (typeof v.id !== "string" || !/^[A-Za-z0-9._-]{1,128}$/.test(v.id) || typeof v.alias !== "string" || typeof v.ref !== "string" || !Array.isArray(v.names))
+    throw new RecordError("template entry: bad id, alias, ref or names");
+  if (!isNum(v.cpuCount) || !isNum(v.memoryMB)) throw new RecordError(`template entry ${v.id}: bad size`);
+  return v as unknown as TemplateEntry;
 }

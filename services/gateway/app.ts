@@ -119,6 +119,11 @@ export function gatewayApp(o: GatewayAppOptions) {
     } catch (e) {
       return err(503, `the cluster store did not answer: ${(e as Error).message}`);
     }
+    // A paused sandbox that resumes on traffic, whose node left: taken onto another node, whose proxy resumes it.
+    if (owner.kind === "lost" && owner.binding.exported && owner.binding.autoResume) {
+      const to = await sandboxes.move(req, r.id, owner.binding).catch(() => undefined);
+      if (to) owner = { kind: "live" as const, node: to, binding: { ...owner.binding, node: to.id } };
+    }
     // E2B's answer for a sandbox that is not there (the SDK's isRunning() reads it).
     if (owner.kind !== "live") return err(502, "The sandbox was not found");
     o.metrics.proxied++;

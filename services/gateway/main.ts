@@ -32,7 +32,7 @@ const cacheWeight = Number(env("AENV_CACHE_WEIGHT", "1.5"));
 const etcd = EtcdClient.parse(cluster);
 const view = new ClusterView(etcd, (l) => console.log(l));
 const metrics = new GatewayMetrics();
-const sandboxes = new GatewaySandboxes({ view, reservations: new Reservations(etcd), metrics, placement: { cacheWeight } });
+const sandboxes = new GatewaySandboxes({ apiKey, view, reservations: new Reservations(etcd), metrics, placement: { cacheWeight } });
 const { app, proxy, relays } = gatewayApp({ apiKey, maxBodyBytes: 1 << 20, version: pkg.version, domain: env("AENV_DOMAIN", ""), view, sandboxes, metrics });
 
 const server = Bun.serve<WsData>({

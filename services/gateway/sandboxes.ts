@@ -25,6 +25,8 @@ const REFUSALS = new Set([404, 429, 503, 507]);
 export const MAX_CREATE_TRIES = 4;
 
 export interface GatewaySandboxesOptions {
+  /** The cluster's API key: the gateway's own calls (a move) carry it. */
+  apiKey: string;
   view: ClusterView;
   reservations: Reservations;
   metrics: GatewayMetrics;
@@ -109,13 +111,13 @@ export class GatewaySandboxes {
    * Resume anywhere: paused sandbox `id`, whose node left the cluster or drains, taken onto another
    * node (the scheduler's candidates in order); that node, or undefined when none could take it.
    */
-  private async move(req: Request, id: string, b: Binding): Promise<NodeRecord | undefined> {
+  async move(req: Request, id: string, b: Binding): Promise<NodeRecord | undefined> {
     const need = { template: b.templateId, cpus: b.cpuCount, memoryMB: b.memoryMB };
     const nodes = this.o.view.liveNodes().filter((n) => n.id !== b.node);
     for (const { node } of rank(nodes, await this.o.reservations.all(), need, this.o.placement).slice(0, MAX_CREATE_TRIES)) {
       let r: Response;
       try {
-        r = await callNode(node, req.method === "POST" ? req : new Request(req.url, { method: "POST", headers: req.headers }), `/sandboxes/${id}/move`, {});
+        r = await callNode(node, new Request(req.url, { method: "POST", headers: { "x-api-key": this.o.apiKey } }), `/sandboxes/${id}/move`, {});
       } catch {
         continue;
       }

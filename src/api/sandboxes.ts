@@ -28,6 +28,8 @@ export interface Placement {
   bind(rec: SandboxRecord): Promise<void>;
   /** Resume anywhere: takes paused sandbox `id` from the shared snapshot store onto this node (ApiErrors say why not). */
   adopt?(id: string): Promise<SandboxRecord>;
+  /** A template this node lacks that another node of the cluster published: imported before the create (resolves at once when it has it). */
+  ensureTemplate?(ref: string): Promise<void>;
 }
 
 const rfc3339 = (ms: number) => new Date(ms).toISOString();
@@ -334,6 +336,7 @@ export function sandboxRoutes(getOrch: () => Orchestrator, o: SandboxRoutesOptio
       checkMap("envVars", body.envVars, LIMITS.envVars);
       checkExtensionParams(body.customExtensionParams);
       o.placement?.admit();
+      await o.placement?.ensureTemplate?.(body.templateID);
       const rec = await orch().create({
         customExtensionParams: body.customExtensionParams,
         templateId: body.templateID,

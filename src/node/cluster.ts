@@ -11,8 +11,8 @@ import { OrchestratorError } from "../orchestrator/errors.ts";
 import type { SandboxRecord } from "../orchestrator/store.ts";
 import { EtcdClient, EtcdError, cmp, op } from "../../services/etcd/client.ts";
 import {
-  MAX_CACHED, NODES, NODE_LEASE_TTL_S, nodeKey, parseBinding, parseNode, sandboxKey,
-  type Binding, type NodeRecord, type NodeStatus,
+  MAX_CACHED, NODES, NODE_LEASE_TTL_S, TEMPLATES, nodeKey, parseBinding, parseNode, parseTemplate, sandboxKey, templateKey,
+  type Binding, type NodeRecord, type NodeStatus, type TemplateEntry,
 } from "../../services/etcd/records.ts";
 
 /** Lease renewals: three within a TTL, so one slow renewal never costs the lease. */
@@ -21,6 +21,8 @@ const RENEW_MS = 3_000;
 const MAX_PENDING_UNBINDS = 4096;
 /** Paused sandboxes waiting to be put into the shared store; past it a pause is not exported (it resumes here only). */
 const MAX_PENDING_EXPORTS = 256;
+/** Template entries a lookup by name reads at most (a cluster's templates, not its sandboxes). */
+const MAX_TEMPLATES_SCANNED = 10_000;
 /** Changes (a bind, an unbind) reach the node's record within this, coalesced. */
 const RECORD_SOON_MS = 200;
 
@@ -217,6 +219,26 @@ export class ClusterMember implements Placement {
     return rec;
   }
 
+  /** A template this node built and pushed: the other nodes import it from `entry.ref` under its ID. */
+  async publishTemplate(entry: Omit<TemplateEntry, "node" | "at">): Promise<void> {
+    await this.o.etcd.put(templateKey(entry.id), JSON.stringify({ ...entry, node: this.o.nodeId, at: Date.now() }));
+  }
+
+  /** The cluster's template that `ref` (an ID, an alias or `name:tag`) names, if one node published it. */
+  async findTemplate(ref: string): Promise<TemplateEntry | undefined> {
+    const direct = await this.o.etcd.get(templateKey(ref)).catch(() => undefined);
+    if (direct) return parseTemplate(direct.value);
+    const { kvs } = await this.o.etcd.range(TEMPLATES, { prefix: true, serializable: true, limit: MAX_TEMPLATES_SCANNED });
+    const name = ref.includes(":") ? ref : `${ref}:default`;
+    for (const kv of kvs) {
+      try {
+        const t = parseTemplate(kv.value);
+        if (t.alias === ref || t.names.includes(name)) return t;
+      } catch { /* skipped */ }
+    }
+    return undefined;
+  }
+
   /** Each pass: a paused sandbox another node took is dropped here. */
   private async dropTaken(): Promise<void> {
     for (const id of [...this.exported]) {
@@ -261,6 +283,7 @@ export class ClusterMember implements Placement {
   private bindingOf(rec: SandboxRecord, lease: string, exported = false): Binding {
     return {
       ...(exported ? { exported: true } : {}),
+      ...(rec.autoResume ? { autoResume: true } : {}),
       node: this.o.nodeId, lease, templateId: rec.templateId, ...(rec.alias ? { alias: rec.alias } : {}),
       cpuCount: rec.cpuCount, memoryMB: rec.memoryMB, diskSizeMB: rec.diskSizeMB, metadata: rec.metadata,
       envdVersion: rec.envdVersion, startedAt: rec.startedAt, endAt: rec.endAt,

@@ -28,7 +28,7 @@ import { BlockdClient } from "../blockdev/client.ts";
 import { Egress, EgressProxy, SecretStore, SlotPool, defaultUplinks, hostNetworks, hostResolvers, loadOrCreateCa } from "../network/index.ts";
 import { Orchestrator, type SandboxRuntime } from "../orchestrator/orchestrator.ts";
 import { SandboxStore } from "../orchestrator/store.ts";
-import { TemplateStore, isRemoteLayer } from "../orchestrator/templates.ts";
+import { TemplateStore, isRemoteLayer, type TemplateRecord } from "../orchestrator/templates.ts";
 import { buildBaseTemplate } from "../template/debian.ts";
 import { openSnapshotStore } from "../snapshot/index.ts";
 import { selectDriver } from "../vmm/select.ts";
@@ -74,6 +74,11 @@ const app = createApi({
       adopt: (id) => {
         if (!member) throw new ApiError(503, notReady() ?? "joining the cluster");
         return member.adopt(id);
+      },
+      ensureTemplate: async (ref) => {
+        if (!member || !orch || !builder || orch.templates.resolve(ref)) return;
+        const t = await member.findTemplate(ref);
+        if (t) await builder.importTemplate(t);
       },
     } : undefined,
     coldTemplate: (image, size) => {
@@ -242,6 +247,8 @@ async function start(): Promise<void> {
   builder = new TemplateBuilder(o, store.db, {
     filesDir: join(cfg.home, "template-files"), stepsDir: join(cfg.home, "template-steps"),
     maxConcurrent: cfg.maxBuilds, buildTimeoutMs: cfg.buildTimeoutS * 1000, stepCacheBytes: cfg.stepCacheMB * 2 ** 20, images,
+    // In a cluster with a templates location: each template built here is pushed there and published for the other nodes.
+    onReady: cfg.cluster.length > 0 && cfg.clusterTemplates ? (t) => void publishTemplate(t) : undefined,
   });
   if (cfg.cluster.length > 0) {
     progress("cluster");
@@ -264,6 +271,21 @@ async function start(): Promise<void> {
   }
   orch = o;
   progress(`ready (${((performance.now() - t0) / 1000).toFixed(1)} s)`);
+}
+
+/** A template built here, pushed to AENV_CLUSTER_TEMPLATES and published in etcd (logged when it fails: it stays here only). */
+async function publishTemplate(t: TemplateRecord): Promise<void> {
+  const ref = `${cfg.clusterTemplates}/${t.id}:${(t.config?.buildId ?? "1").slice(0, 64)}`;
+  try {
+    await builder!.push(t.id, ref);
+    await member!.publishTemplate({
+      id: t.id, alias: t.alias ?? t.id, names: t.names, ref, cpuCount: t.cpuCount, memoryMB: t.memoryMB,
+      ...(t.config?.startCmd ? { startCmd: t.config.startCmd } : {}), ...(t.config?.readyCmd ? { readyCmd: t.config.readyCmd } : {}),
+    });
+    console.log(`  cluster: template ${t.alias ?? t.id} (${t.id}) pushed to ${ref}`);
+  } catch (e) {
+    console.error(`  cluster: template ${t.id} not published (it stays on this node): ${(e as Error).message}`);
+  }
 }
 
 start().catch((e) => {

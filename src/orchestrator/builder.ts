@@ -134,6 +134,8 @@ export interface BuilderOptions {
   stepCacheBytes?: number;
   /** Where fromImage parents come from; none: fromImage is refused. */
   images?: ImageSource;
+  /** Told of each template a build made ready (a cluster pushes it for the other nodes). */
+  onReady?: (t: TemplateRecord) => void;
 }
 
 /** What a BuilderOptions field left out is (the node leaves the ready poll's out: 2 s, at most 10 min). */
@@ -230,6 +232,8 @@ interface Request {
   cpuCount?: number;
   memoryMB?: number;
   builds: Map<string, Build>;
+  /** Made from another node's pushed template (importTemplate): not pushed again. */
+  imported?: boolean;
 }
 
 /** The builder's state that changes step by step (the next step's key covers it). */
@@ -253,7 +257,7 @@ interface PlannedStep {
 }
 
 export class TemplateBuilder {
-  private readonly o: Required<Omit<BuilderOptions, "images">> & { images?: ImageSource };
+  private readonly o: Required<Omit<BuilderOptions, "images" | "onReady">> & Pick<BuilderOptions, "images" | "onReady">;
   private readonly requests = new Map<string, Request>();
   /** Requested names not yet published → their template ID (one ID per name). */
   private readonly pendingNames = new Map<string, string>();
@@ -264,7 +268,7 @@ export class TemplateBuilder {
   private readonly aborts = new Set<AbortController>();
   private readonly runs = new Set<Promise<void>>();
   private readonly steps: StepCache;
-  /** Cold templates being built, by name (POST /sandboxes-cold): callers for one image share its build. */
+  /** Cold templates being built, by name (POST /sandboxes-cold), and imports by ID: callers for one share its build. */
   private readonly coldBuilds = new Map<string, Promise<string>>();
 
   constructor(private readonly orch: Orchestrator, private readonly db: Database, opts: BuilderOptions) {
@@ -292,7 +296,7 @@ export class TemplateBuilder {
   // ─── requests ──────────────────────────────────────────────────────────────
 
   /** POST /v3/templates: a template ID (the name's, if it exists) and a new build ID. */
-  request(body: { name?: string; alias?: string; tags?: string[]; cpuCount?: number; memoryMB?: number }) {
+  request(body: { name?: string; alias?: string; tags?: string[]; cpuCount?: number; memoryMB?: number }, fixedId?: string) {
     const full = body.name ?? body.alias;
     if (!full) throw new TemplateBuildError(400, "name is required (name or name:tag)");
     const { name, tag } = splitName(full);
@@ -303,7 +307,7 @@ export class TemplateBuilder {
     const existing = this.orch.templates.resolve(name);
     if (existing && existing.kind !== "template") throw new TemplateBuildError(409, `'${name}' is a snapshot, not a template`);
     if (existing && existing.alias !== name && existing.id === name) throw new TemplateBuildError(409, `'${name}' is a template ID; build under its alias '${existing.alias}'`);
-    const templateId = existing?.id ?? this.pendingNames.get(name) ?? randomId();
+    const templateId = existing?.id ?? this.pendingNames.get(name) ?? fixedId ?? randomId();
     this.pendingNames.set(name, templateId);
     const buildId = randomUUID();
     let req = this.requests.get(templateId);
@@ -809,6 +813,35 @@ export class TemplateBuilder {
     };
     this.orch.publishTemplate(rec);
     this.pendingNames.delete(req.name);
+    if (!req.imported) this.o.onReady?.(rec);
+  }
+
+  /**
+   * A template another node of the cluster built, from the image it pushed (`ref`), under the same
+   * ID and name, with its start and ready commands: built here on first use (a lazy pull, a boot, a
+   * checkpoint), joined by concurrent callers. Resolves to the template's ID.
+   */
+  importTemplate(t: { id: string; alias: string; ref: string; cpuCount: number; memoryMB: number; startCmd?: string; readyCmd?: string }): Promise<string> {
+    const ready = this.orch.templates.resolve(t.id);
+    if (ready?.kind === "template") return Promise.resolve(ready.id);
+    const cur = this.coldBuilds.get(t.id);
+    if (cur) return cur;
+    const built = (async () => {
+      const { templateID, buildID } = this.request({ name: t.alias, cpuCount: t.cpuCount, memoryMB: t.memoryMB }, t.id);
+      if (templateID !== t.id) throw new TemplateBuildError(409, `'${t.alias}' is template ${templateID} on this node, not ${t.id}`);
+      this.requests.get(templateID)!.imported = true;
+      await this.start(templateID, buildID, { fromImage: t.ref, ...(t.startCmd ? { startCmd: t.startCmd } : {}), ...(t.readyCmd ? { readyCmd: t.readyCmd } : {}) });
+      const b = this.build(templateID, buildID);
+      const until = Date.now() + this.o.buildTimeoutMs + 60_000;
+      while (!b.finished()) {
+        if (Date.now() > until) throw new TemplateBuildError(500, `the import of ${t.ref} did not finish`);
+        await Bun.sleep(COLD_POLL_MS);
+      }
+      if (b.status === "error") throw new TemplateBuildError(502, `template ${t.alias} from ${t.ref}: ${b.reason?.message ?? "the build failed"}`);
+      return templateID;
+    })().finally(() => this.coldBuilds.delete(t.id));
+    this.coldBuilds.set(t.id, built);
+    return built;
   }
 
   // ─── push ──────────────────────────────────────────────────────────────────

@@ -15,14 +15,17 @@ import { scratchDir } from "../helpers/tmp.ts";
 import { qemuPids } from "../vmm/harness.ts";
 import { FIRST_START_MS, nodeSetup, nodeSkipReason, startNode, stopNode, until, type NodeProc, type NodeSetup } from "../node/harness.ts";
 import { freePortBase } from "./harness.ts";
+import { registrySkipReason, registrySuite } from "../template/registry_harness.ts";
 
-const skip = nodeSkipReason() ?? (Bun.which("etcd") ? undefined : "etcd is missing (Debian's etcd-server, see .ci/deps)");
+const skip = nodeSkipReason() ?? registrySkipReason() ?? (Bun.which("etcd") ? undefined : "etcd is missing (Debian's etcd-server, see .ci/deps)");
 const KEY = "e2b_" + "c1".repeat(20);
 
 describe.skipIf(!!skip)("a cluster: etcd, two nodes, two gateways, the stock e2b SDK", () => {
   if (skip) return void test.skip(skip!, () => {});
   const etcdDir = scratchDir("cluster-etcd");
   const sharedStore = scratchDir("cluster-store");
+  // The cluster's templates location: a template built on one node is pushed here for the others.
+  const registry = registrySuite("cluster-templates-registry");
   let etcd: EtcdMembers;
   let client: EtcdClient;
   const setups: NodeSetup[] = [];
@@ -48,6 +51,7 @@ describe.skipIf(!!skip)("a cluster: etcd, two nodes, two gateways, the stock e2b
       setups[i] = nodeSetup(`cl${"ab"[i]}`, octet, KEY, {
         AENV_CLUSTER: etcd.endpoints, AENV_NODE_ID: `n${i + 1}`, AENV_MAX_SANDBOXES: "3", AENV_REAPER_INTERVAL_MS: "200",
         AENV_SNAPSHOT_STORE: sharedStore, AENV_RESUME_ANYWHERE: "1",
+        AENV_CLUSTER_TEMPLATES: `${registry().reg.host}/cluster-templates`, AENV_INSECURE_REGISTRIES: registry().insecure.join(","),
       });
     }
     // One at a time: the first start may build the base template into the shared cache.
@@ -125,7 +129,21 @@ describe.skipIf(!!skip)("a cluster: etcd, two nodes, two gateways, the stock e2b
     const s = await Sandbox.create(name, opts(1));
     expect((await s.commands.run("cat /home/user/hello.txt /tmp/built")).stdout).toBe("copied through the gateway\nbuilt\n");
     await s.kill();
-  }, 300_000);
+    // Pushed to the cluster's templates location and published: the other node imports it under the same ID.
+    let entry: { id: string; node: string } | undefined;
+    await until(async () => {
+      const kv = (await client.range("/aenv/templates/", { prefix: true })).kvs.find((k) => (JSON.parse(k.value) as { alias: string }).alias === name);
+      entry = kv ? (JSON.parse(kv.value) as { id: string; node: string }) : undefined;
+      return entry !== undefined;
+    }, 120_000, "the template is published in etcd");
+    const other = entry!.node === "n1" ? 1 : 0;
+    const there = await Sandbox.create(name, { ...opts(0), apiUrl: nodes[other]!.base });
+    expect((await there.commands.run("cat /home/user/hello.txt /tmp/built")).stdout).toBe("copied through the gateway\nbuilt\n");
+    await there.kill();
+    const idOn = async (k: number) => ((await (await fetch(`${nodes[k]!.base}/templates/${name}`, { headers: { "x-api-key": KEY } })).json()) as { templateID: string }).templateID;
+    expect(await idOn(other)).toBe(entry!.id);
+    expect(await idOn(1 - other)).toBe(entry!.id);
+  }, 600_000);
 
   test("kill -9 of a gateway during traffic: the other answers; a restarted one routes at once", async () => {
     const loop = (async () => {

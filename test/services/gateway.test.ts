@@ -126,6 +126,13 @@ describe.skipIf(skip !== undefined)("the gateway against etcd", () => {
     expect(r.status).toBe(200);
     // The move first (to a live node), then the connect itself to that node.
     expect(seen).toEqual(["POST /sandboxes/away1/move key=true", "POST /sandboxes/away1/connect key=true"]);
+    // Traffic to one that resumes on traffic: moved with the gateway's own key, then relayed.
+    // (A binding the view has not seen yet is read from etcd.)
+    await client.put(sandboxKey("away2"), JSON.stringify({ ...b, autoResume: true }));
+    seen.length = 0;
+    const px = await fetch(`${gw.url}/hello`, { headers: { "e2b-sandbox-id": "away2", "e2b-sandbox-port": "8080" } });
+    expect(await px.text()).toBe("proxied /proxy/away2/8080/hello");
+    expect(seen).toEqual(["POST /sandboxes/away2/move key=true", "GET /proxy/away2/8080/hello key=false"]);
   });
 
   test("a binding whose node left: listed as lost, by-ID 502 naming it, a kill forgets it", async () => {
