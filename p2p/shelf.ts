@@ -51,6 +51,11 @@ export class LayerShelf {
     return this.layers.get(digest);
   }
 
+  /** The digests on the shelf (at most MAX_SHELF). */
+  digests(): LayerDigest[] {
+    return [...this.layers.keys()];
+  }
+
   /** Served only while the file is still there with its verified size. */
   readonly provider: LayerProvider = async (digest) => {
     const l = this.layers.get(digest);

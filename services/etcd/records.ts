@@ -39,12 +39,16 @@ export interface NodeRecord {
   used: { sandboxes: number; running: number; cpus: number; memoryMB: number };
   /** Templates (IDs and aliases) whose layers it holds, with their bytes on its disk: the cache bonus (at most MAX_CACHED entries). */
   cached: Record<string, number>;
+  /** Digests of the layers it serves verified (pushed, promoted, the snapshot store's; at most MAX_LAYER_DIGESTS): the cache bonus for a template it has not imported yet. */
+  layers?: string[];
   /** When it last wrote this record (unix ms). */
   at: number;
 }
 
 /** Bound on a node record's `cached` map (a record stays far below etcd's 1.5 MiB value limit). */
 export const MAX_CACHED = 2048;
+/** Bound on a node record's `layers` (72 bytes each: 300 KiB at most). */
+export const MAX_LAYER_DIGESTS = 4096;
 
 export interface Binding {
   node: string;
@@ -77,6 +81,8 @@ export interface TemplateEntry {
   memoryMB: number;
   startCmd?: string;
   readyCmd?: string;
+  /** Its image's layers (base first), so placement counts the bytes a node already holds. */
+  layers?: { digest: string; size: number }[];
   /** The node that built it. */
   node: string;
   at: number;

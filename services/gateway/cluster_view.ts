@@ -2,10 +2,12 @@
 // one etcd watch on the cluster's prefix. A binding the view lacks is read from etcd (a quorum
 // read) before a request is answered 404, so a create answered a moment ago routes at once.
 import { EtcdClient, EtcdError, type KeyValue } from "../etcd/client.ts";
-import { NODES, ROOT, SANDBOXES, parseBinding, parseNode, sandboxKey, type Binding, type NodeRecord } from "../etcd/records.ts";
+import { NODES, ROOT, SANDBOXES, TEMPLATES, parseBinding, parseNode, parseTemplate, sandboxKey, type Binding, type NodeRecord, type TemplateEntry } from "../etcd/records.ts";
 
 /** Bindings kept in memory; past it new ones are read from etcd at each use (a cluster of 256 nodes × 4096 sandboxes fits). */
 export const MAX_CACHED_BINDINGS = 1 << 20;
+/** Published templates kept (a cluster's templates, not its sandboxes). */
+export const MAX_TEMPLATES = 10_000;
 /** The watch broken for longer than this makes /health 503 (the view may be stale). */
 const STALE_AFTER_MS = 15_000;
 
@@ -17,6 +19,8 @@ export type Owner =
 export class ClusterView {
   readonly nodes = new Map<string, NodeRecord>();
   readonly bindings = new Map<string, Binding>();
+  /** Templates one node built and published for the others, by ID. */
+  readonly templates = new Map<string, TemplateEntry>();
   private loaded = false;
   private brokenSince: number | undefined;
   private lastError = "";
@@ -63,35 +67,35 @@ export class ClusterView {
   private async load(): Promise<number> {
     const nodes = await this.etcd.range(NODES, { prefix: true });
     const bindings = await this.etcd.range(SANDBOXES, { prefix: true });
+    const templates = await this.etcd.range(TEMPLATES, { prefix: true, limit: MAX_TEMPLATES });
     this.nodes.clear();
     for (const kv of nodes.kvs) this.apply("put", kv);
     this.bindings.clear();
     for (const kv of bindings.kvs) this.apply("put", kv);
+    this.templates.clear();
+    for (const kv of templates.kvs) this.apply("put", kv);
     this.loaded = true;
-    return Math.max(nodes.revision, bindings.revision);
+    return Math.max(nodes.revision, bindings.revision, templates.revision);
   }
 
   private apply(type: "put" | "delete", kv: KeyValue): void {
-    if (kv.key.startsWith(NODES)) {
-      const id = kv.key.slice(NODES.length);
-      if (type === "delete") this.nodes.delete(id);
-      else {
-        try {
-          this.nodes.set(id, parseNode(kv.value));
-        } catch (e) {
-          this.log(`gateway: ${kv.key}: ${(e as Error).message}; ignored`);
-        }
-      }
-    } else if (kv.key.startsWith(SANDBOXES)) {
-      const id = kv.key.slice(SANDBOXES.length);
-      if (type === "delete") this.bindings.delete(id);
-      else if (this.bindings.size < MAX_CACHED_BINDINGS || this.bindings.has(id)) {
-        try {
-          this.bindings.set(id, parseBinding(kv.value));
-        } catch (e) {
-          this.log(`gateway: ${kv.key}: ${(e as Error).message}; ignored`);
-        }
-      }
+    if (kv.key.startsWith(NODES)) this.follow(this.nodes, NODES, Infinity, parseNode, type, kv);
+    else if (kv.key.startsWith(TEMPLATES)) this.follow(this.templates, TEMPLATES, MAX_TEMPLATES, parseTemplate, type, kv);
+    else if (kv.key.startsWith(SANDBOXES)) this.follow(this.bindings, SANDBOXES, MAX_CACHED_BINDINGS, parseBinding, type, kv);
+  }
+
+  /** One event into one map: a delete forgets the key, a put parses its record (one that does not parse is logged and skipped) while the map is under `max`. */
+  private follow<T>(map: Map<string, T>, prefix: string, max: number, parse: (text: string) => T, type: "put" | "delete", kv: KeyValue): void {
+    const id = kv.key.slice(prefix.length);
+    if (type === "delete") {
+      map.delete(id);
+      return;
+    }
+    if (map.size >= max && !map.has(id)) return;
+    try {
+      map.set(id, parse(kv.value));
+    } catch (e) {
+      this.log(`gateway: ${kv.key}: ${(e as Error).message}; ignored`);
     }
   }
 
@@ -115,6 +119,15 @@ export class ClusterView {
     }
     const node = this.nodes.get(b.node);
     return node ? { kind: "live", node, binding: b } : { kind: "lost", nodeId: b.node, binding: b };
+  }
+
+  /** The published template `ref` names (ID, alias or `name:tag`), if any. */
+  template(ref: string): TemplateEntry | undefined {
+    const byId = this.templates.get(ref);
+    if (byId) return byId;
+    const name = ref.includes(":") ? ref : `${ref}:default`;
+    for (const t of this.templates.values()) if (t.alias === ref || t.names.includes(name)) return t;
+    return undefined;
   }
 
   liveNodes(): NodeRecord[] {

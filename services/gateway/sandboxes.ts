@@ -53,7 +53,7 @@ export class GatewaySandboxes {
   async create(req: Request, pathAndQuery: string, body: Record<string, unknown>): Promise<Response> {
     const cold = pathAndQuery.startsWith("/sandboxes-cold");
     const template = cold ? `cold:${String(body.image)}` : String(body.templateID);
-    const need = { template, cpus: Number(body.cpuCount ?? 1), memoryMB: Number(body.memoryMB ?? 512) };
+    const need = { template, cpus: Number(body.cpuCount ?? 1), memoryMB: Number(body.memoryMB ?? 512), layers: this.o.view.template(template)?.layers };
     const candidates = rank(this.o.view.liveNodes(), await this.o.reservations.all(), need, this.o.placement).slice(0, MAX_CREATE_TRIES);
     if (candidates.length === 0) {
       this.o.metrics.creates.none++;

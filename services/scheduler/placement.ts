@@ -17,6 +17,16 @@ export interface Need {
   template: string;
   cpus: number;
   memoryMB: number;
+  /** The template's image layers when the cluster published it: a node that holds some of them gets their bytes as its bonus. */
+  layers?: { digest: string; size: number }[];
+}
+
+/** Bytes of `need`'s template a node holds: its own count for the template, or the published layers it serves, whichever is more. */
+export function cachedBytes(n: NodeRecord, need: Need): number {
+  const own = n.cached[need.template] ?? 0;
+  if (!need.layers?.length || !n.layers?.length) return own;
+  const held = new Set(n.layers);
+  return Math.max(own, need.layers.reduce((sum, l) => sum + (held.has(l.digest) ? l.size : 0), 0));
 }
 
 export interface PlacementOptions {
@@ -55,7 +65,7 @@ export function eligible(n: NodeRecord, held: Reservation[]): boolean {
 export function score(n: NodeRecord, held: Reservation[], need: Need, maxCache: number, cacheWeight: number): Scored {
   const h = headroom(n, held);
   const frac = (left: number, total: number) => (total > 0 ? Math.max(0, Math.min(1, left / total)) : 0);
-  const cacheBytes = n.cached[need.template] ?? 0;
+  const cacheBytes = cachedBytes(n, need);
   const s =
     frac(h.memoryMB - need.memoryMB, n.capacity.memoryMB) +
     frac(h.cpus - need.cpus, n.capacity.cpus * 4) + // vCPUs overcommit 4:1 before this term reaches 0
@@ -75,7 +85,7 @@ export function rank(nodes: NodeRecord[], reservations: Map<string, Reservation[
   const random = o.random ?? Math.random;
   const weight = o.cacheWeight ?? CACHE_WEIGHT;
   const ok = nodes.filter((n) => eligible(n, reservations.get(n.id) ?? []));
-  const maxCache = ok.reduce((m, n) => Math.max(m, n.cached[need.template] ?? 0), 0);
+  const maxCache = ok.reduce((m, n) => Math.max(m, cachedBytes(n, need)), 0);
   const scored = ok.map((n) => score(n, reservations.get(n.id) ?? [], need, maxCache, weight));
   // Fisher–Yates over the first k positions: a uniform sample without replacement.
   for (let i = 0; i < Math.min(k, scored.length); i++) {

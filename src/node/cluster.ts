@@ -11,7 +11,7 @@ import { OrchestratorError } from "../orchestrator/errors.ts";
 import type { SandboxRecord } from "../orchestrator/store.ts";
 import { EtcdClient, EtcdError, cmp, op } from "../../services/etcd/client.ts";
 import {
-  MAX_CACHED, NODES, NODE_LEASE_TTL_S, TEMPLATES, nodeKey, parseBinding, parseNode, parseTemplate, sandboxKey, templateKey,
+  MAX_CACHED, MAX_LAYER_DIGESTS, NODES, NODE_LEASE_TTL_S, TEMPLATES, nodeKey, parseBinding, parseNode, parseTemplate, sandboxKey, templateKey,
   type Binding, type NodeRecord, type NodeStatus, type TemplateEntry,
 } from "../../services/etcd/records.ts";
 
@@ -38,6 +38,8 @@ export interface ClusterMemberOptions {
   /** Every sandbox the node holds (running and paused). */
   sandboxes: () => SandboxRecord[];
   running: () => number;
+  /** Digests of the layers this node serves verified (read at each record write). */
+  layers?: () => Promise<string[]>;
   /** Templates' IDs, aliases and names with the bytes of their layers on this node (read at each record write). */
   cached: () => Promise<Record<string, number>> | Record<string, number>;
   /** This node's iroh endpoint, when it has one. */
@@ -413,7 +415,7 @@ export class ClusterMember implements Placement {
         sandboxes: all.length, running: this.o.running(),
         cpus: running.reduce((n, r) => n + r.cpuCount, 0), memoryMB: running.reduce((n, r) => n + r.memoryMB, 0),
       },
-      cached, at: Date.now(),
+      cached, ...(this.o.layers ? { layers: (await this.o.layers()).slice(0, MAX_LAYER_DIGESTS) } : {}), at: Date.now(),
     };
   }
 

@@ -22,6 +22,7 @@ import { NodePeers, facadeSocket, parsePeers } from "./peers.ts";
 import { ClusterMember } from "./cluster.ts";
 import { advertisedUrl, cachedTemplateBytes, dialableEndpoint } from "./cluster_info.ts";
 import { EtcdClient } from "../../services/etcd/client.ts";
+import { MAX_LAYER_DIGESTS } from "../../services/etcd/records.ts";
 import { HttpPeers } from "../../p2p/http_peers.ts";
 import { layerRoutes } from "../api/layers.ts";
 import { BlockdClient } from "../blockdev/client.ts";
@@ -256,6 +257,7 @@ async function start(): Promise<void> {
     member = new ClusterMember({
       etcd: new EtcdClient(cfg.cluster), nodeId, apiUrl, version: pkg.version,
       home: cfg.home, leaseFile: join(cfg.home, "cluster-lease"), maxSandboxes: cfg.maxSandboxes,
+      layers: peers ? () => peers!.heldDigests(MAX_LAYER_DIGESTS) : undefined,
       sandboxes: () => store.all(), running: () => o.runningCount(), cached: () => cachedTemplateBytes(templates.list("template").concat(templates.list("snapshot"))),
       p2p: peers ? () => dialableEndpoint(peers!.worker.self(), apiUrl) : undefined,
       onPeers: peers ? (list, others) => {
@@ -277,8 +279,9 @@ async function start(): Promise<void> {
 async function publishTemplate(t: TemplateRecord): Promise<void> {
   const ref = `${cfg.clusterTemplates}/${t.id}:${(t.config?.buildId ?? "1").slice(0, 64)}`;
   try {
-    await builder!.push(t.id, ref);
+    const pushed = await builder!.push(t.id, ref);
     await member!.publishTemplate({
+      layers: pushed.layers.map((l) => ({ digest: l.digest, size: l.size })),
       id: t.id, alias: t.alias ?? t.id, names: t.names, ref, cpuCount: t.cpuCount, memoryMB: t.memoryMB,
       ...(t.config?.startCmd ? { startCmd: t.config.startCmd } : {}), ...(t.config?.readyCmd ? { readyCmd: t.config.readyCmd } : {}),
     });

@@ -14,7 +14,7 @@
 // layers, named by their sha256 and verified when they arrived). The snapshot cache asks the peers
 // for a shared file before S3 (fetchBlob).
 import type { Database } from "bun:sqlite";
-import { mkdir, rm, stat } from "node:fs/promises";
+import { mkdir, readdir, rm, stat } from "node:fs/promises";
 import { dirname, join } from "node:path";
 import { LayerShelf, MAX_SHELF, NoPeerError, PeerChunkSource, PeerWorker, type PeerConfig } from "../../p2p/index.ts";
 import { HttpPeers } from "../../p2p/http_peers.ts";
@@ -91,6 +91,7 @@ export class NodePeers {
     /** The cluster's nodes over HTTP, when it is in one: asked first. */
     private readonly httpSource: PeerChunkSource | undefined,
     private readonly httpPeers: HttpPeers | undefined,
+    private readonly blobDirs: string[],
   ) {}
 
   static async start(o: NodePeersOptions): Promise<NodePeers> {
@@ -116,7 +117,7 @@ export class NodePeers {
     let self!: NodePeers;
     const facade = Bun.serve({ unix: o.socketPath, fetch: (req) => self.answer(req) });
     const httpSource = o.httpPeers ? new PeerChunkSource(o.httpPeers, { haveTimeoutMs: HAVE_TIMEOUT_MS, readTimeoutMs: READ_TIMEOUT_MS }) : undefined;
-    self = new NodePeers(worker, source, shelf, cache, facade, o.socketPath, o.db, provide, httpSource, o.httpPeers);
+    self = new NodePeers(worker, source, shelf, cache, facade, o.socketPath, o.db, provide, httpSource, o.httpPeers, o.blobDirs ?? []);
     return self;
   }
 
@@ -185,6 +186,22 @@ export class NodePeers {
     if (!this.httpSource || !this.httpPeers) return [];
     const holders = await this.httpSource.find(digest);
     return [...holders.peers.keys()].map((p) => this.httpPeers!.url(p, digest));
+  }
+
+  /**
+   * Digests of the layers this node serves verified (pushed, promoted by the block cache, the
+   * snapshot store's shared files), at most `max`: its record's summary for cache-aware placement.
+   */
+  async heldDigests(max: number): Promise<string[]> {
+    const out = new Set<string>(this.shelf.digests().slice(0, max));
+    for (const dir of [dirname(this.cache.promotedPath(`sha256:${"0".repeat(64)}`)), ...this.blobDirs]) {
+      if (out.size >= max) break;
+      for (const name of await readdir(dir).catch(() => [] as string[])) {
+        if (out.size >= max) break;
+        if (/^[0-9a-f]{64}$/.test(name)) out.add(`sha256:${name}`);
+      }
+    }
+    return [...out];
   }
 
   /** Where layers come from, in order: the cluster's nodes over HTTP, then the iroh peers. */

@@ -136,6 +136,13 @@ describe.skipIf(!!skip)("a cluster: etcd, two nodes, two gateways, the stock e2b
       entry = kv ? (JSON.parse(kv.value) as { id: string; node: string }) : undefined;
       return entry !== undefined;
     }, 120_000, "the template is published in etcd");
+    // The builder's record lists the pushed layers among those it serves (the bonus for nodes that hold them).
+    const published = JSON.parse((await client.get(`/aenv/templates/${entry!.id}`))!.value) as { layers: { digest: string }[] };
+    expect(published.layers.length).toBeGreaterThan(0);
+    await until(async () => {
+      const rec = JSON.parse((await client.get(`/aenv/nodes/${entry!.node}`))!.value) as { layers?: string[] };
+      return published.layers.every((l) => rec.layers?.includes(l.digest));
+    }, 15_000, "the builder's record lists the pushed layers");
     const other = entry!.node === "n1" ? 1 : 0;
     const there = await Sandbox.create(name, { ...opts(0), apiUrl: nodes[other]!.base });
     expect((await there.commands.run("cat /home/user/hello.txt /tmp/built")).stdout).toBe("copied through the gateway\nbuilt\n");

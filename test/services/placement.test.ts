@@ -44,6 +44,15 @@ describe("placement", () => {
     expect(firsts.has("n9")).toBe(false);
   });
 
+  test("a published template's layers count for the node that holds them, though it never imported the template", () => {
+    const layers = [{ digest: `sha256:${"a".repeat(64)}`, size: 3 * 2 ** 30 }, { digest: `sha256:${"b".repeat(64)}`, size: 2 ** 30 }];
+    const holder = { ...node("holder"), layers: [layers[0]!.digest] };
+    const got = rank([node("empty"), holder], new Map(), { ...need, layers }, { k: 2 });
+    expect(got[0]!.node.id).toBe("holder");
+    expect(got[0]!.cacheBytes).toBe(3 * 2 ** 30);
+    expect(got[1]!.cacheBytes).toBe(0);
+  });
+
   test("reservations count as used", () => {
     const n = node("a", { used: 63 });
     expect(rank([n], new Map([["a", [{ id: "r", cpus: 1, memoryMB: 512, until: Date.now() + 1000 }]]]), need)).toEqual([]);
