@@ -24,7 +24,9 @@ const allowed: Record<string, string[]> = {
   // OCI layer conversion asks blockd for the devices it mounts and seals (its client only).
   "src/template": ["src/template", "src/storage", "src/blockdev/client.ts", "ffi"],
   // The node's composition root wires every part together.
-  "src/node": ["src", "ffi", "guest", "p2p", "services/etcd", "package.json"],
+  "src/node": ["src", "ffi", "guest", "p2p", "package.json"],
+  // A cluster's state in etcd: the client and the records nodes, gateways and the scheduler agree on.
+  "src/cluster": ["src/cluster"],
   // The CLI reads a local node's settings to find its API key (src/node/config.ts).
   "src/cli": ["src/cli", "src/node/config.ts", "src/storage", "src/blockdev/client.ts", "src/blockdev/protocol.ts", "ffi", "package.json"],
   // envd is compiled into the guest's tools disk on its own: nothing of the host's code.
@@ -37,14 +39,12 @@ const allowed: Record<string, string[]> = {
   // bench/remote starts the tests' s3rver; bench/memory drives VMs with the VM tests' guest helpers.
   "bench": ["bench", "src", "ffi", "guest", "test/helpers", "test/node/harness.ts", "test/template/registry_harness.ts", "test/network/harness.ts", "test/network/internet.ts", "test/snapshot/s3_server.ts", "test/vmm/harness.ts", "p2p", "services"],
   "test": ["test", "src", "ffi", "guest", "bench", "p2p", "services"],
-  // The cluster's state in etcd: the client and the records every part reads (nothing of a node's insides).
-  "services/etcd": ["services/etcd"],
   // Placement over the live nodes etcd lists.
-  "services/scheduler": ["services/scheduler", "services/etcd"],
+  "services/scheduler": ["services/scheduler", "src/cluster"],
   // The gateway serves the node's own routes (src/api) and forwards what they ask to the owning node.
-  "services/gateway": ["services/gateway", "services/scheduler", "services/etcd", "src/api", "src/orchestrator/store.ts", "package.json"],
+  "services/gateway": ["services/gateway", "services/scheduler", "src/cluster", "src/api", "src/orchestrator/store.ts", "package.json"],
   // `bun run cluster`: etcd, gateways and nodes on one machine (a development composition root).
-  "services/cluster": ["services", "src/network/command.ts", "src/blockdev/client.ts", "package.json"],
+  "services/cluster": ["services", "src/cluster", "src/network/command.ts", "src/blockdev/client.ts", "package.json"],
 };
 
 function ruleFor(file: string): [string, string[]] | undefined {

@@ -18,7 +18,7 @@ import { join } from "node:path";
 import { Sandbox } from "e2b";
 import { EtcdMembers } from "../../services/cluster/etcd.ts";
 import { GATEWAY_ENTRY, startService } from "../../services/cluster/procs.ts";
-import { EtcdClient, cmp, op } from "../../services/etcd/client.ts";
+import { EtcdClient, cmp, op } from "../../src/cluster/etcd_client.ts";
 import { intFlag } from "../flags.ts";
 import { scratchDir } from "../../test/helpers/tmp.ts";
 import { FIRST_START_MS, nodeSetup, startNode, stopNode, until, type NodeProc } from "../../test/node/harness.ts";

@@ -10,7 +10,7 @@ import { routeOf } from "../../src/api/proxy.ts";
 import { WsRelays, forwardedHeaders, relayHttp, type WsData } from "../../src/api/relay.ts";
 import { sandboxRoutes } from "../../src/api/sandboxes.ts";
 import { templateRoutes } from "../../src/api/templates.ts";
-import { EtcdError } from "../etcd/client.ts";
+import { EtcdError } from "../../src/cluster/etcd_client.ts";
 import type { ClusterView } from "./cluster_view.ts";
 import type { GatewayMetrics } from "./metrics.ts";
 import type { GatewaySandboxes } from "./sandboxes.ts";

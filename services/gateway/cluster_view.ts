@@ -1,8 +1,8 @@
 // The gateway's view of the cluster: live nodes and sandbox bindings, loaded once and then kept by
 // one etcd watch on the cluster's prefix. A binding the view lacks is read from etcd (a quorum
 // read) before a request is answered 404, so a create answered a moment ago routes at once.
-import { EtcdClient, EtcdError, type KeyValue } from "../etcd/client.ts";
-import { NODES, ROOT, SANDBOXES, TEMPLATES, parseBinding, parseNode, parseTemplate, sandboxKey, type Binding, type NodeRecord, type TemplateEntry } from "../etcd/records.ts";
+import { EtcdClient, type KeyValue } from "../../src/cluster/etcd_client.ts";
+import { NODES, ROOT, SANDBOXES, TEMPLATES, parseBinding, parseNode, parseTemplate, sandboxKey, type Binding, type NodeRecord, type TemplateEntry } from "../../src/cluster/records.ts";
 
 /** Bindings kept in memory; past it new ones are read from etcd at each use (a cluster of 256 nodes × 4096 sandboxes fits). */
 export const MAX_CACHED_BINDINGS = 1 << 20;
@@ -140,4 +140,3 @@ export class ClusterView {
   }
 }
 
-export { EtcdError };

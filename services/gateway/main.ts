@@ -3,7 +3,7 @@
 // loses nothing. Settings come from the environment only (a gateway has no home).
 import { IDLE_TIMEOUT_S } from "../../src/api/server.ts";
 import type { WsData } from "../../src/api/relay.ts";
-import { EtcdClient } from "../etcd/client.ts";
+import { EtcdClient } from "../../src/cluster/etcd_client.ts";
 import { Reservations } from "../scheduler/reservations.ts";
 import { gatewayApp } from "./app.ts";
 import { ClusterView } from "./cluster_view.ts";

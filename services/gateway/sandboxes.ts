@@ -5,7 +5,7 @@
 import { ApiError, notFound } from "../../src/api/errors.ts";
 import { parseMetadataFilter } from "../../src/api/sandboxes.ts";
 import { encodeCursor, listScope, LIST_LIMIT_MAX } from "../../src/orchestrator/store.ts";
-import type { Binding, NodeRecord } from "../etcd/records.ts";
+import type { Binding, NodeRecord } from "../../src/cluster/records.ts";
 import { rank, type PlacementOptions } from "../scheduler/placement.ts";
 import { Reservations } from "../scheduler/reservations.ts";
 import type { ClusterView } from "./cluster_view.ts";

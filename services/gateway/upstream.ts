@@ -2,7 +2,7 @@
 // the body the gateway validated, with a deadline; a node that cannot be reached is a NodeUnreachable.
 import { ApiError } from "../../src/api/errors.ts";
 import { forwardedHeaders } from "../../src/api/relay.ts";
-import type { NodeRecord } from "../etcd/records.ts";
+import type { NodeRecord } from "../../src/cluster/records.ts";
 
 /** A forwarded API call's bound: a create from an image builds its template first (minutes under TCG). */
 export const NODE_CALL_TIMEOUT_MS = 30 * 60_000;

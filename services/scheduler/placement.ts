@@ -3,7 +3,7 @@
 // cache filter: a new empty node still wins when the holders are full. Draining and cordoned nodes
 // get nothing. Reservations (creates in flight, from every gateway) count as used, so two gateways
 // placing at once see each other's creates.
-import type { NodeRecord, Reservation } from "../etcd/records.ts";
+import type { NodeRecord, Reservation } from "../../src/cluster/records.ts";
 
 /** Nodes sampled per placement (E2B's best-of-K uses 3): the best of them leads, the rest follow as fallbacks. */
 export const BEST_OF_K = 3;

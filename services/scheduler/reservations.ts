@@ -2,8 +2,8 @@
 // swap before the gateway forwards it, so every gateway counts every other's creates. A reservation
 // that would take the node's last slot is refused here, before the node is asked; it is dropped
 // when the create answers, or after RESERVATION_TTL_MS if its gateway died.
-import { EtcdClient, cmp, op } from "../etcd/client.ts";
-import { parseReservations, reservationsKey, type NodeRecord, type Reservation } from "../etcd/records.ts";
+import { EtcdClient, cmp, op } from "../../src/cluster/etcd_client.ts";
+import { parseReservations, reservationsKey, type NodeRecord, type Reservation } from "../../src/cluster/records.ts";
 import { headroom } from "./placement.ts";
 
 /** A reservation counts this long at most (a create through TCG takes seconds; a stuck one must not hold a slot). */

@@ -9,11 +9,11 @@ import { ApiError } from "../api/errors.ts";
 import type { Placement } from "../api/sandboxes.ts";
 import { OrchestratorError } from "../orchestrator/errors.ts";
 import type { SandboxRecord } from "../orchestrator/store.ts";
-import { EtcdClient, EtcdError, cmp, op } from "../../services/etcd/client.ts";
+import { EtcdClient, EtcdError, cmp, op } from "../cluster/etcd_client.ts";
 import {
   MAX_CACHED, MAX_LAYER_DIGESTS, NODES, NODE_LEASE_TTL_S, TEMPLATES, nodeKey, parseBinding, parseNode, parseTemplate, sandboxKey, templateKey,
   type Binding, type NodeRecord, type NodeStatus, type TemplateEntry,
-} from "../../services/etcd/records.ts";
+} from "../cluster/records.ts";
 
 /** Lease renewals: three within a TTL, so one slow renewal never costs the lease. */
 const RENEW_MS = 3_000;
@@ -72,6 +72,8 @@ export class ClusterMember implements Placement {
   private exports: Promise<void> = Promise.resolve();
   private exportsQueued = 0;
   private peersSeen = "";
+  /** When etcd last confirmed the lease (a renewal or a registration). */
+  private renewedAt = performance.now();
 
   constructor(private readonly o: ClusterMemberOptions) {}
 
@@ -322,8 +324,6 @@ export class ClusterMember implements Placement {
     }
     this.renewedAt = performance.now();
   }
-
-  private renewedAt = performance.now();
 
   /** The lease a previous run of this node left, when it is still live and still holds the node's record. */
   private async leftLease(): Promise<string | undefined> {

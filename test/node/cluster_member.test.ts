@@ -7,8 +7,8 @@ import { ApiError } from "../../src/api/errors.ts";
 import { ClusterMember } from "../../src/node/cluster.ts";
 import type { SandboxRecord } from "../../src/orchestrator/store.ts";
 import type { EtcdMembers } from "../../services/cluster/etcd.ts";
-import { EtcdClient } from "../../services/etcd/client.ts";
-import { nodeKey, parseBinding, parseNode, sandboxKey } from "../../services/etcd/records.ts";
+import { EtcdClient } from "../../src/cluster/etcd_client.ts";
+import { nodeKey, parseBinding, parseNode, sandboxKey } from "../../src/cluster/records.ts";
 import { scratchDir } from "../helpers/tmp.ts";
 import { etcdSkipReason, etcdSuite } from "../services/harness.ts";
 

@@ -1,7 +1,7 @@
 // The etcd client against real etcd members (Debian's etcd-server): transactions that race, leases
 // that expire, a watch that survives its member's death, and quorum loss answered with a named error.
 import { beforeAll, describe, expect, test } from "bun:test";
-import { EtcdClient, EtcdError, cmp, op, type WatchEvent } from "../../services/etcd/client.ts";
+import { EtcdClient, EtcdError, cmp, op, type WatchEvent } from "../../src/cluster/etcd_client.ts";
 import { etcdSkipReason, etcdSuite } from "./harness.ts";
 
 const skip = etcdSkipReason();

@@ -3,8 +3,8 @@
 // and VMs is test/services/cluster.test.ts.
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { GATEWAY_ENTRY, startService, type ServiceProc } from "../../services/cluster/procs.ts";
-import { EtcdClient } from "../../services/etcd/client.ts";
-import { nodeKey, sandboxKey, type Binding, type NodeRecord } from "../../services/etcd/records.ts";
+import { EtcdClient } from "../../src/cluster/etcd_client.ts";
+import { nodeKey, sandboxKey, type Binding, type NodeRecord } from "../../src/cluster/records.ts";
 import { etcdSkipReason, etcdSuite } from "./harness.ts";
 
 const skip = etcdSkipReason();

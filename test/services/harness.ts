@@ -2,7 +2,7 @@
 import { afterAll, beforeAll } from "bun:test";
 import { createServer } from "node:net";
 import { EtcdMembers } from "../../services/cluster/etcd.ts";
-import { EtcdClient } from "../../services/etcd/client.ts";
+import { EtcdClient } from "../../src/cluster/etcd_client.ts";
 import { scratchDir } from "../helpers/tmp.ts";
 
 function portFree(port: number): Promise<boolean> {

@@ -1,7 +1,7 @@
 // Placement (best-of-K with a cache bonus) on records, and reservations racing in a real etcd.
 import { describe, expect, test } from "bun:test";
-import { EtcdClient } from "../../services/etcd/client.ts";
-import type { NodeRecord } from "../../services/etcd/records.ts";
+import { EtcdClient } from "../../src/cluster/etcd_client.ts";
+import type { NodeRecord } from "../../src/cluster/records.ts";
 import { rank } from "../../services/scheduler/placement.ts";
 import { Reservations } from "../../services/scheduler/reservations.ts";
 import { prng } from "../helpers/tmp.ts";
