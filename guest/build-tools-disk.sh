@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Builds the read-only tools disk (vda): busybox-static from Debian, our init stages and, when given,
-# the envd binary. Every VM on a node shares this one image. A dynamically linked envd (a
-# `bun build --compile` binary) is patched to load from /agentenv/lib, which gets its loader and
-# libraries, so it runs on any user image, with or without a libc of its own.
+# Builds the read-only tools disk (vda): busybox-static from Debian, our init stages, the root-only
+# sudo for images without one (tools/sudo) and, when given, the envd binary. Every VM on a node
+# shares this one image. A dynamically linked envd (a `bun build --compile` binary) is patched to
+# load from /agentenv/lib, which gets its loader and libraries, so it runs on any user image, with
+# or without a libc of its own.
 #   guest/build-tools-disk.sh [--envd FILE] [--out FILE] [--force]
 # Prints the image path. Rebuilt only when missing or older than its inputs.
 source "$(dirname "$0")/lib.sh"
@@ -18,7 +19,7 @@ while [ $# -gt 0 ]; do
 done
 
 BUSYBOX=$(busybox_bin)
-inputs=("$GUEST_DIR/init" "$BUSYBOX" "$0")
+inputs=("$GUEST_DIR/init" "$GUEST_DIR/tools" "$BUSYBOX" "$0")
 [ -n "$ENVD" ] && inputs+=("$ENVD")
 # The envd stamp makes switching envd on or off rebuild the image even when no file got newer.
 stamp="envd=${ENVD:+$(stat -c '%s %Y' "$ENVD")}"
@@ -36,6 +37,8 @@ for applet in $("$BUSYBOX" --list); do
   [ "$applet" = busybox ] || ln -s busybox "$tree/bin/$applet"
 done
 install -m 0755 "$GUEST_DIR/init/boot" "$GUEST_DIR/init/run" "$GUEST_DIR/init/disk-init" "$tree/init/"
+# Last on envd's PATH, for images without a sudo of their own. Nothing on this disk is setuid.
+install -m 0755 "$GUEST_DIR/tools/sudo" "$tree/bin/sudo"
 # Install a program at $tree/$2; a dynamic ELF gets its libraries in $tree/lib and is patched to
 # load from /agentenv/lib. A static binary or a script goes in as it is.
 add_program() {

@@ -1,4 +1,5 @@
-// Envd's plain HTTP endpoints: /health, /init (token, env, default user/workdir, clock, CA bundle), /envs, /metrics.
+// Envd's plain HTTP endpoints: /health, /init (token, env, default user/workdir, clock, CA bundle,
+// the report of what envd supplies for the image), /envs, /metrics.
 import { createHash } from "node:crypto";
 import { appendFile, mkdir, readFile, statfs, writeFile } from "node:fs/promises";
 import { join } from "node:path";
@@ -141,6 +142,8 @@ export async function init(req: Request, state: EnvdState): Promise<Response> {
     }
   }
   await writeMarkers(state);
+  // Each sandbox start and resume posts /init: the sandbox's logs (its console) say what envd supplies.
+  await state.toolbox.announce(state.users, true);
   return new Response(null, { status: 204, headers });
 }
 

@@ -1,4 +1,5 @@
 // envd entry point: `bun guest/envd/main.ts [--port N] ...`, or the `bun build --compile` binary in the guest.
+import { dirname, join } from "node:path";
 import { serve } from "./server.ts";
 import { ENVD_VERSION, type EnvdOptions } from "./state.ts";
 
@@ -9,13 +10,14 @@ const USAGE = `usage: envd [options]
   --passwd FILE       passwd database (default /etc/passwd)
   --group FILE        group database (default /etc/group)
   --guest             own the machine: /init may set the clock, /run/e2b markers are written
-  --setpriv FILE      util-linux setpriv for supplementary groups (default: bin/setpriv next to envd, then /usr/bin)
+  --setpriv FILE      util-linux setpriv for supplementary groups (default: setpriv in --tools, then /usr/bin)
+  --tools DIR         the tools disk's bin: its sh stands in for a missing /bin/bash or /bin/sh, it goes last on PATH (default: bin/ next to envd)
   --trust-root DIR    /init's caBundle goes into DIR/usr/local/share/ca-certificates and DIR/etc/ssl/certs (default: / with --guest, else nowhere)
   -version, --version print the version and exit`;
 
 function parse(argv: string[]): EnvdOptions {
   let host: string | undefined;
-  const o: EnvdOptions = { port: 49983, host: "", defaultUser: "root", passwd: "/etc/passwd", group: "/etc/group", guest: false };
+  const o: EnvdOptions = { port: 49983, host: "", defaultUser: "root", passwd: "/etc/passwd", group: "/etc/group", guest: false, tools: join(dirname(process.execPath), "bin") };
   for (let i = 0; i < argv.length; i++) {
     const a = argv[i]!;
     const [flag, inline] = a.includes("=") ? [a.slice(0, a.indexOf("=")), a.slice(a.indexOf("=") + 1)] : [a, undefined];
@@ -37,6 +39,7 @@ function parse(argv: string[]): EnvdOptions {
       case "--group": o.group = value(); break;
       case "--guest": o.guest = true; break;
       case "--setpriv": o.setpriv = value(); break;
+      case "--tools": o.tools = value(); break;
       case "--trust-root": o.trustRoot = value(); break;
       case "-version": case "--version":
         console.log(ENVD_VERSION);

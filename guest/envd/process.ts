@@ -147,22 +147,25 @@ export class ProcessService {
     const isDir = await stat(cwd).then((st) => st.isDirectory(), () => false);
     if (!isDir) throw new ConnectError("invalid_argument", `cwd '${cwd}' does not exist`);
 
-    const env = {
+    const env: Record<string, string> = {
       PATH: process.env.PATH || DEFAULT_PATH,
       HOME: user.home,
       USER: user.name,
       LOGNAME: user.name,
       ...this.state.defaultEnv(),
-      ...config.envs,
     };
-    let argv = [config.cmd, ...config.args];
+    // The tools disk's applets go last on envd's or the template's PATH; a request's own PATH is kept as given.
+    env.PATH = this.state.toolbox.path(env.PATH!);
+    Object.assign(env, config.envs);
+    const exe = await this.state.toolbox.command(config.cmd);
+    let argv = [exe, ...config.args];
     let ids: { uid?: number; gid?: number } = this.state.canSwitchUser ? { uid: user.uid, gid: user.gid } : {};
     const groups = this.state.canSwitchUser ? this.state.users.groupsOf(user) : [];
     const setpriv = groups.length > 1 ? await this.state.setpriv() : undefined;
     if (setpriv) {
       // setpriv execs the command with the user's ids and all their groups, as a login would.
       // A command that is not there must still fail the start, not exit 127 later.
-      if (!Bun.which(config.cmd, { PATH: env.PATH, cwd }))
+      if (!Bun.which(exe, { PATH: env.PATH, cwd }))
         throw new ConnectError("invalid_argument", `failed to start process: executable not found: ${config.cmd}`);
       argv = [setpriv, `--reuid=${user.uid}`, `--regid=${user.gid}`, `--groups=${groups.join(",")}`, "--", ...argv];
       ids = {};

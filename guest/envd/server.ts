@@ -26,6 +26,11 @@ export function createEnvd(opts: EnvdOptions) {
     "filesystem.Filesystem": new FilesystemService(state).methods(),
   };
   void writeMarkers(state);
+  // What the image lacks is reported once before any request but /health is served (a build reads
+  // the report as soon as envd answers).
+  const started = state.refreshUsers()
+    .then(() => state.toolbox.announce(state.users, false))
+    .catch((e) => console.error(`envd: looking at the image: ${(e as Error)?.stack ?? e}`));
 
   async function route(req: Request): Promise<Response> {
     const url = new URL(req.url);
@@ -43,7 +48,8 @@ export function createEnvd(opts: EnvdOptions) {
       });
     }
     if (path === "/health") return method === "GET" || method === "HEAD" ? health() : notAllowed("GET");
-    await state.users.refresh(); // passwd and group as they are now: images add users at run time
+    await started;
+    await state.refreshUsers();
     if (path === "/init") return method === "POST" ? init(req, state) : notAllowed("POST");
     if (path === "/files") {
       if (method === "GET" || method === "HEAD") return getFile(req, url, state);

@@ -1,6 +1,7 @@
 // Envd's mutable state: what /init configured, shared by every handler.
-import { dirname, join } from "node:path";
+import { join } from "node:path";
 import { ConnectError } from "./connect.ts";
+import { Toolbox } from "./toolbox.ts";
 import { Users, type User } from "./users.ts";
 
 export const ENVD_VERSION = "0.6.13";
@@ -19,6 +20,8 @@ export interface EnvdOptions {
   trustRoot?: string;
   /** util-linux setpriv to start processes with supplementary groups (default: looked up). */
   setpriv?: string;
+  /** The tools disk's bin: busybox applets, setpriv, sudo (default: bin/ next to envd, /agentenv/bin in the guest). */
+  tools: string;
 }
 
 export class EnvdState {
@@ -28,12 +31,20 @@ export class EnvdState {
   defaultWorkdir?: string;
   lastInitTimestamp = 0;
   readonly users: Users;
+  readonly toolbox: Toolbox;
   /** Only root can switch uid/gid; otherwise every process runs as envd's own user. */
   readonly canSwitchUser = process.getuid?.() === 0;
 
   constructor(readonly opts: EnvdOptions) {
     this.defaultUser = opts.defaultUser;
     this.users = new Users(opts.passwd, opts.group);
+    this.toolbox = new Toolbox(opts.tools, opts.guest);
+  }
+
+  /** passwd and group as they are now (images add users at run time), and homes for supplied accounts. */
+  async refreshUsers(): Promise<void> {
+    await this.users.refresh();
+    await this.toolbox.makeHomes(this.users.supplied());
   }
 
   /** The env every process starts from: /init envVars plus envd's own markers. */
@@ -45,12 +56,12 @@ export class EnvdState {
 
   /**
    * util-linux setpriv, which sets supplementary groups before exec (Bun's spawn sets only the
-   * primary gid): ours on the tools disk (bin/ next to envd), else the image's. busybox's applet of
+   * primary gid): ours on the tools disk, else the image's. busybox's applet of
    * that name cannot set ids, so the version line decides. Looked up once, on first need.
    */
   setpriv(): Promise<string | undefined> {
     this.setprivLookup ??= (async () => {
-      const candidates = this.opts.setpriv ? [this.opts.setpriv] : [join(dirname(process.execPath), "bin", "setpriv"), "/usr/bin/setpriv", "/bin/setpriv"];
+      const candidates = this.opts.setpriv ? [this.opts.setpriv] : [join(this.opts.tools, "setpriv"), "/usr/bin/setpriv", "/bin/setpriv"];
       for (const c of candidates) {
         try {
           const p = Bun.spawn([c, "--version"], { stdout: "pipe", stderr: "ignore", stdin: "ignore" });

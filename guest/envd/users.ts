@@ -1,5 +1,6 @@
 // Users from /etc/passwd and /etc/group (re-read when they change, since images add users at run
-// time), plus E2B's path resolution rules relative to a user's home.
+// time), the accounts envd supplies where the image's passwd lacks them, plus E2B's path
+// resolution rules relative to a user's home.
 import { readFile, stat } from "node:fs/promises";
 import { posix } from "node:path";
 import { ConnectError } from "./connect.ts";
@@ -49,9 +50,15 @@ class Table<T> {
   }
 }
 
+/** The SDK's default user (E2B's images have it at uid 1000) and root: supplied when the image's passwd lacks them. */
+const SUPPLIED_HOME = { root: "/root", user: "/home/user" } as const;
+/** A supplied `user` takes the first id from here that is neither a uid in passwd nor a gid in group. */
+const SUPPLIED_FIRST_ID = 1000;
+
 export class Users {
   private passwd: Table<User>;
   private groups: Table<{ name: string; gid: number; members: string[] }>;
+  private suppliedRows: User[] = [];
 
   constructor(passwdPath = "/etc/passwd", groupPath = "/etc/group") {
     this.passwd = new Table(passwdPath, (c) =>
@@ -67,18 +74,43 @@ export class Users {
   /** Re-reads both files where they changed; lookups answer from what the last refresh read. */
   async refresh() {
     await Promise.all([this.passwd.refresh(), this.groups.refresh()]);
+    this.suppliedRows = this.supply();
+  }
+
+  /**
+   * root (0:0, /root) and user (1000:1000 unless taken, /home/user) where the image's passwd has
+   * no such name: E2B's SDK runs as one or the other. They live in envd only; /etc/passwd is
+   * never written, so tools in the image that read it (whoami, ls -l) show the bare ids.
+   */
+  private supply(): User[] {
+    const rows = this.passwd.all();
+    const out: User[] = [];
+    if (!rows.some((u) => u.name === "root")) out.push({ name: "root", uid: 0, gid: 0, home: SUPPLIED_HOME.root, shell: "/bin/sh" });
+    if (!rows.some((u) => u.name === "user")) {
+      const uids = new Set(rows.map((u) => u.uid));
+      const gids = new Set(this.groups.all().map((g) => g.gid));
+      let id = SUPPLIED_FIRST_ID;
+      while (uids.has(id) || gids.has(id)) id++;
+      out.push({ name: "user", uid: id, gid: id, home: SUPPLIED_HOME.user, shell: "/bin/sh" });
+    }
+    return out;
+  }
+
+  /** The accounts envd supplies now (none when the image has both). */
+  supplied(): readonly User[] {
+    return this.suppliedRows;
   }
 
   lookup(name: string): User | undefined {
-    return this.passwd.all().find((u) => u.name === name);
+    return this.passwd.all().find((u) => u.name === name) ?? this.suppliedRows.find((u) => u.name === name);
   }
 
   userName(uid: number): string {
-    return this.passwd.all().find((u) => u.uid === uid)?.name ?? String(uid);
+    return (this.passwd.all().find((u) => u.uid === uid) ?? this.suppliedRows.find((u) => u.uid === uid))?.name ?? String(uid);
   }
 
   groupName(gid: number): string {
-    return this.groups.all().find((g) => g.gid === gid)?.name ?? String(gid);
+    return (this.groups.all().find((g) => g.gid === gid) ?? this.suppliedRows.find((u) => u.gid === gid))?.name ?? String(gid);
   }
 
   /** What initgroups(3) gives the user: the primary gid, then every group listing them, in order, once. */

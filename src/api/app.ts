@@ -8,6 +8,7 @@ import { readBoundedJson } from "./body.ts";
 import { secretMatches } from "./secret.ts";
 import { swaggerUiResponse } from "./swagger_ui.ts";
 import { isUploadRequest } from "./templates.ts";
+import { isVolumeContentPath } from "./volumes.ts";
 
 export interface ApiOptions {
   apiKey: string;
@@ -31,10 +32,10 @@ function presentedKey(headers: Headers): string | null {
   return auth !== null && auth.startsWith("Bearer ") ? auth.slice(7) : null;
 }
 
-/** Whether `request` to `path` may go on: an open path, a signed upload (its route checks the URL), or the right key. */
+/** Whether `request` to `path` may go on: an open path, a signed upload or volume content (their routes check URL or token), or the right key. */
 function authorised(request: Request, path: string, apiKey: string): boolean {
   if (OPEN_PATHS.has(path) || path.startsWith("/swagger/assets/")) return true;
-  if (isUploadRequest(request.method, path)) return true;
+  if (isUploadRequest(request.method, path) || isVolumeContentPath(path)) return true;
   return secretMatches(presentedKey(request.headers), apiKey);
 }
 
@@ -49,8 +50,8 @@ export function createApi(opts: ApiOptions) {
       return swaggerUiResponse(path);
     })
     .onParse(async ({ request, contentType, path }) => {
-      // A template file upload streams its own body (bounded by the builder), whatever its type.
-      if (isUploadRequest(request.method, path)) return UNREAD_BODY;
+      // A template file upload or volume content streams or reads its own body (bounded there), whatever its type.
+      if (isUploadRequest(request.method, path) || isVolumeContentPath(path)) return UNREAD_BODY;
       if (contentType === "" || contentType.startsWith("application/json")) return readBoundedJson(request, opts.maxBodyBytes);
       throw new ApiError(415, `content type '${contentType}' is not accepted: send application/json`);
     })

@@ -18,7 +18,10 @@ import { AUTO_RESUME_MIN_TIMEOUT_S } from "./sandboxes.ts";
 import { secretMatches } from "./secret.ts";
 
 export interface ProxyOptions {
-  /** Sandbox domain for host routing; empty: any host shaped `{port}-{id}.<anything>`. */
+  /**
+   * Sandbox domain for host routing, compared without its port (`sbx.example.com:8443` matches
+   * `{port}-{id}.sbx.example.com` on any port); empty: any host shaped `{port}-{id}.<anything>`.
+   */
   domain: string;
 }
 
@@ -74,6 +77,9 @@ function upstreamPath(port: number, pathAndQuery: string): string | undefined {
   return path === undefined ? undefined : path + (q < 0 ? "" : pathAndQuery.slice(q));
 }
 
+/** A Host header's name: lower case (names are case-insensitive), without its port or a trailing dot. */
+const hostName = (host: string) => host.toLowerCase().replace(/:\d+$/, "").replace(/\.$/, "");
+
 /** Where a request goes, or undefined when it is not for a sandbox. */
 export function routeOf(req: Request, url: URL, opts: ProxyOptions): ProxyTarget | undefined {
   const h = req.headers;
@@ -82,11 +88,13 @@ export function routeOf(req: Request, url: URL, opts: ProxyOptions): ProxyTarget
     const port = h.get("e2b-sandbox-port") ?? h.get("x-agentenv-target-port") ?? String(ENVD_PORT);
     return { id, port: Number(port), path: url.pathname + url.search };
   }
-  const host = (h.get("host") ?? "").replace(/:\d+$/, "");
+  const host = hostName(h.get("host") ?? "");
   const dot = host.indexOf(".");
-  if (dot > 0 && (opts.domain === "" || host.slice(dot + 1) === opts.domain)) {
-    const m = /^(\d{1,5})-([a-z0-9]{1,64})$/.exec(host.slice(0, dot));
-    if (m) return { id: m[2]!, port: Number(m[1]), path: url.pathname + url.search };
+  if (dot > 0 && (opts.domain === "" || host.slice(dot + 1) === hostName(opts.domain))) {
+    // E2B's rule: the left-most label split on '-', part 0 the port, part 1 the sandbox ID (admit
+    // checks it), later parts ignored (E2B's older `{id}-{client}` IDs); a label with no '-' (`api`) is the API's.
+    const [port, id] = host.slice(0, dot).split("-", 2);
+    if (id !== undefined && /^\d{1,5}$/.test(port!)) return { id, port: Number(port), path: url.pathname + url.search };
   }
   const p = /^\/proxy\/([^/]+)\/(\d{1,5})(\/.*)?$/.exec(url.pathname);
   if (p) return { id: p[1]!, port: Number(p[2]), path: (p[3] ?? "/") + url.search };

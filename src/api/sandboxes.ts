@@ -63,6 +63,7 @@ function listedBody(r: SandboxRecord) {
     metadata: r.metadata,
     state: publicState(r.state),
     envdVersion: r.envdVersion,
+    volumeMounts: r.volumeMounts ?? [],
   };
 }
 
@@ -153,6 +154,29 @@ export function parseMetadataFilter(raw: string | undefined): Record<string, str
   return out;
 }
 
+/** Guest paths a volume may not be mounted on: the root, the kernel's and ours. */
+const VOLUME_PATH_REFUSED = /^\/(proc|sys|dev|run|agentenv)(\/|$)/;
+
+/** E2B volumeMounts: a name each (the volume's), an absolute guest path each, none twice; at most LIMITS.volumeMounts. */
+export function checkVolumeMounts(mounts: { name: string; path: string }[] | undefined): void {
+  if (!mounts) return;
+  if (mounts.length > LIMITS.volumeMounts) throw badRequest(`volumeMounts: at most ${LIMITS.volumeMounts} volumes per sandbox`);
+  const paths = new Set<string>();
+  const names = new Set<string>();
+  for (const m of mounts) {
+    if (!/^[a-zA-Z0-9_-]{1,128}$/.test(m.name)) throw badRequest(`volumeMounts: volume name ${JSON.stringify(m.name)} is not a volume name ([a-zA-Z0-9_-]+)`);
+    const p = m.path.replace(/\/+$/, "");
+    if (!/^(\/[A-Za-z0-9._-]+)+$/.test(p) || p.split("/").some((c) => c === "." || c === "..") || p.length > 256)
+      throw badRequest(`volumeMounts: path ${JSON.stringify(m.path)} must be an absolute path of letters, digits, '.', '_' and '-' (at most 256 bytes), not the root`);
+    if (VOLUME_PATH_REFUSED.test(p)) throw badRequest(`volumeMounts: path ${JSON.stringify(m.path)} is under a system directory (/proc, /sys, /dev, /run, /agentenv)`);
+    if (paths.has(p)) throw badRequest(`volumeMounts: path ${p} is given twice`);
+    if (names.has(m.name)) throw badRequest(`volumeMounts: volume ${m.name} is given twice`);
+    paths.add(p);
+    names.add(m.name);
+    m.path = p;
+  }
+}
+
 function checkMap(name: string, m: Record<string, string> | undefined, maxPairs: number): void {
   if (!m) return;
   const entries = Object.entries(m);
@@ -168,7 +192,7 @@ function checkMap(name: string, m: Record<string, string> | undefined, maxPairs:
  * A transform hook: these body fields, when given, are JSON objects. Checked on the raw body, as
  * validation's normalizing would turn an array or a string into an object.
  */
-const rawObjects = (...fields: string[]) => ({ body }: { body: unknown }) => {
+export const rawObjects = (...fields: string[]) => ({ body }: { body: unknown }) => {
   for (const f of fields) {
     const v = (body as Record<string, unknown> | undefined)?.[f];
     if (v !== undefined && v !== null && (typeof v !== "object" || Array.isArray(v))) throw badRequest(`${f} must be a JSON object`);
@@ -205,6 +229,7 @@ const NewSandbox = t.Object({
   autoPauseMemory: t.Optional(t.Boolean()),
   autoResume: t.Optional(t.Object({ enabled: t.Boolean() })),
   secure: t.Optional(t.Boolean()),
+  volumeMounts: t.Optional(t.Array(t.Object({ name: t.String({ description: "the volume's name" }), path: t.String({ description: "absolute guest path" }) }), { description: `volumes mounted read-write (ext4), at most ${LIMITS.volumeMounts}; such a sandbox boots rather than restores` })),
   allow_internet_access: t.Optional(t.Boolean()),
   network: t.Optional(t.Object({}, { additionalProperties: true })),
   customExtensionParams: t.Optional(t.Record(t.String(), t.Unknown(), { description: `opaque JSON kept with the sandbox (at most ${LIMITS.extensionParamsBytes} bytes)` })),
@@ -242,6 +267,7 @@ const listedFields = {
   startedAt: t.String({ format: "date-time" }), endAt: t.String({ format: "date-time" }),
   cpuCount: t.Number(), memoryMB: t.Number(), diskSizeMB: t.Number(), metadata: StringMap,
   state: t.Union([t.Literal("running"), t.Literal("paused")]), envdVersion: t.String(),
+  volumeMounts: t.Array(t.Object({ name: t.String(), path: t.String() }), { description: "volumes mounted, by name, at their guest paths" }),
 };
 const ListedSandboxes = (description: string) => t.Array(t.Object(listedFields), { description });
 const SandboxDetail = t.Object({
@@ -278,7 +304,7 @@ const Metrics = t.Array(t.Object({
 const LogEntry = t.Object({ timestamp: t.String({ format: "date-time" }), level: t.String(), message: t.String(), fields: t.Record(t.String(), t.String()) });
 const ExtensionParams = (description: string) => t.Record(t.String(), t.Unknown(), { description });
 const noContent = (description: string) => t.Void({ description });
-const pageQuery = { limit: t.Optional(t.String({ description: `1..${LIST_LIMIT_MAX}, default ${LIST_LIMIT_MAX}` })), nextToken: t.Optional(t.String({ description: "X-Next-Token of the previous page" })) };
+export const pageQuery = { limit: t.Optional(t.String({ description: `1..${LIST_LIMIT_MAX}, default ${LIST_LIMIT_MAX}` })), nextToken: t.Optional(t.String({ description: "X-Next-Token of the previous page" })) };
 
 /** A query value in unix seconds (absent: undefined), as the SDK's getMetrics sends `start` and `end`. */
 function unixSeconds(name: string, raw: string | undefined): number | undefined {
@@ -295,11 +321,11 @@ function pageLimit(raw: string | undefined): number {
 }
 
 /**
- * One page of templates or snapshots in their list's order (newest first, then by ID), after the
+ * One page of a list in its order (newest first, then by ID: templates, snapshots, secrets), after the
  * token's item; the token names the item and the list (`scope`), so a deleted item still marks
  * its place and another list's token is a 400.
  */
-function templatePage(all: TemplateRecord[], q: { limit?: string; nextToken?: string }, scope: string, set: { headers: Record<string, string | number> }): TemplateRecord[] {
+export function newestFirstPage<T extends { createdAt: number; id: string }>(all: T[], q: { limit?: string; nextToken?: string }, scope: string, set: { headers: Record<string, string | number> }): T[] {
   const limit = pageLimit(q.limit);
   let rest = all;
   if (q.nextToken !== undefined) {
@@ -335,6 +361,7 @@ export function sandboxRoutes(getOrch: () => Orchestrator, o: SandboxRoutesOptio
       checkMap("metadata", body.metadata, LIMITS.metadataPairs);
       checkMap("envVars", body.envVars, LIMITS.envVars);
       checkExtensionParams(body.customExtensionParams);
+      checkVolumeMounts(body.volumeMounts);
       o.placement?.admit();
       await o.placement?.ensureTemplate?.(body.templateID);
       const rec = await orch().create({
@@ -344,6 +371,8 @@ export function sandboxRoutes(getOrch: () => Orchestrator, o: SandboxRoutesOptio
         metadata: body.metadata,
         envVars: body.envVars,
         autoPause: body.autoPause,
+        autoPauseMemory: body.autoPauseMemory,
+        volumeMounts: body.volumeMounts,
         autoResume: body.autoResume?.enabled,
         allowInternetAccess: body.allow_internet_access ?? null,
         network: body.network,
@@ -368,9 +397,9 @@ export function sandboxRoutes(getOrch: () => Orchestrator, o: SandboxRoutesOptio
       return create({ body: { ...rest, templateID, allow_internet_access: allowInternetAccess }, set });
     });
 
-  const connect = ({ params, body, set }: { params: { sandboxID: string }; body: { timeout?: number }; set: { status?: number | string } }) =>
+  const connect = ({ params, body, set }: { params: { sandboxID: string }; body: { timeout?: number; memory?: boolean }; set: { status?: number | string } }) =>
     call(async () => {
-      const { rec, resumed } = await orch().connect(params.sandboxID, body.timeout ?? o.defaultTimeoutS);
+      const { rec, resumed } = await orch().connect(params.sandboxID, body.timeout ?? o.defaultTimeoutS, { memory: body.memory });
       set.status = resumed ? 201 : 200;
       return sandboxBody(rec, domain);
     });
@@ -413,7 +442,7 @@ export function sandboxRoutes(getOrch: () => Orchestrator, o: SandboxRoutesOptio
   const created = { body: NewSandbox, transform: rawObjects("network", "customExtensionParams"), response: { 201: sandboxOut("created; header x-agentenv-sandbox-id: its ID"), ...bodyFails(404, 429, 507) } };
   const connected = {
     params: idParams,
-    body: t.Object({ timeout: t.Optional(Timeout), memory: t.Optional(t.Boolean()) }),
+    body: t.Object({ timeout: t.Optional(Timeout), memory: t.Optional(t.Boolean({ description: "false: a paused sandbox boots on its disk instead of restoring its memory (SDK onResume 'reboot')" })) }),
     response: { 200: sandboxOut("was running: its TTL extended (never shortened)"), 201: sandboxOut("was paused: resumed"), ...bodyFails(404, 409) },
   };
   const templateParams = t.Object({ templateID: t.String({ minLength: 1, maxLength: 256, description: "ID, alias or name:tag" }) });
@@ -455,12 +484,12 @@ export function sandboxRoutes(getOrch: () => Orchestrator, o: SandboxRoutesOptio
       await call(() => orch().kill(params.sandboxID));
       set.status = 204;
     }, { params: idParams, response: { 204: noContent("killed"), ...fails(400, 404) }, ...tags("sandboxes", "Kill a sandbox (running or paused)") })
-    .post("/sandboxes/:sandboxID/pause", async ({ params, set }) => {
-      await call(() => orch().pause(params.sandboxID));
+    .post("/sandboxes/:sandboxID/pause", async ({ params, body, set }) => {
+      await call(() => orch().pause(params.sandboxID, { memory: body.memory }));
       set.status = 204;
     }, {
       params: idParams,
-      body: t.Object({ memory: t.Optional(t.Boolean({ description: "accepted; a pause always keeps memory" })) }),
+      body: t.Object({ memory: t.Optional(t.Boolean({ description: "false: filesystem-only: the VM stops, its memory is dropped, its disk kept; the resume boots (default true)" })) }),
       response: { 204: noContent("paused"), ...bodyFails(404, 409) },
       ...tags("sandboxes", "Pause: 204, or 409 when already paused"),
     })
@@ -468,7 +497,7 @@ export function sandboxRoutes(getOrch: () => Orchestrator, o: SandboxRoutesOptio
     .post("/v2/sandboxes/:sandboxID/connect", connect, { ...connected, ...tags("sandboxes", "Connect: 200 running (TTL extended), 201 resumed") })
     .post("/sandboxes/:sandboxID/resume", ({ params, body, set }) => call(async () => {
       if (orch().get(params.sandboxID).state === "running") throw conflict(`sandbox ${params.sandboxID} is already running`);
-      const { rec } = await orch().connect(params.sandboxID, body.timeout ?? o.defaultTimeoutS);
+      const { rec } = await orch().connect(params.sandboxID, body.timeout ?? o.defaultTimeoutS, { memory: body.memory });
       set.status = 201;
       return sandboxBody(rec, domain);
     }), {
@@ -596,7 +625,7 @@ export function sandboxRoutes(getOrch: () => Orchestrator, o: SandboxRoutesOptio
     })
     .get("/snapshots", ({ query, set }) => call(() => {
       const all = orch().templates.list("snapshot", { sourceSandboxId: query.sandboxID, name: query.name });
-      return templatePage(all, query, listScope("snapshots", [query.sandboxID ?? null, query.name ?? null]), set).map(snapshotBody);
+      return newestFirstPage(all, query, listScope("snapshots", [query.sandboxID ?? null, query.name ?? null]), set).map(snapshotBody);
     }), {
       query: t.Object({ sandboxID: t.Optional(t.String({ description: "the source sandbox" })), name: t.Optional(t.String({ description: "ID or name, tag-qualified or not" })), ...pageQuery }),
       response: { 200: t.Array(t.Object(snapshotFields), { description: "one page, newest first; header X-Next-Token while more remain" }), ...fails(400) },
@@ -612,7 +641,7 @@ export function sandboxRoutes(getOrch: () => Orchestrator, o: SandboxRoutesOptio
       ...tags("snapshots", "A snapshot"),
     })
     .get("/templates", () => orch().templates.list("template").map(templateBody), { response: { 200: Templates, ...fails() }, ...tags("templates", "Every template, not paginated (deprecated)") })
-    .get("/v2/templates", ({ query, set }) => call(() => templatePage(orch().templates.list("template"), query, listScope("templates", []), set).map(templateBody)), {
+    .get("/v2/templates", ({ query, set }) => call(() => newestFirstPage(orch().templates.list("template"), query, listScope("templates", []), set).map(templateBody)), {
       query: t.Object(pageQuery),
       response: { 200: t.Array(t.Object(templateFields), { description: "one page, newest first; header X-Next-Token while more remain" }), ...fails(400) },
       ...tags("templates", "List templates; X-Next-Token while more remain"),

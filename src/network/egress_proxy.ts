@@ -44,7 +44,7 @@ export interface EgressProxyOptions {
   resolvers: string[];
   /** Connections open at once; more are closed at once. */
   maxConnections?: number;
-  /** Where `secret:NAME` header values are read (the node's $AENV_HOME/secrets). */
+  /** Where `secret:NAME` and `${e2b.secrets.NAME}` header values are read (the node's user secrets in $AENV_HOME/secrets/user). */
   secrets?: SecretStore;
   /** The node's CA: without it a `tls: "terminate"` rule is not applied (the TLS passes as it is). */
   ca?: EgressCa;
@@ -465,13 +465,13 @@ export class EgressProxy {
     const rules = rulesFor(a.policy.rules, c.name);
     const set: { name: string; value: string }[] = [];
     for (const v of rules?.headers ?? []) {
-      if (v.value !== undefined) {
-        set.push({ name: v.name, value: v.value });
+      if (v.secret === undefined && !v.placeholders) {
+        set.push({ name: v.name, value: v.value! });
         continue;
       }
-      if (!this.opts.secrets) return { refuse: 502, reason: `secret ${v.secret}: this node has no secret store` };
+      if (!this.opts.secrets) return { refuse: 502, reason: `header ${v.name} names a secret: this node has no secret store` };
       try {
-        set.push({ name: v.name, value: await this.opts.secrets.get(v.secret!) });
+        set.push({ name: v.name, value: await this.opts.secrets.resolve(v) });
       } catch (e) {
         return { refuse: 502, reason: (e as Error).message };
       }

@@ -28,6 +28,9 @@ export {
   PolicyMatcher,
   MAX_HEADERS_PER_RULE,
   MAX_HEADER_VALUE,
+  MAX_PLACEHOLDERS_PER_VALUE,
+  MAX_SECRET_NAME,
+  SECRET_PLACEHOLDER,
   MAX_RULE_HOSTS,
   MAX_RULES_PER_HOST,
   hasDomainRules,
@@ -35,6 +38,7 @@ export {
   parseInboundPolicy,
   redirectedPorts,
   rulesFor,
+  secretNameProblem,
   type EgressPolicy,
   type HeaderValue,
   type HostRules,
@@ -45,6 +49,6 @@ export { resolve4 } from "./dns.ts";
 export { EgressProxy, type Denial, type EgressProxyOptions, type SandboxEgressStats } from "./egress_proxy.ts";
 export { MAX_SNIFF_BYTES, sniff, type Sniffed } from "./sniff.ts";
 export { MAX_REQUEST_HEAD, RequestRewriter, type HeadDecision, type RequestHead } from "./http_rewrite.ts";
-export { SecretStore } from "./secrets.ts";
+export { MAX_SECRETS, SECRET_METADATA_LIMITS, SecretStore, SecretStoreError, type SecretInfo } from "./secrets.ts";
 export { Tunnel, type TunnelStep } from "./upstream.ts";
 export { EgressCa, loadOrCreateCa, type LeafCert } from "./x509.ts";

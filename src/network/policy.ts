@@ -60,12 +60,19 @@ export function redirectedPorts(p: EgressPolicy): number[] | "all" | undefined {
   return hasDomainRules(p) || p.rules.length > 0 ? p.proxiedPorts : undefined;
 }
 
-/** One header a rule sets: a literal value, or a node-side secret read when a request is sent. */
+/**
+ * One header a rule sets: a literal value, the user secret `secret:NAME`, or a value holding
+ * `${e2b.secrets.NAME}` placeholders; secrets are read from the node's SecretStore (secrets.ts)
+ * when a request is sent.
+ */
 export interface HeaderValue {
   name: string;
+  /** The literal value, or the text whose placeholders are replaced (`placeholders` set). */
   value?: string;
-  /** `secret:NAME`: the file $AENV_HOME/secrets/NAME (0600). */
+  /** `secret:NAME`: the whole value is the user secret NAME (lower-cased). */
   secret?: string;
+  /** The secrets `value`'s placeholders name (lower-cased, each once); absent when it has none. */
+  placeholders?: string[];
 }
 
 /** The rules of one `network.rules` key. */
@@ -93,17 +100,52 @@ export const MAX_RULE_HOSTS = 256;
 export const MAX_RULES_PER_HOST = 16;
 /** Headers per rule. */
 export const MAX_HEADERS_PER_RULE = 32;
-/** Bytes of one header value (a literal or a secret's file). */
+/** Bytes of one header value (a literal or a secret's value). */
 export const MAX_HEADER_VALUE = 8192;
+/** Placeholders in one header value: a resolved value stays under 5 × MAX_HEADER_VALUE. */
+export const MAX_PLACEHOLDERS_PER_VALUE = 4;
+/** Bytes of a user secret's name (E2B's names: anything but `{`, `}` and control characters). */
+export const MAX_SECRET_NAME = 256;
+/** E2B's `Secret.fill(name)`: resolved where the header is set, at sandbox egress. */
+export const SECRET_PLACEHOLDER = /\$\{e2b\.secrets\.([^{}]*)\}/g;
+const PLACEHOLDER_START = "${e2b.secrets.";
 /** Bytes of an egress proxy's username and of its password (RFC 1929's limit). */
 export const MAX_PROXY_CREDENTIAL = 255;
 
 /** Headers a rule may not set: they frame the request or name its host, which the proxy has judged. */
 const RESERVED_HEADERS = new Set(["host", "content-length", "transfer-encoding", "connection", "keep-alive", "proxy-connection", "te", "trailer", "upgrade"]);
 const TOKEN = /^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,256}$/;
-/** A secret's file name; the node's own API key is never a header. */
-const SECRET_NAME = /^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$/;
-const NODE_SECRETS = new Set(["api-key"]);
+
+/**
+ * Why `name` (lower-cased) cannot name a user secret, or undefined when it can: empty, over
+ * MAX_SECRET_NAME bytes, holding `{`, `}` or a control character (it is written into a
+ * placeholder), or starting with `sec_` (E2B keeps that prefix for secret IDs).
+ */
+export function secretNameProblem(name: string): string | undefined {
+  if (name.length === 0) return "a secret name cannot be empty";
+  if (Buffer.byteLength(name) > MAX_SECRET_NAME) return `a secret name is at most ${MAX_SECRET_NAME} bytes`;
+  if (/[{}\p{Cc}]/u.test(name)) return "a secret name cannot contain '{', '}' or control characters";
+  if (name.startsWith("sec_")) return "the sec_ prefix is kept for secret IDs";
+  return undefined;
+}
+
+/** The secrets a header value's `${e2b.secrets.NAME}` placeholders name, lower-cased, each once; PolicyError on a malformed one. */
+function placeholdersOf(field: string, value: string): string[] {
+  const names = new Set<string>();
+  let count = 0;
+  for (let at = value.indexOf(PLACEHOLDER_START); at >= 0; at = value.indexOf(PLACEHOLDER_START, at + 1)) {
+    const m = new RegExp(SECRET_PLACEHOLDER.source, "y");
+    m.lastIndex = at;
+    const got = m.exec(value);
+    if (!got) throw new PolicyError(field, "a ${e2b.secrets. placeholder is not closed by } (or holds { or })");
+    const name = got[1]!.toLowerCase();
+    const problem = secretNameProblem(name);
+    if (problem) throw new PolicyError(field, `\${e2b.secrets.${got[1]}}: ${problem}`);
+    if (++count > MAX_PLACEHOLDERS_PER_VALUE) throw new PolicyError(field, `at most ${MAX_PLACEHOLDERS_PER_VALUE} secret placeholders in one value`);
+    names.add(name);
+  }
+  return [...names];
+}
 
 const isObject = (v: unknown): v is Record<string, unknown> => typeof v === "object" && v !== null && !Array.isArray(v);
 const key = (k: string) => `[${JSON.stringify(k)}]`;
@@ -121,11 +163,13 @@ function parseHeaders(field: string, v: unknown): HeaderValue[] {
     if (Buffer.byteLength(value) > MAX_HEADER_VALUE) throw new PolicyError(f, `at most ${MAX_HEADER_VALUE} bytes`);
     if (/[\r\n\0]/.test(value)) throw new PolicyError(f, "must not contain CR, LF or NUL");
     if (value.startsWith("secret:")) {
-      const secret = value.slice(7);
-      if (!SECRET_NAME.test(secret) || NODE_SECRETS.has(secret)) throw new PolicyError(f, `secret:${secret} does not name a secret (letters, digits, _ . -; at most 64)`);
+      const secret = value.slice(7).toLowerCase();
+      const problem = secretNameProblem(secret);
+      if (problem) throw new PolicyError(f, `secret:${value.slice(7)} does not name a secret: ${problem}`);
       return { name, secret };
     }
-    return { name, value };
+    const placeholders = placeholdersOf(f, value);
+    return placeholders.length > 0 ? { name, value, placeholders } : { name, value };
   });
 }
 

@@ -13,6 +13,10 @@ import { serveNode } from "../api/server.ts";
 import { nodeRoutes } from "../api/nodes.ts";
 import { sandboxRoutes } from "../api/sandboxes.ts";
 import { templateRoutes } from "../api/templates.ts";
+import { volumeRoutes } from "../api/volumes.ts";
+import { VolumeStore } from "../orchestrator/volumes.ts";
+import { volumeLayers } from "./volume_layers.ts";
+import { secretRoutes } from "../api/secrets.ts";
 import { TemplateBuilder } from "../orchestrator/builder.ts";
 import { defaultDockerConfigPath } from "../template/registry.ts";
 import { nodeImages, remoteLayerView, type NodeRemoteLayers } from "./images.ts";
@@ -33,19 +37,35 @@ import { TemplateStore, isRemoteLayer, type TemplateRecord } from "../orchestrat
 import { buildBaseTemplate } from "../template/debian.ts";
 import { openSnapshotStore } from "../snapshot/index.ts";
 import { selectDriver } from "../vmm/select.ts";
-import { loadConfig, resolveApiKey, s3Scopes } from "./config.ts";
+import { ConfigError, loadConfig, resolveApiKey, s3Scopes, type NodeConfig } from "./config.ts";
+import { loadTls, type NodeTls } from "./tls.ts";
 import pkg from "../../package.json";
 
-const cfg = loadConfig();
+/** The settings and the HTTPS files; a bad one ends the start with one line naming it (exit 2). */
+function settings(): { cfg: NodeConfig; tls: NodeTls | undefined } {
+  try {
+    const cfg = loadConfig();
+    return { cfg, tls: loadTls(cfg) };
+  } catch (e) {
+    if (!(e instanceof ConfigError)) throw e;
+    console.error(`aenv node: ${e.message}`);
+    process.exit(2);
+  }
+}
+const { cfg, tls } = settings();
 const { key, path: keyPath } = resolveApiKey(cfg);
 /** The node's ID: in a cluster its key in etcd, and what GET /nodes names it. */
 const nodeId = cfg.nodeId || hostname().toLowerCase().replace(/[^a-z0-9.-]/g, "-").slice(0, 63);
 mkdirSync(cfg.home, { recursive: true });
 const store = new SandboxStore(join(cfg.home, "node.db"));
 const templates = new TemplateStore(store.db);
+/** User secrets: the /secrets routes make them, header rules read them at egress (docs/secrets.md). */
+const secrets = new SecretStore(join(cfg.home, "secrets"));
 
 let step = "starting";
 let orch: Orchestrator | undefined;
+/** Volumes (docs/volumes.md): served once blockd is up, before the rest of the start. */
+let volumes: VolumeStore | undefined;
 let proxy: SandboxProxy | undefined;
 let builder: TemplateBuilder | undefined;
 let failed: string | undefined;
@@ -87,10 +107,12 @@ const app = createApi({
       return builder.coldTemplate(image, size);
     },
   }))
+  // keepOpen: Bun's timeout(req) acts on the request's own connection, whichever listener (HTTP or HTTPS) took it.
   .use(templateRoutes(() => {
     if (!builder) throw new ApiError(503, notReady() ?? "starting");
     return builder;
   }, { keepOpen: (req) => server.timeout(req, 0), uploadUrlTtlS: cfg.uploadUrlTtlS }))
+  .use(secretRoutes(secrets))
   .use(nodeRoutes({
     store, templates, orch: () => orch, status: () => (orch ? (member?.nodeStatus ?? "ready") : failed ? "unhealthy" : "connecting"),
     changeStatus: cfg.cluster.length > 0 ? async (status, pause) => {
@@ -115,12 +137,22 @@ app.use(layerRoutes({
   provide: async (digest) => (peers && /^sha256:[0-9a-f]{64}$/.test(digest) ? peers.provide(digest as `sha256:${string}`) : undefined),
   served: (n) => peers?.countHttpServed(n),
 }));
+app.use(volumeRoutes(() => {
+  if (!volumes) throw new ApiError(503, notReady() ?? "starting");
+  return volumes;
+}, { maxBodyBytes: cfg.maxBodyBytes }));
 const server = serveNode(app, { hostname: cfg.host, port: cfg.port, proxy: () => proxy });
+/** The same API and proxy over HTTPS, for the SDK's https:// URLs (docs/node.md, Public URLs). */
+const tlsServer = tls ? serveNode(app, { hostname: cfg.host, port: cfg.tlsPort, proxy: () => proxy, tls }) : undefined;
 
 const shown = cfg.host === "0.0.0.0" ? "127.0.0.1" : cfg.host;
 console.log(`aenv node ${pkg.version} listening on http://${cfg.host}:${server.port}`);
 console.log(`  API key:  ${keyPath ?? "from AENV_API_KEY"}`);
 console.log(`  Swagger:  http://${shown}:${server.port}/swagger`);
+if (tlsServer && tls) {
+  console.log(`  HTTPS:    https://${cfg.host}:${tlsServer.port} (${tls.names}, until ${tls.notAfter.toISOString()}); sandboxes at https://{port}-{id}.${cfg.domain || "<the clients' domain>"}`);
+  for (const w of tls.warnings) console.warn(`  HTTPS warning: ${w}`);
+}
 console.log(`  state:    ${cfg.home}`);
 
 async function start(): Promise<void> {
@@ -141,6 +173,11 @@ async function start(): Promise<void> {
   const blockd = await BlockdClient.ensure(join(cfg.home, "blockd"), {
     pool: cfg.devicePool, settings: { frontend: cfg.blockdFrontend, fuseUring: cfg.fuseUring, fuseReaderSlots: cfg.fuseReaderSlots },
   });
+  progress("volumes");
+  // A device the last process left open is sealed, one whose sandbox is gone let go (docs/volumes.md).
+  const vols = new VolumeStore(store.db, blockd, { dir: join(cfg.home, "volumes"), sizeMB: cfg.volumeSizeMB, ...volumeLayers(join(cfg.home, "volumes"), blockd) });
+  await vols.start((id) => store.get(id) !== undefined);
+  volumes = vols;
   progress("network slots");
   const slots = new SlotPool({ size: cfg.slotPool, hostCidr: cfg.slotCidr, prefix: cfg.slotPrefix, hostTable: `${cfg.slotPrefix.replace(/[^A-Za-z0-9]/g, "_")}host` });
   // Slots of sandboxes that kept running while the node was down are kept; the rest rebuilt.
@@ -148,10 +185,10 @@ async function start(): Promise<void> {
   progress("egress");
   const list = (v: string) => v.split(",").map((x) => x.trim()).filter(Boolean);
   const resolvers = cfg.egressResolvers ? list(cfg.egressResolvers) : await hostResolvers();
-  // The CA every guest trusts (header rules that terminate TLS); `secret:NAME` values from $AENV_HOME/secrets.
+  // The CA every guest trusts (header rules that terminate TLS); header rules' secrets from the user secrets.
   const egressCa = loadOrCreateCa(join(cfg.home, "egress-ca"));
   const egressProxy = new EgressProxy({
-    port: cfg.egressProxyPort, resolvers, ca: egressCa, secrets: new SecretStore(join(cfg.home, "secrets")),
+    port: cfg.egressProxyPort, resolvers, ca: egressCa, secrets,
     upstreamCa: cfg.egressExtraCa ? [readFileSync(cfg.egressExtraCa, "utf8")] : undefined,
   }).listen();
   const egress = new Egress(slots.config, {
@@ -225,7 +262,7 @@ async function start(): Promise<void> {
     // The base image maps the hostname `sandbox` in /etc/hosts (sudo looks its host up).
     cmdline: (s) => guestCmdline({ ip: `${s.guestIp}/${s.guestPrefixLen}`, gw: s.gatewayIp, hostname: "sandbox", damonReclaim: kernel.damonReclaim }),
   }, { home: cfg.home, runRoot: join(cfg.runDir, "vms"), defaultTimeoutS: cfg.defaultTimeoutS, maxSandboxes: cfg.maxSandboxes, diskReserveBytes: cfg.diskReserveMB * 2 ** 20, maxDiskSizeMB: cfg.maxDiskSizeMB, preparedDevices: cfg.devicePool, balloonPressurePct: cfg.balloonPressurePct, memoryLayersMax: cfg.memoryLayersMax, memoryZfile: cfg.memoryZfile || undefined,
-    snapshots, egress, caBundle: egressCa.certPem, remoteLayer: (l) => remoteLayerView(l, remote),
+    snapshots, egress, caBundle: egressCa.certPem, remoteLayer: (l) => remoteLayerView(l, remote), volumes: vols,
     moves: cfg.cluster.length > 0 && cfg.resumeAnywhere ? { paused: (id) => member?.paused(id), resuming: (id) => member?.resuming(id) ?? Promise.resolve() } : undefined });
   const base = templates.resolve("base")!;
   if (!base.checkpoint) {
@@ -303,6 +340,7 @@ for (const sig of ["SIGINT", "SIGTERM"] as const) {
     void member?.close();
     orch?.close();
     server.stop();
+    tlsServer?.stop();
     // What operations left for after their answers (a pause's slot and device) is finished, and
     // build VMs are given back, for at most 10 s; what is left then is found by the next start.
     await Promise.race([Promise.all([orch?.settledCleanups(), builds, peers?.close()]), Bun.sleep(10_000)]);

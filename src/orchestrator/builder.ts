@@ -605,7 +605,7 @@ export class TemplateBuilder {
       }
       b.log("info", `Booting the build VM (${stack.length} layers)`);
       vm = await this.orch.startBuildVm(stack, parent.size, parent.rootfsTrace);
-      const shell = await loginShell(vm);
+      const shell = await loginShell(vm, (line) => b.log("warn", `envd: ${line}`, "base"));
       for (const p of plan.slice(hits)) {
         if (abort.signal.aborted) throw abort.signal.reason;
         b.log("info", label(p), String(p.index + 1));
@@ -937,15 +937,28 @@ class LineLog {
 /** The guest's flush before a layer is sealed: the tools disk's sync, so any image has one. */
 const SYNC: ProcessSpec = { cmd: BUSYBOX, args: ["sync"], user: "root", cwd: "/" };
 
-/** How RUN, startCmd and readyCmd run: bash -lc (E2B's), or sh -lc in an image without bash. */
+/** How RUN, startCmd and readyCmd run: bash -lc (E2B's). */
 interface Shell {
   run(cmd: string): { cmd: string; args: string[] };
 }
 
-async function loginShell(vm: BuildVm): Promise<Shell> {
-  const r = await runProcess(vm.envdUrl, null, { cmd: BUSYBOX, args: ["test", "-x", "/bin/bash"], user: "root", cwd: "/" }, { timeoutMs: SHORT_CMD_MS });
-  const sh = r.exitCode === 0 ? "/bin/bash" : "/bin/sh";
-  return { run: (cmd) => ({ cmd: sh, args: ["-lc", cmd] }) };
+/** What envd supplies where the image lacks it, one line each (guest/envd/toolbox.ts SUPPLIED_REPORT). */
+const SUPPLIED_REPORT = "/run/aenv/supplied";
+/** The report is a handful of short lines; more is cut. */
+const SUPPLIED_REPORT_MAX = 4096;
+
+/**
+ * `/bin/bash -lc`, which envd runs with the tools disk's busybox sh in an image without bash; what
+ * envd supplies for the image (that shell, accounts, sudo) goes to `log`, a line each.
+ */
+async function loginShell(vm: BuildVm, log: (line: string) => void): Promise<Shell> {
+  let report = "";
+  await runProcess(vm.envdUrl, null, { cmd: BUSYBOX, args: ["cat", SUPPLIED_REPORT], user: "root", cwd: "/" }, {
+    timeoutMs: SHORT_CMD_MS,
+    onOutput: (t, stream) => { if (stream === "stdout") report = (report + t).slice(0, SUPPLIED_REPORT_MAX); },
+  });
+  for (const line of report.split("\n")) if (line.trim()) log(line);
+  return { run: (cmd) => ({ cmd: "/bin/bash", args: ["-lc", cmd] }) };
 }
 
 /** An image's Entrypoint and Cmd (a template built on one keeps its image's). */

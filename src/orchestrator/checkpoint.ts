@@ -65,12 +65,43 @@ export async function checkpoint(node: NodeState, id: string, vm: Vmm, rt: Sandb
     else for (const f of await readdir(dir).catch(() => [] as string[])) if (f !== "rootfs.layer") await rm(join(dir, f), { recursive: true, force: true });
     throw e;
   } finally {
-    // A sealed layer is a lower of the rootfs from now on, checkpoint or not: the sandbox keeps it.
-    if (sealed) {
-      rt.layers = cp.layers;
-      rt.checkpoints = [...rt.checkpoints, dir];
-      node.store.setRuntime(id, rt);
-    }
+    if (sealed) keepSealed(node, id, rt, cp);
+  }
+}
+
+/** A sealed layer is a lower of the rootfs from then on, checkpoint or not: the sandbox keeps it. */
+function keepSealed(node: NodeState, id: string, rt: SandboxRuntime, cp: VmCheckpoint): void {
+  rt.layers = cp.layers;
+  rt.checkpoints = [...rt.checkpoints, cp.dir];
+  node.store.setRuntime(id, rt);
+}
+
+/**
+ * A filesystem-only checkpoint (E2B `pause({memory: false})`): the guest's file systems synced
+ * (`sync`, best effort: ext4's journal covers a guest that does not answer), the VM stopped and its
+ * rootfs upper sealed into a layer. No device state, no memory: its start boots (cp.boot).
+ */
+export async function diskCheckpoint(node: NodeState, id: string, rt: SandboxRuntime, o: { sync: () => Promise<void>; stop: () => Promise<void> }, clock = new PhaseClock()): Promise<VmCheckpoint> {
+  const dir = join(node.opts.home, "checkpoints", `${id}-${randomId(8)}`);
+  const layer = join(dir, "rootfs.layer");
+  const cp: VmCheckpoint = { dir, layers: [...rt.layers, layer], envdToken: null, boot: true };
+  await o.sync().catch((e) => console.error(`orchestrator: sync in ${id} before its filesystem-only pause: ${(e as Error).message}`));
+  clock.lap("sync");
+  await o.stop();
+  clock.lap("vmm");
+  let sealed = false;
+  try {
+    await mkdir(dir, { recursive: true });
+    if (rt.rootfsDevice) node.traces.endOn(rt.rootfsDevice);
+    await node.blockd.call("restack", { id: rt.rootfsDevice, layerPath: layer });
+    sealed = true;
+    clock.lap("restack");
+    return cp;
+  } catch (e) {
+    if (!sealed) await rm(dir, { recursive: true, force: true });
+    throw e;
+  } finally {
+    if (sealed) keepSealed(node, id, rt, cp);
   }
 }
 

@@ -3,8 +3,10 @@
 import { mkdirSync } from "node:fs";
 import { join } from "node:path";
 import type { DriveSpec } from "../vmm/types.ts";
+import { OrchestratorError } from "./errors.ts";
 import type { ResumeDevice } from "./ledger.ts";
 import type { NodeState } from "./node_state.ts";
+import type { SandboxRecord, VolumeMount } from "./store.ts";
 import { isRemoteLayer, type TemplateLayer, type VmCheckpoint } from "./templates.ts";
 
 /** The node's one tools disk device (a reference taken once; every VM opens the same file). */
@@ -28,6 +30,36 @@ export async function drives(node: NodeState, taken: string[], layers: TemplateL
   const rootfs = held ?? (await acquireRootfs(node, layers, upperDir, diskSizeMB));
   if (!held) taken.push(rootfs.id);
   return { drives: [{ path: tools.path, readOnly: true }, { path: rootfs.path }] };
+}
+
+/** Volumes one sandbox mounts: /dev/vdc on (virtio-blk letters after the tools disk and the rootfs). */
+export const VOLUME_MOUNTS_MAX = 8;
+
+/**
+ * The sandbox's volumes as drives after its rootfs, held for it, and the kernel command line that
+ * mounts them in the guest (`aenv.vol=<device>:<path>`, guest/init/run).
+ */
+export async function volumeDrives(node: NodeState, sandboxId: string, mounts: VolumeMount[]): Promise<{ drives: DriveSpec[]; cmdline: string }> {
+  if (!mounts.length) return { drives: [], cmdline: "" };
+  if (mounts.length > VOLUME_MOUNTS_MAX) throw new OrchestratorError(400, `at most ${VOLUME_MOUNTS_MAX} volumes per sandbox`);
+  const volumes = node.opts.volumes;
+  if (!volumes) throw new OrchestratorError(400, "this node serves no volumes");
+  const drives: DriveSpec[] = [];
+  const args: string[] = [];
+  for (const [i, m] of mounts.entries()) {
+    const v = await volumes.attach(m.name, sandboxId);
+    drives.push({ path: v.devicePath });
+    args.push(`aenv.vol=/dev/vd${String.fromCharCode(0x63 + i)}:${m.path}`);
+  }
+  return { drives, cmdline: args.join(" ") };
+}
+
+/**
+ * A fork's children or a snapshot's sandboxes would be second writers of the volumes the source
+ * mounts (ext4 has one writer): refused with 409 while it mounts any.
+ */
+export function refuseWithVolumes(rec: SandboxRecord, op: "fork" | "snapshot" | "move"): void {
+  if (rec.volumeMounts?.length) throw new OrchestratorError(409, `sandbox ${rec.id} mounts volumes (${rec.volumeMounts.map((m) => m.name).join(", ")}): a ${op} would make a second writer of them; kill it or create a sandbox without volumes`);
 }
 
 /** From blockd's pool: for a prepared stack, a device with the lowers already open. */

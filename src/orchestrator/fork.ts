@@ -1,7 +1,7 @@
 // Fork: a running sandbox checkpointed in place and resumed, and `count` children started from
 // that checkpoint, the first ones from its seal on.
 import { checkpoint, collectCheckpointsLater, compactsMemory } from "./checkpoint.ts";
-import { prepareDevices } from "./devices.ts";
+import { prepareDevices, refuseWithVolumes } from "./devices.ts";
 import { asOrchestratorError, OrchestratorError } from "./errors.ts";
 import { accessToken, randomId } from "./ids.ts";
 import { runtimeOf, teardown } from "./ledger.ts";
@@ -22,6 +22,7 @@ export async function fork(node: NodeState, id: string, count: number, timeoutS:
   await checkDiskReserve(node.opts.home, node.opts.diskReserveBytes ?? DEFAULT_DISK_RESERVE_BYTES);
   const src = node.sandbox(id);
   if (src.state !== "running" || node.inflight.has(id)) throw new OrchestratorError(409, `sandbox ${id} is ${src.state}, not running`);
+  refuseWithVolumes(src, "fork");
   if (!node.store.transition(id, ["running"], "forking")) throw new OrchestratorError(409, `sandbox ${id} is busy`);
   // The first children (one per child started at once) start at the seal, before the checkpoint
   // is done: their slots and rootfs devices are taken while the VMM writes the memory (startFrom's

@@ -1,7 +1,9 @@
 // Kill: after the operation in flight on the sandbox, everything it holds goes back (ledger.ts)
 // and so does its row.
 import { collectCheckpointsLater } from "./checkpoint.ts";
-import { notFound } from "./errors.ts";
+import { ENVD_PORT } from "./envd.ts";
+import { runProcess } from "./envd_process.ts";
+import { notFound, OrchestratorError } from "./errors.ts";
 import { teardown } from "./ledger.ts";
 import type { NodeState } from "./node_state.ts";
 
@@ -15,7 +17,20 @@ export async function kill(node: NodeState, id: string): Promise<void> {
     return kill(node, id); // a new operation started between the wait and the transition
   }
   await node.track(id, "kill", async () => {
+    // What the guest wrote to its volumes is flushed before its VM goes (they outlive it).
+    if (rec.volumeMounts?.length) await syncGuest(node, id, rec.envdAccessToken).catch((e) => console.error(`orchestrator: sync in ${id} before its kill: ${(e as Error).message}`));
     await teardown(node, id);
     collectCheckpointsLater(node);
   });
+}
+
+/** `sync`'s limit in a guest (the VM stops after it either way: ext4's journal covers the rest). */
+const SYNC_TIMEOUT_MS = 10_000;
+
+/** `sync` as root in a running sandbox's guest, through its envd; nothing for one not running here. */
+export async function syncGuest(node: NodeState, id: string, token: string): Promise<void> {
+  const live = node.live.get(id);
+  if (!live) return;
+  const r = await runProcess(`http://${live.slot.nsIp}:${ENVD_PORT}`, token, { cmd: "/agentenv/bin/busybox", args: ["sync"], user: "root", cwd: "/" }, { timeoutMs: SYNC_TIMEOUT_MS });
+  if (r.exitCode !== 0) throw new OrchestratorError(500, `sync ended with ${r.status}`);
 }

@@ -58,6 +58,8 @@ export type Holding =
   /** The rootfs device held for its resume, if its row names one (and its place among RESUME_READY_MAX). */
   | { what: "resume device"; device: ResumeDevice | null }
   | { what: "metric samples" }
+  /** The volumes it mounts (held from its first start until it goes; a pause keeps them). */
+  | { what: "volumes" }
   /** $AENV_HOME/sandboxes/<id>: its uppers. */
   | { what: "sandbox dir"; dir: string }
   /** Its row, which names the checkpoints it uses: they go at the next collectCheckpoints once it is deleted. */
@@ -92,6 +94,7 @@ export function holdings(node: NodeState, id: string, rt: SandboxRuntime | null 
     { what: "warm memory device" },
     { what: "resume device", device: rt?.resumeDevice ?? null },
     { what: "metric samples" },
+    { what: "volumes" },
     { what: "sandbox dir", dir: join(node.opts.home, "sandboxes", id) },
     { what: "row", checkpoints: rt?.checkpoints ?? [] },
   );
@@ -152,6 +155,9 @@ async function giveBack(node: NodeState, id: string, list: Holding[]): Promise<v
       case "metric samples":
         node.samples.delete(id);
         break;
+      case "volumes":
+        await node.opts.volumes?.detach(id).catch((e) => console.error(`orchestrator: the volumes of ${id}: ${(e as Error).message}`));
+        break;
       case "row":
         node.store.delete(id);
         node.removed(id);
@@ -189,7 +195,7 @@ export async function dropResumeDevice(node: NodeState, id: string): Promise<voi
 
 /** Each blockd device the node holds, with who holds it (the leak report of GET /nodes/{id}). */
 export function deviceHolders(node: NodeState, devices: ListedDevice[]): Map<string, string> {
-  const out = new Map<string, string>(node.memDevices.holders());
+  const out = new Map<string, string>([...node.memDevices.holders(), ...(node.opts.volumes?.holders() ?? [])]);
   const name = (id: string | null | undefined, why: string) => id && out.set(id, why);
   name(node.toolsId, "the tools disk");
   const sandbox = (id: string, state: SandboxState | "starting", rt: SandboxRuntime | null) => {
@@ -203,7 +209,7 @@ export function deviceHolders(node: NodeState, devices: ListedDevice[]): Map<str
   for (const [id, held] of node.boots) for (const d of held.devices) name(d, `${id.startsWith("bld") ? "build VM" : "template boot"} ${id}: rootfs`);
   for (const d of devices) {
     const blockd = ownedByBlockd(d);
-    if (blockd) out.set(d.id, blockd);
+    if (blockd && !out.has(d.id)) out.set(d.id, blockd);
     // The tools disk: one shared read-only device (by its layer: a restarted node's is the same device).
     else if (d.kind === "ro" && d.config?.lowers?.length === 1 && layerFile(d.config.lowers[0]) === node.guest.toolsLayer) out.set(d.id, "the tools disk");
   }

@@ -11,6 +11,7 @@ import { asOrchestratorError, OrchestratorError } from "./errors.ts";
 import { randomId } from "./ids.ts";
 import { runtimeOf, teardown, type SandboxRuntime } from "./ledger.ts";
 import type { NodeState } from "./node_state.ts";
+import { refuseWithVolumes } from "./devices.ts";
 import { checkpointFiles, fetchCheckpoint, type StoredSnapshotMeta } from "./snapshots.ts";
 import type { SandboxRecord } from "./store.ts";
 
@@ -35,6 +36,8 @@ export async function exportPaused(node: NodeState, id: string): Promise<void> {
   const rt = rec.runtime as SandboxRuntime | null;
   const cp = rt?.paused;
   if (rec.state !== "paused" || !cp) throw new OrchestratorError(409, `sandbox ${id} is ${rec.state}, not paused`);
+  refuseWithVolumes(rec, "move");
+  if (cp.boot) throw new OrchestratorError(409, `sandbox ${id} was paused without its memory: it resumes on its node only`);
   const { files, meta } = await checkpointFiles(cp);
   const { runtime: _, ...sandbox } = rec;
   const moved: MovedMeta = {

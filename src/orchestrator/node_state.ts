@@ -72,6 +72,18 @@ export interface OrchestratorOptions {
    * when another node may take the sandbox.
    */
   moves?: { paused(id: string): void; resuming(id: string): Promise<void> };
+  /** Volumes sandboxes mount (none: a create with volumeMounts gets 400). */
+  volumes?: VolumeDevices;
+}
+
+/** Volumes as sandboxes mount them: one sandbox holds a volume's device at a time. */
+export interface VolumeDevices {
+  /** Volume `name` held for sandbox `sandboxId` (the same device again for its holder): its device opened if closed; 404 unknown, 409 held by another. */
+  attach(name: string, sandboxId: string): Promise<{ volumeID: string; devicePath: string }>;
+  /** Every volume sandbox `sandboxId` holds goes back (written ones sealed); idempotent. */
+  detach(sandboxId: string): Promise<void>;
+  /** Open volume devices: blockd device id → who holds it (the device report). */
+  holders(): Map<string, string>;
 }
 
 /** A sandbox's VM that this process drives, and the slot it runs in. */

@@ -24,6 +24,7 @@ import * as ledger from "./ledger.ts";
 import { NodeState, type GuestArtifacts, type OrchestratorOptions } from "./node_state.ts";
 import type { ListedDevice } from "./orphans.ts";
 import * as pauseResume from "./pause_resume.ts";
+import { VOLUME_MOUNTS_MAX } from "./devices.ts";
 import * as reaper from "./reaper.ts";
 import { METRICS_INTERVAL_MS, type SandboxMetric } from "./reaper.ts";
 import * as recovery from "./recovery.ts";
@@ -46,7 +47,7 @@ export { METRICS_INTERVAL_MS, ORPHAN_SWEEP_INTERVAL_MS, type SandboxMetric } fro
 export { type CreateOptions } from "./start.ts";
 
 /** Bounds of the API's inputs that reach the orchestrator (extensionParamsBytes: customExtensionParams as JSON). */
-export const LIMITS = { metadataPairs: 64, envVars: 256, keyBytes: 256, valueBytes: 8192, timeoutS: 86_400 * 30, forkCount: 100, extensionParamsBytes: 16_384 };
+export const LIMITS = { metadataPairs: 64, envVars: 256, keyBytes: 256, valueBytes: 8192, timeoutS: 86_400 * 30, forkCount: 100, extensionParamsBytes: 16_384, volumeMounts: VOLUME_MOUNTS_MAX };
 
 export class Orchestrator {
   private readonly node: NodeState;
@@ -158,13 +159,13 @@ export class Orchestrator {
     return start.create(this.node, o);
   }
 
-  /** A running sandbox into a checkpoint on disk (pause_resume.ts). */
-  pause(id: string): Promise<void> {
-    return pauseResume.pause(this.node, id);
+  /** A running sandbox into a checkpoint on disk; `memory: false`: its disk only (pause_resume.ts). */
+  pause(id: string, o: { memory?: boolean } = {}): Promise<void> {
+    return pauseResume.pause(this.node, id, o);
   }
 
-  /** A running sandbox's TTL extended, a paused one resumed (pause_resume.ts). */
-  connect(id: string, timeoutS: number, o: { extendOnly?: boolean } = {}): Promise<{ rec: SandboxRecord; resumed: boolean }> {
+  /** A running sandbox's TTL extended, a paused one resumed; `memory: false`: booted on its disk (pause_resume.ts). */
+  connect(id: string, timeoutS: number, o: { extendOnly?: boolean; memory?: boolean } = {}): Promise<{ rec: SandboxRecord; resumed: boolean }> {
     return pauseResume.connect(this.node, id, timeoutS, o);
   }
 

@@ -5,7 +5,8 @@ import { existsSync } from "node:fs";
 import { open as openAsync, rm } from "node:fs/promises";
 import { join } from "node:path";
 import { posixFadvise, POSIX_FADV_DONTNEED } from "../../ffi/libc.ts";
-import { checkpoint, collectCheckpoints } from "./checkpoint.ts";
+import { checkpoint, collectCheckpoints, diskCheckpoint } from "./checkpoint.ts";
+import { syncGuest } from "./kill.ts";
 import { acquireRootfs } from "./devices.ts";
 import { asOrchestratorError, OrchestratorError } from "./errors.ts";
 import { randomId } from "./ids.ts";
@@ -31,8 +32,11 @@ async function dropCache(path: string): Promise<void> {
   }
 }
 
-/** A running sandbox into a checkpoint on disk; its VM, devices and slot go back. */
-export async function pause(node: NodeState, id: string): Promise<void> {
+/**
+ * A running sandbox into a checkpoint on disk; its VM, devices and slot go back. `memory: false`
+ * (E2B's filesystem-only pause): no memory is kept, only the disk; its resume boots.
+ */
+export async function pause(node: NodeState, id: string, o: { memory?: boolean } = {}): Promise<void> {
   const rec = node.sandbox(id);
   if (rec.state === "paused") throw new OrchestratorError(409, `sandbox ${id} is already paused`);
   const cur = node.inflight.get(id);
@@ -50,10 +54,15 @@ export async function pause(node: NodeState, id: string): Promise<void> {
       const clock = new PhaseClock();
       // The VMM stops while its rootfs is restacked (its state is saved and its disks flushed by
       // then); devices and slot go back after the answer.
-      const cp = await checkpoint(node, id, live.vm, rt, { resumable: false, stop: () => {
+      const stop = () => {
         node.gone(id);
         return live.vm.stop();
-      } }, clock);
+      };
+      // Volumes outlive the memory a kill of the paused sandbox drops: what the guest wrote is flushed first.
+      if (o.memory !== false && rec.volumeMounts?.length) await syncGuest(node, id, rec.envdAccessToken);
+      const cp = o.memory === false
+        ? await diskCheckpoint(node, id, rt, { stop, sync: () => syncGuest(node, id, rec.envdAccessToken) }, clock)
+        : await checkpoint(node, id, live.vm, rt, { resumable: false, stop }, clock);
       node.live.delete(id);
       const paused: SandboxRuntime = { ...rt, slot: null, toolsDevice: null, rootfsDevice: null, upperDir: null, vmPid: null, paused: cp, layers: cp.layers, checkpoints: checkpointDirs(cp), memLayers: cp.memLayers, memDevice: null };
       node.store.transition(id, ["pausing"], "paused", { runtime: paused });
@@ -68,7 +77,7 @@ export async function pause(node: NodeState, id: string): Promise<void> {
         await rm(join(node.opts.home, "sandboxes", id), { recursive: true, force: true });
         await acquireForResume(node, id, cp, rec.diskSizeMB);
         // A paused sandbox's memory lives on disk, not in the host's page cache.
-        for (const f of ["mem", "mem.layer", "vmstate"]) await dropCache(join(cp.dir, f));
+        if (!cp.boot) for (const f of ["mem", "mem.layer", "vmstate"]) await dropCache(join(cp.dir, f));
         await collectCheckpoints(node);
       });
     } catch (e) {
@@ -88,9 +97,10 @@ export async function pause(node: NodeState, id: string): Promise<void> {
  * Connect (E2B): a running sandbox gets its TTL extended (never shortened) → "running"; a paused
  * one is resumed with the TTL set → "resumed"; a connect that joins a resume in flight extends
  * the TTL. `extendOnly` (auto-resume by traffic): a resume never shortens the TTL either, its
- * end becomes max(the stored end, now + timeoutS).
+ * end becomes max(the stored end, now + timeoutS). `memory: false` (E2B `onResume: 'reboot'`): a
+ * paused sandbox boots on its disk instead of restoring its memory.
  */
-export async function connect(node: NodeState, id: string, timeoutS: number, o: { extendOnly?: boolean } = {}): Promise<{ rec: SandboxRecord; resumed: boolean }> {
+export async function connect(node: NodeState, id: string, timeoutS: number, o: { extendOnly?: boolean; memory?: boolean } = {}): Promise<{ rec: SandboxRecord; resumed: boolean }> {
   const rec = node.sandbox(id);
   const endAt = Date.now() + timeoutS * 1000;
   if (rec.state === "running") return { rec: node.store.setEndAt(id, endAt, true)!, resumed: false };
@@ -107,8 +117,10 @@ export async function connect(node: NodeState, id: string, timeoutS: number, o: 
   const out = await node.track(id, "resume", async () => {
     await node.cleanups.get(id);
     const rt = runtimeOf(node, id);
-    const cp = rt.paused;
-    if (!cp) throw new OrchestratorError(500, `paused sandbox ${id} has no checkpoint`);
+    const paused = rt.paused;
+    if (!paused) throw new OrchestratorError(500, `paused sandbox ${id} has no checkpoint`);
+    const cp: VmCheckpoint = o.memory === false && !paused.boot ? { dir: paused.dir, layers: paused.layers, envdToken: null, boot: true } : paused;
+    if (cp.boot) node.memDevices.forget(id);
     // Its device acquired at the pause, if it holds one: from here on the resume's (startFrom records it).
     const held = rt.resumeDevice ?? undefined;
     node.resumeReady.delete(id);

@@ -47,7 +47,7 @@ export function startReaper(node: NodeState, intervalMs: number): void {
     }
     for (const r of node.store.expired(Date.now(), 64)) {
       if (node.inflight.has(r.id)) continue;
-      const op = r.autoPause ? pause(node, r.id) : kill(node, r.id);
+      const op = r.autoPause ? pause(node, r.id, { memory: r.autoPauseMemory !== false }) : kill(node, r.id);
       await op.catch((e) => console.error(`reaper: ${r.autoPause ? "pause" : "kill"} ${r.id}: ${(e as Error).message}`));
     }
     if (!node.closed) node.reaper = setTimeout(tick, intervalMs);

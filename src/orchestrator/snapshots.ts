@@ -8,7 +8,7 @@ import type { Json } from "../snapshot/index.ts";
 import { confineSnapshot } from "../vmm/snapshot_paths.ts";
 import { readSnapshot, writeSnapshot, type SnapshotInfo } from "../vmm/types.ts";
 import { checkpoint, collectCheckpointsLater } from "./checkpoint.ts";
-import { prepareDevices } from "./devices.ts";
+import { prepareDevices, refuseWithVolumes } from "./devices.ts";
 import { asOrchestratorError, OrchestratorError } from "./errors.ts";
 import { randomId } from "./ids.ts";
 import { runtimeOf } from "./ledger.ts";
@@ -50,6 +50,7 @@ async function linkOrCopy(src: string, dst: string): Promise<void> {
 export async function snapshot(node: NodeState, id: string, name: string | undefined): Promise<TemplateRecord> {
   const src = node.sandbox(id);
   if (src.state !== "running" || node.inflight.has(id)) throw new OrchestratorError(409, `sandbox ${id} is ${src.state}, not running`);
+  refuseWithVolumes(src, "snapshot");
   if (name !== undefined && node.templates.resolve(name)) throw new OrchestratorError(409, `a template or snapshot named '${name}' exists`);
   if (!node.store.transition(id, ["running"], "snapshotting")) throw new OrchestratorError(409, `sandbox ${id} is busy`);
   const cp = await node.track(id, "snapshot", async () => {

@@ -2,9 +2,9 @@
 // (create, resume, fork child): a checkpoint into a fresh slot, devices, VMM, envd initialised.
 import { join } from "node:path";
 import type { Slot } from "../network/index.ts";
-import { readSnapshot, type DriveSpec } from "../vmm/types.ts";
+import { readSnapshot, type DriveSpec, type Vmm } from "../vmm/types.ts";
 import { prepareTemplate } from "./boot.ts";
-import { drives } from "./devices.ts";
+import { drives, volumeDrives } from "./devices.ts";
 import { checkDiskReserve, checkDiskSize, DEFAULT_DISK_RESERVE_BYTES } from "./disk_guard.ts";
 import { applyEgress, egressPolicyOf } from "./egress.ts";
 import { ENVD_PORT, ENVD_VERSION, initEnvd, waitEnvdReady } from "./envd.ts";
@@ -14,9 +14,13 @@ import { checkpointDirs, type ResumeDevice, type SandboxRuntime, teardown } from
 import type { NodeState } from "./node_state.ts";
 import { materializeSnapshot } from "./snapshots.ts";
 import { MEMORY_TRACE, ROOTFS_TRACE } from "./start_traces.ts";
-import type { SandboxRecord } from "./store.ts";
-import { isRemoteLayer, type VmCheckpoint } from "./templates.ts";
+import type { SandboxRecord, VolumeMount } from "./store.ts";
+import { runProcess } from "./envd_process.ts";
+import { isRemoteLayer, type TemplateConfig, type VmCheckpoint } from "./templates.ts";
 import { PhaseClock } from "./timings.ts";
+
+/** How long a boot's start command keeps its stream (its early errors logged); it runs on after. */
+const START_CMD_STREAM_MS = 5_000;
 
 export interface CreateOptions {
   templateId: string;
@@ -24,10 +28,14 @@ export interface CreateOptions {
   metadata?: Record<string, string>;
   envVars?: Record<string, string>;
   autoPause?: boolean;
+  /** false: an expiry's pause is filesystem-only (E2B autoPauseMemory). */
+  autoPauseMemory?: boolean;
   autoResume?: boolean;
   allowInternetAccess?: boolean | null;
   network?: unknown;
   customExtensionParams?: Record<string, unknown>;
+  /** Volumes by name at guest paths (checked by the API): the sandbox boots with them. */
+  volumeMounts?: VolumeMount[];
 }
 
 /** What a start restores besides the checkpoint (see startFrom). */
@@ -66,19 +74,23 @@ export async function create(node: NodeState, o: CreateOptions): Promise<Sandbox
     // E2B: a sandbox closed to public traffic wants this token on every non-envd port.
     trafficAccessToken: (o.network as { allowPublicTraffic?: unknown } | undefined)?.allowPublicTraffic === false ? accessToken() : null,
     autoPause: o.autoPause ?? false,
+    autoPauseMemory: o.autoPauseMemory ?? true,
     autoResume: o.autoResume ?? false,
     allowInternetAccess: o.allowInternetAccess ?? null,
     network: o.network ?? null,
     runtime: null,
     customExtensionParams: o.customExtensionParams ?? {},
+    volumeMounts: o.volumeMounts ?? [],
   };
   node.store.insert(rec);
   return node.track(rec.id, "create", async () => {
     try {
       const clock = new PhaseClock();
-      const cp = tpl.checkpoint ?? (tpl.kind === "snapshot" ? await materializeSnapshot(node, tpl) : await prepareTemplate(node, tpl));
+      const made = tpl.checkpoint ?? (tpl.kind === "snapshot" ? await materializeSnapshot(node, tpl) : await prepareTemplate(node, tpl));
+      // Volumes are disks the checkpoint's VM never had: such a sandbox boots on the checkpoint's disk.
+      const cp: VmCheckpoint = rec.volumeMounts?.length ? { dir: made.dir, layers: made.layers, envdToken: null, boot: true } : made;
       clock.lap("template");
-      const runtime = await startFrom(node, rec, cp, clock, { traced: true });
+      const runtime = await startFrom(node, rec, cp, clock, { traced: !cp.boot });
       const done = node.store.transition(rec.id, ["creating"], "running", { runtime, endAt: Date.now() + (o.timeoutS ?? node.opts.defaultTimeoutS) * 1000 });
       if (!done) throw new OrchestratorError(409, `sandbox ${rec.id} changed state while it was created`);
       clock.lap("record");
@@ -140,7 +152,8 @@ async function restoreInto(node: NodeState, rec: SandboxRecord, cp: VmCheckpoint
     reading.catch(() => {});
     return { reading, memory: takeMemory() };
   };
-  let then = o.ready ? undefined : readFirst();
+  // A boot reads no snapshot and maps no memory.
+  let then = o.ready || cp.boot ? undefined : readFirst();
   const own = (async () => {
     const slot = (rt.slot = await node.slots.acquire());
     save();
@@ -148,13 +161,16 @@ async function restoreInto(node: NodeState, rec: SandboxRecord, cp: VmCheckpoint
     await applyEgress(node, rec.id, slot);
     if (!o.ready) clock.lap("slot");
     try {
-      return { slot, drives: (await drives(node, taken, cp.layers, upperDir, rec.diskSizeMB, held)).drives };
+      const own = (await drives(node, taken, cp.layers, upperDir, rec.diskSizeMB, held)).drives;
+      const vols = await volumeDrives(node, rec.id, rec.volumeMounts ?? []);
+      return { slot, drives: [...own, ...vols.drives], cmdline: vols.cmdline };
     } finally {
       rt.rootfsDevice = taken[0] ?? null;
     }
   })();
   own.catch(() => {});
   // On a throw, the caller's teardown() gives back what the saved runtime names.
+  if (cp.boot) return bootOn(node, rec, rt, own, save, clock);
   if (o.ready) {
     try {
       await o.ready;
@@ -188,25 +204,71 @@ async function restoreInto(node: NodeState, rec: SandboxRecord, cp: VmCheckpoint
   const vm = await node.driver.restore(snap, {
     id: rec.id, runDir: rt.runDir!, drives: driveSpecs, net: { tap: slot.tap, mac: slot.guestMac }, netnsPath: slot.netnsPath, memImage,
   });
+  const url = await running(node, rec.id, rt, vm, slot, save, clock);
+  traced();
+  clock.lap("guest");
+  await initGuest(node, rec, url, cp.envdToken);
+  clock.lap("init");
+  return rt;
+}
+
+/** The started VM recorded as the sandbox's (its row names its pid), then envd waited for; envd's URL. */
+async function running(node: NodeState, id: string, rt: SandboxRuntime, vm: Vmm, slot: Slot, save: () => void, clock: PhaseClock): Promise<string> {
   clock.lap("vmm");
   rt.vmPid = vm.pid;
-  node.live.set(rec.id, { vm, slot });
+  node.live.set(id, { vm, slot });
   save();
   clock.lap("record");
   const url = `http://${slot.nsIp}:${ENVD_PORT}`;
   await waitEnvdReady(url, node.envdTimeoutMs, () => vm.state !== "stopped");
-  traced();
-  clock.lap("guest");
-  // A built or pulled template's env, user and working directory; the request's env wins.
+  return url;
+}
+
+/** envd told the sandbox's token, env, user and working directory: a built or pulled template's, the request's env winning. */
+function initGuest(node: NodeState, rec: SandboxRecord, url: string, currentToken: string | null): Promise<void> {
   const config = node.templates.resolve(rec.templateId)?.config;
-  await initEnvd(url, {
+  return initEnvd(url, {
     accessToken: rec.envdAccessToken,
-    currentToken: cp.envdToken,
+    currentToken,
     envVars: { ...config?.env, ...rec.envVars, E2B_SANDBOX_ID: rec.id, E2B_TEMPLATE_ID: rec.templateId },
     defaultUser: config?.user,
     defaultWorkdir: config?.workdir,
     caBundle: node.opts.caBundle,
   }, 30_000);
+}
+
+/**
+ * restoreInto's boot (cp.boot: a filesystem-only pause's resume, a sandbox with volumes): the
+ * template's kernel boots on the sandbox's disk, envd is initialised, and the template's start
+ * command, if it has one, is started again in the background (a reboot runs what the build ran).
+ */
+async function bootOn(node: NodeState, rec: SandboxRecord, rt: SandboxRuntime, own: Promise<{ slot: Slot; drives: DriveSpec[]; cmdline?: string }>, save: () => void, clock: PhaseClock): Promise<SandboxRuntime> {
+  let started: Awaited<typeof own>;
+  try {
+    started = await own;
+  } finally {
+    save();
+  }
+  const { slot, drives: driveSpecs } = started;
+  clock.lap("devices");
+  const vm = await node.driver.boot({
+    id: rec.id, runDir: rt.runDir!, kernel: node.guest.kernel, initrd: node.guest.initrd,
+    cmdline: [node.guest.cmdline(slot), started.cmdline].filter(Boolean).join(" "), vcpus: rec.cpuCount, memMiB: rec.memoryMB,
+    drives: driveSpecs, net: { tap: slot.tap, mac: slot.guestMac }, netnsPath: slot.netnsPath, balloon: true,
+  });
+  const url = await running(node, rec.id, rt, vm, slot, save, clock);
+  clock.lap("guest");
+  await initGuest(node, rec, url, null);
+  const config = node.templates.resolve(rec.templateId)?.config;
+  if (config?.startCmd) startInBackground(url, rec, config);
   clock.lap("init");
   return rt;
+}
+
+/** The template's start command, left running (envd keeps a process whose stream went); its failure to start is logged. */
+function startInBackground(url: string, rec: SandboxRecord, config: TemplateConfig): void {
+  const stream = new AbortController();
+  runProcess(url, rec.envdAccessToken, { cmd: "/bin/sh", args: ["-lc", config.startCmd!], user: config.user ?? "root", cwd: config.workdir, envs: { ...config.env, ...rec.envVars } }, { signal: stream.signal })
+    .catch((e) => { if (!stream.signal.aborted) console.error(`orchestrator: the start command of ${rec.id} after its boot: ${(e as Error).message}`); });
+  setTimeout(() => stream.abort(), START_CMD_STREAM_MS).unref();
 }

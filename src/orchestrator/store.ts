@@ -33,6 +33,8 @@ export interface SandboxRecord {
   trafficAccessToken: string | null;
   /** On expiry: pause (true) or kill (false, E2B's default). */
   autoPause: boolean;
+  /** An expiry's pause keeps memory (true, E2B's default) or is filesystem-only (E2B `autoPauseMemory: false`); absent in old rows: true. */
+  autoPauseMemory?: boolean;
   autoResume: boolean;
   allowInternetAccess: boolean | null;
   /** The create request's `network`, stored for the egress policy. */
@@ -41,6 +43,13 @@ export interface SandboxRecord {
   runtime: unknown;
   /** AgentENV's customExtensionParams: opaque JSON kept with the sandbox (fork children inherit it); absent: `{}`. */
   customExtensionParams?: Record<string, unknown>;
+  /** E2B volumeMounts: each volume (by name) at its guest path; absent in old rows: none. */
+  volumeMounts?: VolumeMount[];
+}
+
+export interface VolumeMount {
+  name: string;
+  path: string;
 }
 
 export class StoreError extends Error {
@@ -66,7 +75,7 @@ interface Row {
   started_at: number; end_at: number; cpu_count: number; memory_mb: number; disk_size_mb: number;
   envd_version: string; envd_access_token: string; traffic_access_token: string | null;
   auto_pause: number; auto_resume: number; allow_internet_access: number | null; network: string; runtime: string;
-  custom_extension_params: string;
+  custom_extension_params: string; auto_pause_memory: number; volume_mounts: string;
 }
 
 const SCHEMA = `
@@ -90,7 +99,9 @@ CREATE TABLE IF NOT EXISTS sandboxes (
   allow_internet_access INTEGER,
   network TEXT NOT NULL,
   runtime TEXT NOT NULL,
-  custom_extension_params TEXT NOT NULL DEFAULT '{}'
+  custom_extension_params TEXT NOT NULL DEFAULT '{}',
+  auto_pause_memory INTEGER NOT NULL DEFAULT 1,
+  volume_mounts TEXT NOT NULL DEFAULT '[]'
 );
 CREATE INDEX IF NOT EXISTS sandboxes_end_at ON sandboxes (end_at);
 `;
@@ -117,6 +128,8 @@ function toRecord(r: Row): SandboxRecord {
     network: JSON.parse(r.network),
     runtime: JSON.parse(r.runtime),
     customExtensionParams: JSON.parse(r.custom_extension_params),
+    autoPauseMemory: r.auto_pause_memory !== 0,
+    volumeMounts: JSON.parse(r.volume_mounts),
   };
 }
 
@@ -153,9 +166,11 @@ export class SandboxStore {
     this.db.run("PRAGMA journal_mode = WAL");
     this.db.run("PRAGMA synchronous = NORMAL");
     this.db.run(SCHEMA);
-    // Databases made before the custom_extension_params column: added in place (empty params).
+    // Databases made before a column: added in place, with its default.
     const cols = this.db.query<{ name: string }, []>("PRAGMA table_info(sandboxes)").all().map((c) => c.name);
     if (!cols.includes("custom_extension_params")) this.db.run("ALTER TABLE sandboxes ADD COLUMN custom_extension_params TEXT NOT NULL DEFAULT '{}'");
+    if (!cols.includes("auto_pause_memory")) this.db.run("ALTER TABLE sandboxes ADD COLUMN auto_pause_memory INTEGER NOT NULL DEFAULT 1");
+    if (!cols.includes("volume_mounts")) this.db.run("ALTER TABLE sandboxes ADD COLUMN volume_mounts TEXT NOT NULL DEFAULT '[]'");
     const max = this.db.query<{ m: number | null }, []>("SELECT MAX(started_at) AS m FROM sandboxes").get();
     this.lastStartedAt = max?.m ?? 0;
   }
@@ -170,9 +185,13 @@ export class SandboxStore {
 
   insert(rec: SandboxRecord): void {
     try {
-      this.db.query(`INSERT INTO sandboxes VALUES ($id, $state, $template_id, $alias, $metadata, $env_vars,
+      this.db.query(`INSERT INTO sandboxes (id, state, template_id, alias, metadata, env_vars, started_at, end_at,
+        cpu_count, memory_mb, disk_size_mb, envd_version, envd_access_token, traffic_access_token, auto_pause,
+        auto_resume, allow_internet_access, network, runtime, custom_extension_params, auto_pause_memory, volume_mounts)
+        VALUES ($id, $state, $template_id, $alias, $metadata, $env_vars,
         $started_at, $end_at, $cpu_count, $memory_mb, $disk_size_mb, $envd_version, $envd_access_token,
-        $traffic_access_token, $auto_pause, $auto_resume, $allow_internet_access, $network, $runtime, $custom_extension_params)`).run({
+        $traffic_access_token, $auto_pause, $auto_resume, $allow_internet_access, $network, $runtime, $custom_extension_params,
+        $auto_pause_memory, $volume_mounts)`).run({
         id: rec.id, state: rec.state, template_id: rec.templateId, alias: rec.alias,
         metadata: JSON.stringify(rec.metadata), env_vars: JSON.stringify(rec.envVars),
         started_at: rec.startedAt, end_at: rec.endAt, cpu_count: rec.cpuCount, memory_mb: rec.memoryMB,
@@ -182,6 +201,8 @@ export class SandboxStore {
         allow_internet_access: rec.allowInternetAccess === null ? null : rec.allowInternetAccess ? 1 : 0,
         network: JSON.stringify(rec.network ?? null), runtime: JSON.stringify(rec.runtime ?? null),
         custom_extension_params: JSON.stringify(rec.customExtensionParams ?? {}),
+        auto_pause_memory: rec.autoPauseMemory === false ? 0 : 1,
+        volume_mounts: JSON.stringify(rec.volumeMounts ?? []),
       });
     } catch (e) {
       throw new StoreError(`insert ${rec.id}: ${(e as Error).message}`);

@@ -29,6 +29,8 @@ export interface VmCheckpoint {
   envdToken: string | null;
   /** Memory layers, lowest first: restores map a blockd read-only device over them (none: the snapshot's own memory file). */
   memLayers?: string[];
+  /** No VM state to restore: a start boots the template's kernel on `layers` (a filesystem-only pause, a sandbox with volumes). */
+  boot?: true;
 }
 
 export interface TemplateRecord {

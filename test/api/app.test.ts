@@ -7,6 +7,9 @@ import { ApiError, conflict } from "../../src/api/errors.ts";
 import { CLUSTER_ID, nodeRoutes } from "../../src/api/nodes.ts";
 import { sandboxRoutes } from "../../src/api/sandboxes.ts";
 import { templateRoutes } from "../../src/api/templates.ts";
+import { volumeRoutes } from "../../src/api/volumes.ts";
+import { secretRoutes } from "../../src/api/secrets.ts";
+import { SecretStore } from "../../src/network/index.ts";
 import { SandboxStore } from "../../src/orchestrator/store.ts";
 import { TemplateStore } from "../../src/orchestrator/templates.ts";
 import { scratchDir } from "../helpers/tmp.ts";
@@ -126,6 +129,8 @@ describe("the node's routes before it is ready", () => {
   const node = createApi({ apiKey: KEY, maxBodyBytes: 4096, notReadyReason: () => "starting: blockd", version: "0.0.0-test" })
     .use(sandboxRoutes(starting, { domain: null, defaultTimeoutS: 300 }))
     .use(templateRoutes(starting))
+    .use(volumeRoutes(starting, { maxBodyBytes: 4096 }))
+    .use(secretRoutes(new SecretStore(join(home, "secrets"))))
     .use(nodeRoutes({ store, templates, orch: () => undefined, status: () => "connecting", openStreams: () => undefined, version: "0.0.0-test", home }))
     .listen({ hostname: "127.0.0.1", port: 0 });
   afterAll(() => { node.stop(); store.close(); });
@@ -135,7 +140,10 @@ describe("the node's routes before it is ready", () => {
     const doc = (await (await fetch(url + "/swagger/json")).json()) as { paths: Record<string, Record<string, any>> };
     const ops = Object.entries(doc.paths).flatMap(([path, methods]) => Object.entries(methods).map(([method, op]) => ({ where: `${method.toUpperCase()} ${path}`, path, op })));
     expect(ops.length).toBeGreaterThanOrEqual(40);
-    for (const route of ["GET /metrics", "GET /nodes", "GET /nodes/{nodeID}", "GET /sandboxes/{sandboxID}/custom-extension-params", "PATCH /sandboxes/{sandboxID}/custom-extension-params"])
+    for (const route of ["GET /metrics", "GET /nodes", "GET /nodes/{nodeID}", "GET /sandboxes/{sandboxID}/custom-extension-params", "PATCH /sandboxes/{sandboxID}/custom-extension-params",
+      "POST /secrets", "GET /secrets", "GET /secrets/{secretID}", "POST /secrets/{secretID}", "DELETE /secrets/{secretID}",
+      "POST /volumes", "GET /volumes", "GET /volumes/{volumeID}", "DELETE /volumes/{volumeID}", "GET /volumecontent/{volumeID}/path", "PATCH /volumecontent/{volumeID}/path",
+      "DELETE /volumecontent/{volumeID}/path", "GET /volumecontent/{volumeID}/dir", "POST /volumecontent/{volumeID}/dir", "GET /volumecontent/{volumeID}/file", "PUT /volumecontent/{volumeID}/file"])
       expect(ops.map((o) => o.where)).toContain(route);
     for (const { where, path, op } of ops) {
       const responses = Object.entries(op.responses ?? {}) as [string, any][];
@@ -155,6 +163,17 @@ describe("the node's routes before it is ready", () => {
       const declared = ((op.parameters ?? []) as { in: string; name: string }[]).filter((p) => p.in === "path").map((p) => p.name).sort();
       expect({ where, params: declared }).toEqual({ where, params: inPath });
     }
+  });
+
+  test("volume content takes the volume's token, not the API key, and its errors carry a string code", async () => {
+    const r = await fetch(url + "/volumecontent/v1/path?path=/", { headers: { authorization: "Bearer some-volume-token" } });
+    expect(r.status).toBe(503);
+    expect(await r.json()).toEqual({ code: "503", message: "starting: blockd" });
+    const bad = await fetch(url + "/volumecontent/v1/dir?path=/&depth=0", { headers: { authorization: "Bearer t" } });
+    expect(bad.status).toBe(400);
+    expect(((await bad.json()) as { code: unknown }).code).toBe("400");
+    expect((await fetch(url + "/volumes")).status).toBe(401);
+    expect(((await (await fetch(url + "/volumes", { headers: auth })).json()) as { code: unknown }).code).toBe(503);
   });
 
   test("sandbox routes answer 503 {code, message} while the node starts; /nodes and /metrics already answer", async () => {

@@ -3,11 +3,11 @@
 // them on real slots.
 import { describe, expect, test } from "bun:test";
 import { X509Certificate } from "node:crypto";
-import { chmodSync, mkdirSync, statSync, writeFileSync } from "node:fs";
+import { chmodSync, existsSync, mkdirSync, readdirSync, statSync, writeFileSync } from "node:fs";
 import tls from "node:tls";
 import { join } from "node:path";
 import {
-  EgressCa, MAX_HEADER_VALUE, MAX_HEADERS_PER_RULE, MAX_RULE_HOSTS, RequestRewriter, SecretStore, Tunnel,
+  EgressCa, MAX_HEADER_VALUE, MAX_HEADERS_PER_RULE, MAX_PLACEHOLDERS_PER_VALUE, MAX_RULE_HOSTS, MAX_SECRETS, RequestRewriter, SecretStore, Tunnel,
   loadOrCreateCa, parseEgressPolicy, redirectedPorts, rulesFor, type HeadDecision, type RequestHead,
 } from "../../src/network/index.ts";
 import { scratchDir } from "../helpers/tmp.ts";
@@ -29,6 +29,14 @@ describe("rules and egressProxy input", () => {
       { pattern: "*.a.test", headers: [{ name: "X-B", value: "b" }], terminateTls: false },
     ]);
     expect(p.upstream).toEqual({ kind: "socks5", host: "proxy.example.com", port: 1080, username: "u", password: "p" });
+    // E2B's placeholders (Secret.fill) anywhere in a value, names lower-cased; `secret:NAME` names the same secrets.
+    const ph = parseEgressPolicy(true, { rules: { "a.test": [{ transform: { headers: { A: "Bearer ${e2b.secrets.OpenAI-Key}", B: "${e2b.secrets.x}:${e2b.secrets.y}/${e2b.secrets.x}", C: "secret:API-key", D: "${e2b.identity.x}" } } }] } });
+    expect(ph.rules[0]!.headers).toEqual([
+      { name: "A", value: "Bearer ${e2b.secrets.OpenAI-Key}", placeholders: ["openai-key"] },
+      { name: "B", value: "${e2b.secrets.x}:${e2b.secrets.y}/${e2b.secrets.x}", placeholders: ["x", "y"] },
+      { name: "C", secret: "api-key" },
+      { name: "D", value: "${e2b.identity.x}" },
+    ]);
     expect(parseEgressPolicy(true, { egressProxy: { address: "http://198.18.0.5:3128" } }).upstream).toEqual({ kind: "http", host: "198.18.0.5", port: 3128 });
     expect(parseEgressPolicy(true, { egressProxy: { address: "socks5://198.18.0.5:1080" } }).upstream?.kind).toBe("socks5");
     expect(parseEgressPolicy(true, { egressProxy: null, rules: null })).toMatchObject({ upstream: undefined, rules: [] });
@@ -60,8 +68,11 @@ describe("rules and egressProxy input", () => {
     expect(h({ X: 1 })).toBe('network.rules["a.test"][0].transform.headers["X"]');
     expect(h({ X: "a\r\nInjected: 1" })).toBe('network.rules["a.test"][0].transform.headers["X"]');
     expect(h({ X: "v".repeat(MAX_HEADER_VALUE + 1) })).toBe('network.rules["a.test"][0].transform.headers["X"]');
-    expect(h({ X: "secret:../etc/passwd" })).toBe('network.rules["a.test"][0].transform.headers["X"]');
-    expect(h({ X: "secret:api-key" })).toBe('network.rules["a.test"][0].transform.headers["X"]');
+    // Secret names as the store takes them: not empty, no braces or control characters, not sec_.
+    for (const bad of ["secret:", "secret:sec_x", "secret:a{b", "${e2b.secrets.}", "${e2b.secrets.sec_x}", "Bearer ${e2b.secrets.tok", "${e2b.secrets.a\tb}",
+      `\${e2b.secrets.${"n".repeat(257)}}`, "${e2b.secrets.a}".repeat(MAX_PLACEHOLDERS_PER_VALUE + 1)]) {
+      expect(h({ X: bad })).toBe('network.rules["a.test"][0].transform.headers["X"]');
+    }
     expect(h(Object.fromEntries(Array.from({ length: MAX_HEADERS_PER_RULE + 1 }, (_, i) => [`h${i}`, "v"])))).toBe('network.rules["a.test"][0].transform.headers');
     expect(r(Object.fromEntries(Array.from({ length: MAX_RULE_HOSTS + 1 }, (_, i) => [`h${i}.test`, []])))).toBe("network.rules");
 
@@ -196,24 +207,78 @@ describe("the node's CA and secrets", () => {
     expect(() => loadOrCreateCa(dir)).toThrow(/0600/);
   });
 
-  test("secrets: 0600 files, one trailing newline dropped, others refused by name only", async () => {
+  test("secrets: made through the store, 0600 files in <dir>/user, resolved by name; the node's own files never reached", async () => {
     const dir = scratchDir("egress-secrets");
-    mkdirSync(dir, { recursive: true });
-    const put = (n: string, v: string, mode = 0o600) => {
-      writeFileSync(join(dir, n), v);
-      chmodSync(join(dir, n), mode);
-    };
-    put("tok", "s3cret-value\n");
-    put("open", "leaky", 0o644);
-    put("two", "a\nb");
+    mkdirSync(dir, { recursive: true, mode: 0o755 });
+    // The node's own files beside the user secrets.
+    writeFileSync(join(dir, "api-key"), "node-key", { mode: 0o600 });
+    writeFileSync(join(dir, "cluster-headers.json"), '{"headers":{"x-api-key":"node-key"}}', { mode: 0o600 });
     const s = new SecretStore(dir);
-    expect(await s.get("tok")).toBe("s3cret-value");
-    put("tok", "rotated");
+    const err = async (p: Promise<unknown>) => (await p.then(() => "no error", (e: Error & { status?: number }) => `${e.status ?? ""} ${e.message}`)) as string;
+    expect(await err(s.get("api-key"))).toBe(" secret api-key does not exist");
+    expect(await err(s.get("cluster-headers.json"))).toBe(" secret cluster-headers.json does not exist");
+    const a = await s.create("Tok", "s3cret-value", { team: "a" });
+    expect(a.id).toMatch(/^sec_[a-z0-9]{24}$/);
+    expect([a.name, a.version, a.metadata]).toEqual(["tok", 1, { team: "a" }]);
+    expect(statSync(dir).mode & 0o777).toBe(0o700);
+    expect(statSync(s.userDir).mode & 0o777).toBe(0o700);
+    expect(statSync(join(s.userDir, `${a.id}.json`)).mode & 0o777).toBe(0o600);
+    expect(await s.get("TOK")).toBe("s3cret-value");
+    // A user secret named like a node file is the user's; the node's file stays as it was.
+    await s.create("api-key", "user-value");
+    expect(await s.get("api-key")).toBe("user-value");
+    expect(await Bun.file(join(dir, "api-key")).text()).toBe("node-key");
+    // An update applies to the next read; the resolved header replaces each placeholder once.
+    expect(await s.update(a.id, "rotated")).toMatchObject({ version: 2, metadata: { team: "a" } });
     expect(await s.get("tok")).toBe("rotated");
-    const err = async (n: string) => (await s.get(n).catch((e: Error) => e.message)) as string;
-    expect(await err("open")).toContain("0600");
-    expect(await err("two")).toContain("CR, LF or NUL");
-    expect(await err("missing")).toBe("secret missing does not exist");
-    for (const n of ["open", "two"]) expect(await err(n)).not.toContain(n === "open" ? "leaky" : "a\nb");
+    await s.create("self", "${e2b.secrets.tok}");
+    expect(await s.resolve({ name: "A", value: "Bearer ${e2b.secrets.TOK}|${e2b.secrets.self}|${e2b.secrets.tok}", placeholders: ["tok", "self"] })).toBe("Bearer rotated|${e2b.secrets.tok}|rotated");
+    expect(await s.resolve({ name: "A", secret: "tok" })).toBe("rotated");
+    expect(await s.resolve({ name: "A", value: "lit" })).toBe("lit");
+    // Refused at the boundary with their status; no message carries a value.
+    expect(await err(s.create("TOK", "x"))).toBe("409 a secret named tok exists");
+    expect(await err(s.create("sec_a", "x"))).toStartWith("400 ");
+    expect(await err(s.create("a}", "x"))).toStartWith("400 ");
+    expect(await err(s.create("n", "a\nb"))).toStartWith("400 ");
+    expect(await err(s.create("n", "v".repeat(MAX_HEADER_VALUE + 1)))).toStartWith("400 ");
+    expect(await err(s.create("n", "v", { k: "v".repeat(1025) }))).toStartWith("400 ");
+    expect(await err(s.create("n", "v", { ["k".repeat(129)]: "v" }))).toStartWith("400 ");
+    expect(await err(s.create("n", "v", Object.fromEntries(Array.from({ length: 33 }, (_, i) => [`k${i}`, "v"]))))).toStartWith("400 ");
+    expect(await err(s.create("n", "v", Object.fromEntries(Array.from({ length: 9 }, (_, i) => [`k${i}`, "v".repeat(1000)]))))).toStartWith("400 ");
+    expect(await err(s.update("missing", "x"))).toBe("404 secret missing not found");
+    expect(await err(s.get("missing"))).toBe(" secret missing does not exist");
+    // A file changed behind the store's back is refused by name only.
+    const file = join(s.userDir, `${a.id}.json`);
+    chmodSync(file, 0o644);
+    expect(await err(s.get("tok"))).toContain("0600");
+    writeFileSync(file, "not json: rotated", { mode: 0o600 });
+    chmodSync(file, 0o600);
+    expect(await err(s.get("tok"))).toBe(" secret tok's file does not parse");
+    await s.update("tok", "again");
+    expect(await s.get("tok")).toBe("again");
+    // Another store on the same directory (a restart) finds them; a crash's temporary file goes, a stray file is left out.
+    writeFileSync(join(s.userDir, ".tmp-sec_x-1"), "half");
+    writeFileSync(join(s.userDir, "stray"), "x", { mode: 0o600 });
+    const again = new SecretStore(dir);
+    expect((await again.list()).map((x) => x.name).sort()).toEqual(["api-key", "self", "tok"]);
+    expect(await again.get("tok")).toBe("again");
+    expect(readdirSync(s.userDir).filter((f) => f.startsWith(".tmp-"))).toEqual([]);
+    expect(await again.remove("tok")).toBe(true);
+    expect(await again.remove("tok")).toBe(false);
+    expect(await err(again.get("tok"))).toBe(" secret tok does not exist");
+    expect(existsSync(file)).toBe(false);
+    // Two creates of one name racing: exactly one wins.
+    const raced = await Promise.allSettled([again.create("race", "1"), again.create("RACE", "2")]);
+    expect(raced.map((r) => r.status).sort()).toEqual(["fulfilled", "rejected"]);
   });
+
+  test("secrets: at most MAX_SECRETS on a node (429 past it)", async () => {
+    const s = new SecretStore(scratchDir("egress-secrets-full"));
+    // In waves of 200: more writes than MAX_WAITING_WRITES (256) waiting at once are refused.
+    for (let i = 0; i < MAX_SECRETS; i += 200) await Promise.all(Array.from({ length: 200 }, (_, j) => s.create(`s${i + j}`, "v")));
+    expect((await s.list()).length).toBe(MAX_SECRETS);
+    expect(await s.create("one-more", "v").catch((e: Error & { status?: number }) => e.status)).toBe(429);
+    await s.remove("s0");
+    expect((await s.create("one-more", "v")).name).toBe("one-more");
+  }, 60_000);
 });

@@ -3,8 +3,6 @@
 // HTTP CONNECT) that prints every tunnel it opens. Nothing leaves for the host's real networks.
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { createHash, randomBytes } from "node:crypto";
-import { chmodSync, writeFileSync } from "node:fs";
-import { join } from "node:path";
 import {
   Egress, EgressCa, EgressProxy, SecretStore, parseEgressPolicy, type EgressProxyOptions, type Slot,
 } from "../../src/network/index.ts";
@@ -18,21 +16,20 @@ describe.skipIf(!canRun)(slotSuite("egress proxies and header rules"), () => {
   const t = slotTestScaffold();
   let net: TestInternet;
   const ca = EgressCa.generate();
-  const secrets = scratchDir("egress-secrets");
+  const secrets = new SecretStore(scratchDir("egress-secrets"));
   const secret = `tok-${randomBytes(12).toString("hex")}`;
   const want = createHash("sha256").update(secret).digest("hex");
 
   beforeAll(async () => {
     net = await startInternet();
-    writeFileSync(join(secrets, "tok"), secret + "\n");
-    chmodSync(join(secrets, "tok"), 0o600);
+    await secrets.create("tok", secret);
   });
   afterAll(async () => {
     await net?.stop();
   });
 
   async function setup(o: Partial<EgressProxyOptions> = {}): Promise<{ egress: Egress; proxy: EgressProxy; slot: Slot; guest: string }> {
-    const proxy = new EgressProxy({ resolvers: [net.ips[0]!], ca, secrets: new SecretStore(secrets), upstreamCa: [net.certPem], ...o }).listen();
+    const proxy = new EgressProxy({ resolvers: [net.ips[0]!], ca, secrets, upstreamCa: [net.certPem], ...o }).listen();
     t.after(() => proxy.stop());
     return { ...(await egressSlot(t, net, proxy)), proxy };
   }
@@ -114,6 +111,45 @@ describe.skipIf(!canRun)(slotSuite("egress proxies and header rules"), () => {
     const via = await fromGuest(guest, [{ op: "https", ip: a, port: 443, servername: "x.a.test", path: "/auth", ca: ca.certPem }]);
     expect(auth(via[0])).toEqual({ auth: want, extra: "lit" });
     expect(net.proxied().at(-1)?.target).toBe("x.a.test:443");
+  }, 90_000);
+
+  test("E2B placeholders: ${e2b.secrets.NAME} in a header reaches the server as the secret's value, an update on the next request, a deleted one is a 502", async () => {
+    const { egress, proxy, slot, guest } = await setup();
+    const [a] = net.ips as [string];
+    const first = `e2b-${randomBytes(12).toString("hex")}`;
+    const second = `e2b-${randomBytes(12).toString("hex")}`;
+    const made = await secrets.create("OpenAI-Key", first);
+    t.after(() => secrets.remove(made.id).then(() => {}));
+    const sha = (v: string) => createHash("sha256").update(v).digest("hex");
+    const rules = { "x.a.test": [{ transform: { headers: { Authorization: "Bearer ${e2b.secrets.openai-key}", "X-Extra": "lit" } }, tls: "terminate" }] };
+    const policy = parseEgressPolicy(true, { allowOut: ["*.a.test"], rules });
+    await egress.apply(slot, "sbxp", policy);
+    // The policy holds the placeholder's text, never a value.
+    expect(JSON.stringify(policy)).not.toContain(first);
+    const auth = (s: unknown) => JSON.parse(s as string) as { auth: string | null; extra: string | null };
+    const req = (close = "") => `GET /auth HTTP/1.1\r\nHost: x.a.test\r\n${close}\r\n`;
+    const ops = [
+      { op: "http", ip: a, port: 80, host: "x.a.test", path: "/auth" },
+      { op: "https", ip: a, port: 443, servername: "x.a.test", path: "/auth", ca: ca.certPem },
+    ] as const;
+    const before = await fromGuest(guest, [...ops]);
+    expect(before.map(auth)).toEqual([{ auth: sha(`Bearer ${first}`), extra: "lit" }, { auth: sha(`Bearer ${first}`), extra: "lit" }]);
+    // One keep-alive connection: the update lands between its two requests (2.5 s apart, the update
+    // 0.8 s after the proxy let the connection through), and the second carries the new value.
+    const allowed = proxy.statsOf("sbxp").allowed;
+    const keepAlive = fromGuest(guest, [{ op: "raw", ip: a, port: 80, chunks: [b64(req()), b64(req("Connection: close\r\n"))], gapMs: 2500 }]);
+    for (const until = Date.now() + 20_000; proxy.statsOf("sbxp").allowed === allowed && Date.now() < until;) await Bun.sleep(20);
+    await Bun.sleep(800);
+    await secrets.update("openai-key", second);
+    const rotated = await keepAlive;
+    const raw = rotated[0] as string;
+    expect(raw.indexOf(sha(`Bearer ${first}`))).toBeGreaterThanOrEqual(0);
+    expect(raw.indexOf(sha(`Bearer ${second}`))).toBeGreaterThan(raw.indexOf(sha(`Bearer ${first}`)));
+    expect(auth((await fromGuest(guest, [ops[0]]))[0])).toEqual({ auth: sha(`Bearer ${second}`), extra: "lit" });
+    await secrets.remove("openai-key");
+    expect(await fromGuest(guest, [ops[0]])).toEqual(["status 502"]);
+    expect(JSON.stringify([before, rotated])).not.toContain(first);
+    expect(JSON.stringify([before, rotated])).not.toContain(second);
   }, 90_000);
 
   test("a terminated connection checks the server's certificate: an untrusted one is refused before the sandbox's handshake", async () => {

@@ -5,7 +5,6 @@
 // in the guest's trust store. Traffic goes only to namespaces and veths this file creates.
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { createHash } from "node:crypto";
-import { chmodSync, mkdirSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { Sandbox } from "e2b";
 import { DEFAULT_ALWAYS_DENIED, Egress, EgressCa, EgressProxy, SecretStore, type SlotPool } from "../../src/network/index.ts";
@@ -38,10 +37,9 @@ describe.skipIf(!!skip)("sandbox network policy through the API (QEMU, slots, eg
 
   beforeAll(async () => {
     net = await startInternet();
-    mkdirSync(join(dir, "secrets"), { recursive: true });
-    writeFileSync(join(dir, "secrets", "tok"), secret);
-    chmodSync(join(dir, "secrets", "tok"), 0o600);
-    proxy = new EgressProxy({ resolvers: [net.ips[0]!], ca, secrets: new SecretStore(join(dir, "secrets")), upstreamCa: [net.certPem] }).listen();
+    const secrets = new SecretStore(join(dir, "secrets"));
+    await secrets.create("tok", secret);
+    proxy = new EgressProxy({ resolvers: [net.ips[0]!], ca, secrets, upstreamCa: [net.certPem] }).listen();
     const parts = await nodeParts({ dir, runRoot: root, slotPrefix: `aon${tag}-`, slotCidr: `10.216.${process.pid % 250}.0/24` }, client, {
       egress: async (cfg) => {
         egress = new Egress(cfg, { alwaysDenied: DEFAULT_ALWAYS_DENIED, resolvers: [net.ips[0]!], uplinks: [net.uplink], proxyPort: proxy.port });
@@ -110,13 +108,16 @@ describe.skipIf(!!skip)("sandbox network policy through the API (QEMU, slots, eg
     expect(egress.get(slot)).toBeUndefined();
   }, 300_000);
 
-  test("a header rule's secret reaches the server and never the VM; the node's CA is in the guest's trust store", async () => {
+  test("a header rule's secret (E2B's placeholder) reaches the server and never the VM or the sandbox's record; the node's CA is in the guest's trust store", async () => {
     const [a] = net.ips as [string];
-    const r = await api("POST", "/v2/sandboxes", {
-      templateID: "busybox", network: { allowOut: ["x.a.test"], denyOut: ["0.0.0.0/0"], rules: { "x.a.test": [{ transform: { headers: { Authorization: "secret:tok" } } }] } },
-    });
+    const rules = { "x.a.test": [{ transform: { headers: { Authorization: "${e2b.secrets.tok}" } } }] };
+    const r = await api("POST", "/v2/sandboxes", { templateID: "busybox", network: { allowOut: ["x.a.test"], denyOut: ["0.0.0.0/0"], rules } });
     expect(r.status).toBe(201);
     const id = ((await r.json()) as { sandboxID: string }).sandboxID;
+    // GET /sandboxes/{id} answers the placeholder as it was given, never the value.
+    const info = await (await api("GET", `/sandboxes/${id}`)).text();
+    expect(JSON.parse(info).network.rules).toEqual(rules);
+    expect(info).not.toContain(secret);
     const s = await Sandbox.connect(id, opts());
     const got = await s.commands.run(`printf 'GET /auth HTTP/1.0\\r\\nHost: x.a.test\\r\\n\\r\\n' | nc -w 5 ${a} 80`).then((x) => x.stdout);
     expect(got).toContain(createHash("sha256").update(secret).digest("hex"));
@@ -127,7 +128,7 @@ describe.skipIf(!!skip)("sandbox network policy through the API (QEMU, slots, eg
     const bundle = await s.commands.run("cat /etc/ssl/certs/ca-certificates.crt /usr/local/share/ca-certificates/aenv-*.crt").then((x) => x.stdout);
     expect(bundle.split(ca.certPem.trim()).length - 1).toBe(2);
     // A rule naming a secret that is not a name: 400, the rules in force stay.
-    const bad = await api("PUT", `/sandboxes/${id}/network`, { allowOut: ["x.a.test"], rules: { "x.a.test": [{ transform: { headers: { Authorization: "secret:../x" } } }] } });
+    const bad = await api("PUT", `/sandboxes/${id}/network`, { allowOut: ["x.a.test"], rules: { "x.a.test": [{ transform: { headers: { Authorization: "${e2b.secrets.sec_x}" } } }] } });
     expect(bad.status).toBe(400);
     expect(((await bad.json()) as { message: string }).message).toContain('network.rules["x.a.test"][0].transform.headers["Authorization"]');
     await s.kill();

@@ -13,14 +13,15 @@ function record(store: SandboxStore, over: Partial<SandboxRecord> = {}): Sandbox
     id: `sbx${n++}`, state: "running", templateId: "tpl1", alias: "base", metadata: {}, envVars: {},
     startedAt, endAt: startedAt + 300_000, cpuCount: 2, memoryMB: 512, diskSizeMB: 1024,
     envdVersion: "0.6.13", envdAccessToken: "tok", trafficAccessToken: null, autoPause: false,
-    autoResume: false, allowInternetAccess: null, network: null, runtime: { slot: 3 }, customExtensionParams: {}, ...over,
+    autoResume: false, allowInternetAccess: null, network: null, runtime: { slot: 3 }, customExtensionParams: {},
+    autoPauseMemory: true, volumeMounts: [], ...over,
   };
 }
 
 describe("SandboxStore", () => {
   test("insert, get, fields round-trip; a second insert of one id is a StoreError", () => {
     const s = new SandboxStore(join(dir, "a.db"));
-    const r = record(s, { metadata: { k: "v w" }, envVars: { A: "B" }, allowInternetAccess: false, network: { denyOut: ["0.0.0.0/0"] } });
+    const r = record(s, { metadata: { k: "v w" }, envVars: { A: "B" }, allowInternetAccess: false, network: { denyOut: ["0.0.0.0/0"] }, autoPauseMemory: false, volumeMounts: [{ name: "v", path: "/data" }] });
     s.insert(r);
     expect(s.get(r.id)).toEqual(r);
     expect(() => s.insert(r)).toThrow(StoreError);
@@ -197,6 +198,9 @@ describe("SandboxStore", () => {
     old.close();
     const s = new SandboxStore(path);
     expect(s.get("oldrow")!.customExtensionParams).toEqual({});
+    // And the later columns, with their defaults: a memory pause, no volumes.
+    expect(s.get("oldrow")!.autoPauseMemory).toBe(true);
+    expect(s.get("oldrow")!.volumeMounts).toEqual([]);
     const r = record(s, { customExtensionParams: { gpu: { count: 1 } } });
     s.insert(r);
     expect(s.get(r.id)!.customExtensionParams).toEqual({ gpu: { count: 1 } });
