@@ -85,7 +85,7 @@ function nodeEnv(p: Plan, i: number, etcd: string, apiKey: string): Record<strin
     AENV_SLOT_PREFIX: slotPrefix(p, i),
     AENV_SLOT_CIDR: `10.${210 + i}.0.0/16`,
     AENV_EGRESS_UPLINKS: "none",
-    // One snapshot store for every node (a shared filesystem here): a paused sandbox resumes on any node.
+    // One snapshot store for every node (a shared filesystem here): a paused sandbox resumes on any node, and volumes are the cluster's.
     AENV_SNAPSHOT_STORE: join(p.dir, "snapshots"),
     AENV_RESUME_ANYWHERE: "1",
   };

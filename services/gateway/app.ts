@@ -10,10 +10,12 @@ import { routeOf } from "../../src/api/proxy.ts";
 import { WsRelays, forwardedHeaders, relayHttp, type WsData } from "../../src/api/relay.ts";
 import { sandboxRoutes } from "../../src/api/sandboxes.ts";
 import { templateRoutes } from "../../src/api/templates.ts";
+import { isVolumeContentPath, volumeRoutes } from "../../src/api/volumes.ts";
 import { EtcdError } from "../../src/cluster/etcd_client.ts";
 import type { ClusterView } from "./cluster_view.ts";
 import type { GatewayMetrics } from "./metrics.ts";
 import type { GatewaySandboxes } from "./sandboxes.ts";
+import type { GatewayVolumes } from "./volumes.ts";
 import { NODE_LIST_TIMEOUT_MS, callNode, passOn } from "./upstream.ts";
 
 export interface GatewayAppOptions {
@@ -24,6 +26,7 @@ export interface GatewayAppOptions {
   domain: string;
   view: ClusterView;
   sandboxes: GatewaySandboxes;
+  volumes: GatewayVolumes;
   metrics: GatewayMetrics;
 }
 
@@ -35,7 +38,7 @@ const never = (): never => {
 };
 
 export function gatewayApp(o: GatewayAppOptions) {
-  const { view, sandboxes } = o;
+  const { view, sandboxes, volumes } = o;
   const dispatch = async (ctx: { request: Request; route: string; params?: Record<string, string>; body?: unknown }): Promise<Response | undefined> => {
     const { request: req, route, params = {} } = ctx;
     if (OWN.has(route)) return undefined;
@@ -49,6 +52,9 @@ export function gatewayApp(o: GatewayAppOptions) {
     if (key === "GET /sandboxes") return sandboxes.listV1(req, pq);
     if (key === "GET /v2/sandboxes") return sandboxes.listV2(req, url);
     if (params.sandboxID !== undefined) return sandboxes.byId(req, pq, params.sandboxID, body);
+    if (key === "POST /volumes") return volumes.create(req, pq, body ?? {});
+    if (key === "GET /volumes") return sandboxes.listUnion(req, pq, "volumeID");
+    if (params.volumeID !== undefined) return volumes.byId(req, pq, params.volumeID, body, isVolumeContentPath(url.pathname));
     if (key === "GET /snapshots") return sandboxes.listUnion(req, pq, "snapshotID");
     if (key === "GET /templates" || key === "GET /v2/templates") return sandboxes.listUnion(req, pq, "templateID");
     if (key === "GET /nodes") return sandboxes.listUnion(req, pq, "id");
@@ -100,6 +106,7 @@ export function gatewayApp(o: GatewayAppOptions) {
     })
     .use(sandboxRoutes(never, { domain: o.domain || null, defaultTimeoutS: 300 }))
     .use(templateRoutes(never))
+    .use(volumeRoutes(never, { maxBodyBytes: o.maxBodyBytes }))
     .use(nodeRoutes({
       store: undefined as never, templates: undefined as never, orch: () => undefined, status: () => "ready",
       openStreams: () => undefined, version: o.version, home: "/",

@@ -1,13 +1,19 @@
-// The gateway's view of the cluster: live nodes and sandbox bindings, loaded once and then kept by
+// The gateway's view of the cluster: live nodes, sandbox bindings, published templates and who
+// holds each shared volume, loaded once and then kept by
 // one etcd watch on the cluster's prefix. A binding the view lacks is read from etcd (a quorum
 // read) before a request is answered 404, so a create answered a moment ago routes at once.
 import { EtcdClient, type KeyValue } from "../../src/cluster/etcd_client.ts";
-import { NODES, ROOT, SANDBOXES, TEMPLATES, parseBinding, parseNode, parseTemplate, sandboxKey, type Binding, type NodeRecord, type TemplateEntry } from "../../src/cluster/records.ts";
+import {
+  NODES, ROOT, SANDBOXES, TEMPLATES, VOLUME_HOLDERS, parseBinding, parseNode, parseTemplate, parseVolumeHolder, sandboxKey,
+  type Binding, type NodeRecord, type TemplateEntry, type VolumeHolderEntry,
+} from "../../src/cluster/records.ts";
 
 /** Bindings kept in memory; past it new ones are read from etcd at each use (a cluster of 256 nodes × 4096 sandboxes fits). */
 export const MAX_CACHED_BINDINGS = 1 << 20;
 /** Published templates kept (a cluster's templates, not its sandboxes). */
 export const MAX_TEMPLATES = 10_000;
+/** Volume holders kept (a cluster keeps at most 1024 volumes, docs/volumes.md). */
+export const MAX_VOLUME_HOLDERS = 4096;
 /** The watch broken for longer than this makes /health 503 (the view may be stale). */
 const STALE_AFTER_MS = 15_000;
 
@@ -21,6 +27,8 @@ export class ClusterView {
   readonly bindings = new Map<string, Binding>();
   /** Templates one node built and published for the others, by ID. */
   readonly templates = new Map<string, TemplateEntry>();
+  /** Who holds each shared volume (docs/volumes.md, In a cluster), by volume ID: its calls go there. */
+  readonly volumeHolders = new Map<string, VolumeHolderEntry>();
   private loaded = false;
   private brokenSince: number | undefined;
   private lastError = "";
@@ -68,20 +76,24 @@ export class ClusterView {
     const nodes = await this.etcd.range(NODES, { prefix: true });
     const bindings = await this.etcd.range(SANDBOXES, { prefix: true });
     const templates = await this.etcd.range(TEMPLATES, { prefix: true, limit: MAX_TEMPLATES });
+    const holders = await this.etcd.range(VOLUME_HOLDERS, { prefix: true, limit: MAX_VOLUME_HOLDERS });
     this.nodes.clear();
     for (const kv of nodes.kvs) this.apply("put", kv);
     this.bindings.clear();
     for (const kv of bindings.kvs) this.apply("put", kv);
     this.templates.clear();
     for (const kv of templates.kvs) this.apply("put", kv);
+    this.volumeHolders.clear();
+    for (const kv of holders.kvs) this.apply("put", kv);
     this.loaded = true;
-    return Math.max(nodes.revision, bindings.revision, templates.revision);
+    return Math.max(nodes.revision, bindings.revision, templates.revision, holders.revision);
   }
 
   private apply(type: "put" | "delete", kv: KeyValue): void {
     if (kv.key.startsWith(NODES)) this.follow(this.nodes, NODES, Infinity, parseNode, type, kv);
     else if (kv.key.startsWith(TEMPLATES)) this.follow(this.templates, TEMPLATES, MAX_TEMPLATES, parseTemplate, type, kv);
     else if (kv.key.startsWith(SANDBOXES)) this.follow(this.bindings, SANDBOXES, MAX_CACHED_BINDINGS, parseBinding, type, kv);
+    else if (kv.key.startsWith(VOLUME_HOLDERS)) this.follow(this.volumeHolders, VOLUME_HOLDERS, MAX_VOLUME_HOLDERS, parseVolumeHolder, type, kv);
   }
 
   /** One event into one map: a delete forgets the key, a put parses its record (one that does not parse is logged and skipped) while the map is under `max`. */

@@ -9,6 +9,7 @@ import { gatewayApp } from "./app.ts";
 import { ClusterView } from "./cluster_view.ts";
 import { GatewayMetrics } from "./metrics.ts";
 import { GatewaySandboxes } from "./sandboxes.ts";
+import { GatewayVolumes } from "./volumes.ts";
 import pkg from "../../package.json";
 
 function env(name: string, fallback?: string): string {
@@ -33,7 +34,8 @@ const etcd = EtcdClient.parse(cluster);
 const view = new ClusterView(etcd, (l) => console.log(l));
 const metrics = new GatewayMetrics();
 const sandboxes = new GatewaySandboxes({ apiKey, view, reservations: new Reservations(etcd), metrics, placement: { cacheWeight } });
-const { app, proxy, relays } = gatewayApp({ apiKey, maxBodyBytes: 1 << 20, version: pkg.version, domain: env("AENV_DOMAIN", ""), view, sandboxes, metrics });
+const volumes = new GatewayVolumes({ apiKey, view });
+const { app, proxy, relays } = gatewayApp({ apiKey, maxBodyBytes: 1 << 20, version: pkg.version, domain: env("AENV_DOMAIN", ""), view, sandboxes, volumes, metrics });
 
 const server = Bun.serve<WsData>({
   hostname: host,

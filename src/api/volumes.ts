@@ -98,10 +98,10 @@ export function volumeRoutes(getVolumes: () => VolumeStore, opts: VolumeRouteOpt
   const tag = { tags: ["volumes"] };
   const content = { tags: ["volume content"], security: [] };
   /** The volume a content request's bearer token opens: 401 without one, 403 when it is not this volume's. */
-  const authorised = (request: Request, volumeID: string): VolumeRecord => {
+  const authorised = async (request: Request, volumeID: string): Promise<VolumeRecord> => {
     const auth = request.headers.get("authorization");
     if (auth === null || !auth.startsWith("Bearer ")) throw new ApiError(401, "the volume's token must be sent as Authorization: Bearer <token>");
-    const rec = getVolumes().get(volumeID);
+    const rec = await getVolumes().find(volumeID);
     if (!rec || !secretMatches(auth.slice(7), rec.token)) throw new ApiError(403, `the token does not open volume ${volumeID}`);
     return rec;
   };
@@ -119,15 +119,15 @@ export function volumeRoutes(getVolumes: () => VolumeStore, opts: VolumeRouteOpt
       set.status = 201;
       return andToken(r);
     }), {
-      body: t.Object({ name: t.String({ description: "unique on the node: ^[a-zA-Z0-9_-]+$, at most 128 characters" }) }),
+      body: t.Object({ name: t.String({ description: "unique on the node (in a cluster sharing its snapshot store: in the cluster): ^[a-zA-Z0-9_-]+$, at most 128 characters" }) }),
       response: { 201: VolumeAndToken, ...bodyFailures(409, 429) },
       detail: { ...tag, summary: "Create a volume: an empty ext4 file system of AENV_VOLUME_SIZE_MB, and its content API's token" },
     })
-    .get("/volumes", () => call(() => getVolumes().list().map((r) => ({ volumeID: r.id, name: r.name }))), {
-      response: { 200: t.Array(Volume, { description: "the node's volumes" }), ...failures() },
+    .get("/volumes", () => call(async () => (await getVolumes().catalog()).map((r) => ({ volumeID: r.id, name: r.name }))), {
+      response: { 200: t.Array(Volume, { description: "the node's volumes (in a cluster sharing its snapshot store: the cluster's)" }), ...failures() },
       detail: { ...tag, summary: "List volumes" },
     })
-    .get("/volumes/:volumeID", ({ params }) => call(() => andToken(getVolumes().info(params.volumeID))), {
+    .get("/volumes/:volumeID", ({ params }) => call(async () => andToken(await getVolumes().describe(params.volumeID))), {
       params: VolumeId,
       response: { 200: VolumeAndToken, ...failures(404) },
       detail: { ...tag, summary: "A volume and its content API's token" },
@@ -140,8 +140,8 @@ export function volumeRoutes(getVolumes: () => VolumeStore, opts: VolumeRouteOpt
       response: { 204: t.Void({ description: "deleted with its files" }), ...failures(404, 409) },
       detail: { ...tag, summary: "Delete a volume (409 while a sandbox has it mounted)" },
     })
-    .get("/volumecontent/:volumeID/path", ({ params, query, request }) => call(() => {
-      authorised(request, params.volumeID);
+    .get("/volumecontent/:volumeID/path", ({ params, query, request }) => call(async () => {
+      await authorised(request, params.volumeID);
       return getVolumes().entry(params.volumeID, query.path);
     }), {
       params: VolumeId, query: PathQuery,
@@ -149,7 +149,7 @@ export function volumeRoutes(getVolumes: () => VolumeStore, opts: VolumeRouteOpt
       detail: { ...content, summary: "An entry of the volume (a symlink itself, with its target); bearer: the volume's token" },
     })
     .patch("/volumecontent/:volumeID/path", ({ params, query, request }) => call(async () => {
-      authorised(request, params.volumeID);
+      await authorised(request, params.volumeID);
       const meta = metaOf(await readBoundedJson(request, opts.maxBodyBytes));
       return getVolumes().updateEntry(params.volumeID, query.path, meta);
     }), {
@@ -161,7 +161,7 @@ export function volumeRoutes(getVolumes: () => VolumeStore, opts: VolumeRouteOpt
       },
     })
     .delete("/volumecontent/:volumeID/path", ({ params, query, request, set }) => call(async () => {
-      authorised(request, params.volumeID);
+      await authorised(request, params.volumeID);
       await getVolumes().removeEntry(params.volumeID, query.path);
       set.status = 204;
     }), {
@@ -169,8 +169,8 @@ export function volumeRoutes(getVolumes: () => VolumeStore, opts: VolumeRouteOpt
       response: { 204: t.Void({ description: "removed (a directory with everything under it)" }), ...contentFails(400, 404, 409, 429) },
       detail: { ...content, summary: "Remove an entry, a directory with everything under it; bearer: the volume's token" },
     })
-    .get("/volumecontent/:volumeID/dir", ({ params, query, request }) => call(() => {
-      authorised(request, params.volumeID);
+    .get("/volumecontent/:volumeID/dir", ({ params, query, request }) => call(async () => {
+      await authorised(request, params.volumeID);
       return getVolumes().entries(params.volumeID, query.path, query.depth ?? 1);
     }), {
       params: VolumeId,
@@ -179,7 +179,7 @@ export function volumeRoutes(getVolumes: () => VolumeStore, opts: VolumeRouteOpt
       detail: { ...content, summary: "List a directory, `depth` levels down; bearer: the volume's token" },
     })
     .post("/volumecontent/:volumeID/dir", ({ params, query, request, set }) => call(async () => {
-      authorised(request, params.volumeID);
+      await authorised(request, params.volumeID);
       const e = await getVolumes().makeDir(params.volumeID, query.path, metaFrom(query), query.force === true);
       set.status = 201;
       return e;
@@ -189,7 +189,7 @@ export function volumeRoutes(getVolumes: () => VolumeStore, opts: VolumeRouteOpt
       detail: { ...content, summary: "Make a directory (force: its missing parents too, and an existing one is its answer); bearer: the volume's token" },
     })
     .get("/volumecontent/:volumeID/file", ({ params, query, request }) => call(async () => {
-      authorised(request, params.volumeID);
+      await authorised(request, params.volumeID);
       const f = await getVolumes().readFile(params.volumeID, query.path, request.signal);
       return new Response(f.stream, { headers: { "content-type": "application/octet-stream", "content-length": String(f.size) } });
     }), {
@@ -201,7 +201,7 @@ export function volumeRoutes(getVolumes: () => VolumeStore, opts: VolumeRouteOpt
       },
     })
     .put("/volumecontent/:volumeID/file", ({ params, query, request, set }) => call(async () => {
-      authorised(request, params.volumeID);
+      await authorised(request, params.volumeID);
       const e = await getVolumes().writeFile(params.volumeID, query.path, request.body, metaFrom(query), query.force === true);
       set.status = 201;
       return e;

@@ -88,6 +88,10 @@ export interface Compare {
 export const cmp = {
   /** The key does not exist (its create revision is 0). */
   absent: (key: string): Compare => ({ key, target: "CREATE", result: "EQUAL", value: 0 }),
+  /** The key exists (its create revision is past 0). */
+  present: (key: string): Compare => ({ key, target: "CREATE", result: "GREATER", value: 0 }),
+  /** The key is the one created at revision `rev` (not deleted and made again since): a fence. */
+  createRevision: (key: string, rev: number): Compare => ({ key, target: "CREATE", result: "EQUAL", value: rev }),
   modRevision: (key: string, rev: number): Compare => ({ key, target: "MOD", result: "EQUAL", value: rev }),
   value: (key: string, value: string): Compare => ({ key, target: "VALUE", result: "EQUAL", value }),
   /** The key is bound to this lease (a live holder's fence). */

@@ -6,17 +6,26 @@
 //   /aenv/sandboxes/{id}      Binding: the node that owns the sandbox, fenced by that node's lease
 //   /aenv/reservations/{node} Reservations: creates in flight toward the node (compare-and-swap)
 //   /aenv/templates/{id}      TemplateEntry: a template one node built and pushed, for the others
+//   /aenv/volumes/{id}        VolumeEntry: a volume's name, token, size and sealed layers (by sha256)
+//   /aenv/volume-names/{name} the volume ID the name belongs to (made with the entry, in one transaction)
+//   /aenv/volume-holders/{id} VolumeHolderEntry: the node (and sandbox) holding the volume, on that node's volume lease
 
 export const ROOT = "/aenv/";
 export const NODES = `${ROOT}nodes/`;
 export const SANDBOXES = `${ROOT}sandboxes/`;
 export const RESERVATIONS = `${ROOT}reservations/`;
 export const TEMPLATES = `${ROOT}templates/`;
+export const VOLUMES = `${ROOT}volumes/`;
+export const VOLUME_NAMES = `${ROOT}volume-names/`;
+export const VOLUME_HOLDERS = `${ROOT}volume-holders/`;
 
 export const nodeKey = (id: string) => `${NODES}${id}`;
 export const sandboxKey = (id: string) => `${SANDBOXES}${id}`;
 export const reservationsKey = (node: string) => `${RESERVATIONS}${node}`;
 export const templateKey = (id: string) => `${TEMPLATES}${id}`;
+export const volumeKey = (id: string) => `${VOLUMES}${id}`;
+export const volumeNameKey = (name: string) => `${VOLUME_NAMES}${name}`;
+export const volumeHolderKey = (id: string) => `${VOLUME_HOLDERS}${id}`;
 
 /** Node IDs: what Kubernetes node names and hostnames allow, bounded. */
 export const NODE_ID = /^[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?$/;
@@ -88,6 +97,32 @@ export interface TemplateEntry {
   at: number;
 }
 
+/** A volume shared by the cluster's nodes (docs/volumes.md, In a cluster): its layers live in the shared snapshot store. */
+export interface VolumeEntry {
+  id: string;
+  name: string;
+  /** The content API's bearer token: any node answers GET /volumes/{id} with it. */
+  token: string;
+  sizeMB: number;
+  createdAt: number;
+  /** Its sealed layers by sha256 (hex), lowest first. */
+  layers: string[];
+  /** A sandbox held it last: the journal its guest left is replayed before the next host call. */
+  replay: boolean;
+  /** How many times its layers changed (each publish adds one). */
+  epoch: number;
+  /** The node that last published it (its folder caches the layers). */
+  node: string;
+  at: number;
+}
+
+/** Who holds a volume: a node, and the sandbox there that mounts it (null: the node's content calls). */
+export interface VolumeHolderEntry {
+  node: string;
+  sandbox: string | null;
+  at: number;
+}
+
 export interface Reservation {
   /** Unique per create (the gateway's request). */
   id: string;
@@ -151,4 +186,21 @@ export function parseTemplate(text: string): TemplateEntry {
     throw new RecordError("template entry: bad id, alias, ref or names");
   if (!isNum(v.cpuCount) || !isNum(v.memoryMB)) throw new RecordError(`template entry ${v.id}: bad size`);
   return v as unknown as TemplateEntry;
+}
+
+const SHA256 = /^[0-9a-f]{64}$/;
+
+export function parseVolume(text: string): VolumeEntry {
+  const v = parse(text, "volume entry");
+  if (typeof v.id !== "string" || typeof v.name !== "string" || typeof v.token !== "string" || !isNum(v.sizeMB) || !isNum(v.createdAt))
+    throw new RecordError("volume entry: bad id, name, token, size or creation time");
+  if (!Array.isArray(v.layers) || v.layers.length === 0 || !v.layers.every((l) => typeof l === "string" && SHA256.test(l))) throw new RecordError(`volume entry ${v.id}: bad layers`);
+  if (typeof v.replay !== "boolean" || !isNum(v.epoch)) throw new RecordError(`volume entry ${v.id}: bad replay or epoch`);
+  return v as unknown as VolumeEntry;
+}
+
+export function parseVolumeHolder(text: string): VolumeHolderEntry {
+  const v = parse(text, "volume holder");
+  if (typeof v.node !== "string" || !NODE_ID.test(v.node) || (v.sandbox !== null && typeof v.sandbox !== "string")) throw new RecordError("volume holder: bad node or sandbox");
+  return v as unknown as VolumeHolderEntry;
 }

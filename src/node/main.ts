@@ -16,6 +16,7 @@ import { templateRoutes } from "../api/templates.ts";
 import { volumeRoutes } from "../api/volumes.ts";
 import { VolumeStore } from "../orchestrator/volumes.ts";
 import { volumeLayers } from "./volume_layers.ts";
+import { ClusterVolumes, sharesVolumes } from "./volume_cluster.ts";
 import { secretRoutes } from "../api/secrets.ts";
 import { TemplateBuilder } from "../orchestrator/builder.ts";
 import { defaultDockerConfigPath } from "../template/registry.ts";
@@ -73,6 +74,8 @@ let peers: NodePeers | undefined;
 let member: ClusterMember | undefined;
 /** In a cluster: the other nodes, asked for layers over HTTP before the iroh peers. */
 const httpPeers = cfg.cluster.length > 0 ? new HttpPeers(key) : undefined;
+/** In a cluster: its store (etcd), for the node's membership and its shared volumes. */
+const etcd = cfg.cluster.length > 0 ? new EtcdClient(cfg.cluster) : undefined;
 const notReady = () => (orch ? undefined : failed ? `start failed at ${step}: ${failed}` : `starting: ${step}`);
 
 const app = createApi({
@@ -173,9 +176,24 @@ async function start(): Promise<void> {
   const blockd = await BlockdClient.ensure(join(cfg.home, "blockd"), {
     pool: cfg.devicePool, settings: { frontend: cfg.blockdFrontend, fuseUring: cfg.fuseUring, fuseReaderSlots: cfg.fuseReaderSlots },
   });
+  // The node's S3 settings: the snapshot store's, s3:// images', and the credentials S3 origins get at each use.
+  const s3 = { endpoint: cfg.s3Endpoint, region: cfg.s3Region, accessKeyId: cfg.s3AccessKeyId, secretAccessKey: cfg.s3SecretAccessKey, sessionToken: cfg.s3SessionToken };
+  // Snapshots: a directory or S3; with peers, a snapshot's shared files are asked of them first.
+  const snapshots = openSnapshotStore(cfg.snapshotStore, {
+    home: cfg.home,
+    s3,
+    fromPeers: (sha256, size, dest, signal) => peers?.fetchBlob(sha256, size, dest, signal) ?? Promise.resolve(false),
+  });
   progress("volumes");
+  // In a cluster sharing the snapshot store, volumes are the cluster's: records in etcd, layers in the store.
+  const sharedVolumes = etcd && sharesVolumes(cfg)
+    ? new ClusterVolumes({ etcd, store: snapshots, nodeId, leaseFile: join(cfg.home, "volume-lease"), log: (line) => console.log(`  ${line}`) })
+    : undefined;
+  await sharedVolumes?.start();
   // A device the last process left open is sealed, one whose sandbox is gone let go (docs/volumes.md).
-  const vols = new VolumeStore(store.db, blockd, { dir: join(cfg.home, "volumes"), sizeMB: cfg.volumeSizeMB, ...volumeLayers(join(cfg.home, "volumes"), blockd) });
+  const vols = new VolumeStore(store.db, blockd, {
+    dir: join(cfg.home, "volumes"), sizeMB: cfg.volumeSizeMB, ...volumeLayers(join(cfg.home, "volumes"), blockd), shared: sharedVolumes,
+  });
   await vols.start((id) => store.get(id) !== undefined);
   volumes = vols;
   progress("network slots");
@@ -204,14 +222,6 @@ async function start(): Promise<void> {
   // Every registry client of the node: its Docker config, the registries it may reach insecurely, its blob bound.
   const registry = { dockerConfigPath: defaultDockerConfigPath(cfg.dockerConfig), insecureRegistries: cfg.insecureRegistries, maxBlobBytes: cfg.maxBlobMB * 2 ** 20 };
   const s3Buckets = s3Scopes(cfg);
-  // The node's S3 settings: the snapshot store's, s3:// images', and the credentials S3 origins get at each use.
-  const s3 = { endpoint: cfg.s3Endpoint, region: cfg.s3Region, accessKeyId: cfg.s3AccessKeyId, secretAccessKey: cfg.s3SecretAccessKey, sessionToken: cfg.s3SessionToken };
-  // Snapshots: a directory or S3; with peers, a snapshot's shared files are asked of them first.
-  const snapshots = openSnapshotStore(cfg.snapshotStore, {
-    home: cfg.home,
-    s3,
-    fromPeers: (sha256, size, dest, signal) => peers?.fetchBlob(sha256, size, dest, signal) ?? Promise.resolve(false),
-  });
   if (cfg.p2p) {
     progress("p2p");
     peers = await NodePeers.start({
@@ -292,7 +302,7 @@ async function start(): Promise<void> {
     progress("cluster");
     const apiUrl = cfg.advertiseUrl || advertisedUrl(cfg.host, server.port!);
     member = new ClusterMember({
-      etcd: new EtcdClient(cfg.cluster), nodeId, apiUrl, version: pkg.version,
+      etcd: etcd!, nodeId, apiUrl, version: pkg.version,
       home: cfg.home, leaseFile: join(cfg.home, "cluster-lease"), maxSandboxes: cfg.maxSandboxes,
       layers: peers ? () => peers!.heldDigests(MAX_LAYER_DIGESTS) : undefined,
       sandboxes: () => store.all(), running: () => o.runningCount(), cached: () => cachedTemplateBytes(templates.list("template").concat(templates.list("snapshot"))),
@@ -343,7 +353,8 @@ for (const sig of ["SIGINT", "SIGTERM"] as const) {
     tlsServer?.stop();
     // What operations left for after their answers (a pause's slot and device) is finished, and
     // build VMs are given back, for at most 10 s; what is left then is found by the next start.
-    await Promise.race([Promise.all([orch?.settledCleanups(), builds, peers?.close()]), Bun.sleep(10_000)]);
+    // In a cluster, volumes open for content calls are published too, for their claims lapse with this process.
+    await Promise.race([Promise.all([orch?.settledCleanups(), builds, peers?.close(), volumes?.settle()]), Bun.sleep(10_000)]);
     store.close();
     process.exit(0);
   });

@@ -15,6 +15,7 @@ import { runtimeOf } from "./ledger.ts";
 import type { NodeState } from "./node_state.ts";
 import { MEMORY_TRACE, ROOTFS_TRACE } from "./start_traces.ts";
 import { isRemoteLayer, type RemoteLayer, type TemplateRecord, type VmCheckpoint } from "./templates.ts";
+import { VOLUME_LAYER_STORE_PREFIX } from "./volume_shared.ts";
 
 /** What a stored snapshot's record carries besides its files (`vmstate`, `mem`, `layer-<i>`). */
 export interface StoredSnapshotMeta {
@@ -189,8 +190,8 @@ export async function importSnapshots(node: NodeState): Promise<string[]> {
   if (!store) return [];
   const added: string[] = [];
   for (const id of await store.list()) {
-    // A paused sandbox on its way between nodes is no snapshot (src/orchestrator/moves.ts).
-    if (id.startsWith("paused.") || node.templates.resolve(id)) continue;
+    // A paused sandbox on its way between nodes (moves.ts) or a volume's layer (volume_shared.ts) is no snapshot.
+    if (id.startsWith("paused.") || id.startsWith(VOLUME_LAYER_STORE_PREFIX) || node.templates.resolve(id)) continue;
     try {
       const meta = (await store.get(id)).meta as unknown as StoredSnapshotMeta;
       node.templates.insert({

@@ -6,6 +6,9 @@
 // mounts the volume holds it (attach .. detach) and the content API answers 409 meanwhile;
 // content calls run one at a time per volume (a bounded queue) on a device kept open for a
 // short idle time. Records live in the node's database; the holder survives a node restart.
+// In a cluster (`shared`, volume_shared.ts) the record is the cluster's: a node claims a volume
+// before it opens its device (its layers fetched from the shared store), and publishes the layers
+// it sealed when it closes it; the node's row is its cache of the record and of the claim.
 
 import type { Database } from "bun:sqlite";
 import { randomUUID } from "node:crypto";
@@ -14,10 +17,14 @@ import { basename, dirname, join } from "node:path";
 import type { BlockdClient } from "../blockdev/client.ts";
 import { asOrchestratorError, OrchestratorError } from "./errors.ts";
 import { randomId } from "./ids.ts";
+import { Turns } from "./turns.ts";
 import type { ListedDevice } from "./orphans.ts";
 import { type EntryMeta, type VolumeEntry, VolumeFs, volumePath } from "./volume_fs.ts";
+import {
+  ClaimLapsed, digestName, fetchMissing, makeSharedVolume, nameByContent, SEQ_LAYER, waitForClaim, type SharedVolume, type SharedVolumes, type VolumeClaim,
+} from "./volume_shared.ts";
 
-/** Volumes one node keeps; past it a create is 429. */
+/** Volumes one node keeps (in a cluster: the cluster keeps); past it a create is 429. */
 export const VOLUMES_MAX = 1024;
 /** Sealed layers a volume stacks before a close commits them into one. */
 export const VOLUME_LAYERS_MAX = 16;
@@ -40,9 +47,11 @@ const UPPER = "upper";
 /** Beside the volumes' folders: the cache of empty ext4 layers (the node's volume_layers.ts), uploads being received. */
 export const VOLUME_EMPTY_DIR = "empty";
 const UPLOADS_DIR = "uploads";
-/** Layer files: a six-digit sequence number, the bottom (empty ext4) 000000. */
-const LAYER_FILE = /^\d{6}\.layer$/;
+/** Layer files: a six-digit sequence number (the bottom, the empty ext4, 000000), or in a cluster the sha256 of a published one. */
+const LAYER_FILE = /^(\d{6}|[0-9a-f]{64})\.layer$/;
 const layerName = (n: number) => `${String(n).padStart(6, "0")}.layer`;
+/** A content API token: 32 random bytes. */
+const newToken = () => Buffer.from(crypto.getRandomValues(new Uint8Array(32))).toString("base64url");
 /** A volume's blockd device id: found again in blockd's table after a node restart. */
 const DEVICE_PREFIX = "vol-";
 
@@ -60,6 +69,8 @@ export interface VolumeRecord {
   device: { id: string; path: string } | null;
   /** A sandbox used it since the last host call: its journal is replayed first. */
   replay: boolean;
+  /** In a cluster: this node's claim on it (kept across a node restart). */
+  claim: VolumeClaim | null;
   createdAt: number;
 }
 
@@ -76,59 +87,25 @@ export interface VolumeStoreOptions {
   layersMax?: number;
   /** Default VOLUME_IDLE_MS. */
   idleMs?: number;
+  /** In a cluster whose nodes share the snapshot store: the cluster's record of each volume (the node's). */
+  shared?: SharedVolumes;
 }
 
 interface Row {
   id: string; name: string; token: string; size_mb: number; layers: string; holder: string | null;
-  device: string | null; replay: number; created_at: number;
+  device: string | null; replay: number; claim: string | null; created_at: number;
 }
 
 const toRecord = (r: Row): VolumeRecord => ({
   id: r.id, name: r.name, token: r.token, sizeMB: r.size_mb, layers: JSON.parse(r.layers), holder: r.holder,
-  device: r.device === null ? null : JSON.parse(r.device), replay: r.replay !== 0, createdAt: r.created_at,
+  device: r.device === null ? null : JSON.parse(r.device), replay: r.replay !== 0,
+  claim: r.claim === null ? null : JSON.parse(r.claim), createdAt: r.created_at,
 });
 
-/**
- * Turns on one volume, in order: each caller waits for the one before. At most `max` wait
- * (else 429), each at most `waitMs` (else 503, and its turn is passed on when it comes).
- */
-class Turns {
-  private tail: Promise<void> = Promise.resolve();
-  waiting = 0;
-  busy = false;
-
-  async take(max: number, waitMs: number, what: string): Promise<() => void> {
-    if (this.waiting >= max) throw new OrchestratorError(429, `${what}: ${max} calls are waiting; try again later`);
-    this.waiting++;
-    let release!: () => void;
-    const mine = new Promise<void>((r) => (release = r));
-    const before = this.tail;
-    this.tail = before.then(() => mine);
-    let timer: Timer | undefined;
-    const timeout = new Promise<never>((_, reject) => {
-      timer = setTimeout(() => reject(new OrchestratorError(503, `${what}: not its turn within ${waitMs} ms`)), waitMs);
-    });
-    try {
-      await Promise.race([before, timeout]);
-    } catch (e) {
-      this.waiting--;
-      void before.then(release); // its turn is passed on once it comes
-      throw e;
-    } finally {
-      clearTimeout(timer);
-    }
-    this.waiting--;
-    this.busy = true;
-    return () => {
-      this.busy = false;
-      release();
-    };
-  }
-}
-
-/** What the node holds in memory for a volume: its turns, its open device, whether that was written. */
+/** What the node holds in memory for a volume: its turns, its open device, whether that was written, its claim in a cluster. */
 interface Live {
   turns: Turns;
+  claim?: VolumeClaim;
   device?: { id: string; path: string };
   dirty: boolean;
   idle?: Timer;
@@ -153,8 +130,11 @@ export class VolumeStore {
       holder TEXT,
       device TEXT,
       replay INTEGER NOT NULL DEFAULT 0,
+      claim TEXT,
       created_at INTEGER NOT NULL
     )`);
+    // A database from before claims: the column is added (empty).
+    if (!db.query<{ name: string }, []>("PRAGMA table_info(volumes)").all().some((c) => c.name === "claim")) db.run("ALTER TABLE volumes ADD COLUMN claim TEXT");
   }
 
   // ─── records ───────────────────────────────────────────────────────────────
@@ -180,7 +160,65 @@ export class VolumeStore {
     return r;
   }
 
-  private set(id: string, fields: Partial<Pick<Row, "layers" | "device" | "replay">>): void {
+  /** The volume as the routes see it: in a cluster the cluster's record (this node's row made from it), else the row. */
+  async find(id: string): Promise<VolumeRecord | undefined> {
+    const shared = this.opts.shared;
+    if (!shared) return this.get(id);
+    const s = await shared.get(id);
+    if (!s) {
+      await this.forgetStale(id);
+      return undefined;
+    }
+    return this.mirror(s);
+  }
+
+  /** find, or 404. */
+  async describe(id: string): Promise<VolumeRecord> {
+    const r = await this.find(id);
+    if (!r) throw new OrchestratorError(404, `volume ${id} not found`);
+    return r;
+  }
+
+  /** The volumes the routes list: in a cluster every node's, else this node's. */
+  async catalog(): Promise<{ id: string; name: string }[]> {
+    const shared = this.opts.shared;
+    if (!shared) return this.list().map((r) => ({ id: r.id, name: r.name }));
+    const all = await shared.list(VOLUMES_MAX);
+    return all.sort((a, b) => a.createdAt - b.createdAt || a.id.localeCompare(b.id)).map((r) => ({ id: r.id, name: r.name }));
+  }
+
+  /** A volume named or with the ID `nameOrId` (a name first): in a cluster from its record. */
+  private async lookup(nameOrId: string): Promise<VolumeRecord | undefined> {
+    const shared = this.opts.shared;
+    if (!shared) return this.byName(nameOrId) ?? this.get(nameOrId);
+    const s = (await shared.byName(nameOrId)) ?? (await shared.get(nameOrId));
+    return s ? this.mirror(s) : undefined;
+  }
+
+  /** This node's row for a volume of the cluster: made (no layers cached yet) when it has none; a stale row of the same name goes. */
+  private mirror(s: SharedVolume): VolumeRecord {
+    const have = this.get(s.id);
+    if (have) return have;
+    const stale = this.byName(s.name);
+    if (stale) void this.forgetStale(stale.id);
+    this.db.query(`INSERT INTO volumes (id, name, token, size_mb, layers, holder, device, replay, claim, created_at)
+      VALUES ($id, $name, $token, $size_mb, '[]', NULL, NULL, $replay, NULL, $created_at)`).run({
+      id: s.id, name: s.name, token: s.token, size_mb: s.sizeMB, replay: s.replay ? 1 : 0, created_at: s.createdAt,
+    });
+    return this.info(s.id);
+  }
+
+  /** The cluster has no volume `id` (deleted on another node): this node's row and cached layers go, unless it has the volume open. */
+  private async forgetStale(id: string): Promise<void> {
+    const rec = this.get(id);
+    const v = this.live.get(id);
+    if (!rec || rec.holder || v?.device || v?.claim || v?.turns.busy) return;
+    this.db.query("DELETE FROM volumes WHERE id = ?").run(id);
+    this.live.delete(id);
+    await rm(this.volumeDir(id), { recursive: true, force: true });
+  }
+
+  private set(id: string, fields: Partial<Pick<Row, "layers" | "device" | "replay" | "claim">>): void {
     const keys = Object.keys(fields) as (keyof typeof fields)[];
     if (!keys.length) return;
     this.db.query(`UPDATE volumes SET ${keys.map((k) => `${k} = $${k}`).join(", ")} WHERE id = $id`).run({ id, ...fields } as Record<string, string | number | null>);
@@ -191,6 +229,11 @@ export class VolumeStore {
   }
   private setDevice(id: string, device: { id: string; path: string } | null): void {
     this.set(id, { device: device === null ? null : JSON.stringify(device) });
+  }
+  private setClaim(rec: VolumeRecord, v: Live, claim: VolumeClaim | undefined): void {
+    v.claim = claim;
+    rec.claim = claim ?? null;
+    this.set(rec.id, { claim: claim ? JSON.stringify(claim) : null });
   }
 
   private volumeDir(id: string): string {
@@ -206,12 +249,12 @@ export class VolumeStore {
   /** A new volume: its folder with the empty ext4 layer at the bottom of its stack, then its row. */
   async create(name: string): Promise<VolumeRecord> {
     if (typeof name !== "string" || !VOLUME_NAME.test(name)) throw new OrchestratorError(400, `name: must match ${VOLUME_NAME.source}`);
+    if (this.opts.shared) return this.createShared(name, this.opts.shared);
     if (this.byName(name)) throw new OrchestratorError(409, `a volume named ${name} exists`);
     const count = this.db.query<{ n: number }, []>("SELECT COUNT(*) AS n FROM volumes").get()!.n;
     if (count >= VOLUMES_MAX) throw new OrchestratorError(429, `this node keeps at most ${VOLUMES_MAX} volumes`);
     const rec: VolumeRecord = {
-      id: randomUUID(), name, token: Buffer.from(crypto.getRandomValues(new Uint8Array(32))).toString("base64url"),
-      sizeMB: this.opts.sizeMB, layers: [layerName(0)], holder: null, device: null, replay: false, createdAt: Date.now(),
+      id: randomUUID(), name, token: newToken(), sizeMB: this.opts.sizeMB, layers: [layerName(0)], holder: null, device: null, replay: false, claim: null, createdAt: Date.now(),
     };
     const dir = this.volumeDir(rec.id);
     await mkdir(dir, { recursive: true });
@@ -231,9 +274,26 @@ export class VolumeStore {
     return rec;
   }
 
-  /** The volume and its layers gone; 409 while a sandbox has it mounted. */
+  /**
+   * In a cluster: the bottom layer, the empty ext4, named by its sha256 and put into the shared
+   * store with the record; the name is the cluster's (409 when any node has it).
+   */
+  private async createShared(name: string, shared: SharedVolumes): Promise<VolumeRecord> {
+    if (await shared.byName(name)) throw new OrchestratorError(409, `a volume named ${name} exists`);
+    if ((await shared.list(VOLUMES_MAX)).length >= VOLUMES_MAX) throw new OrchestratorError(429, `the cluster keeps at most ${VOLUMES_MAX} volumes`);
+    const id = randomUUID();
+    const s = await makeSharedVolume(shared, { id, name, token: newToken(), sizeMB: this.opts.sizeMB, createdAt: Date.now(), replay: false, epoch: 0 },
+      this.volumeDir(id), () => this.opts.emptyLayer(this.opts.sizeMB * MiB)).catch((e) => {
+      throw asOrchestratorError(e, `volume ${name}`);
+    });
+    const rec = this.mirror(s);
+    this.setLayers(rec, [digestName(s.layers[0]!)]);
+    return rec;
+  }
+
+  /** The volume and its layers gone; 409 while a sandbox has it mounted (in a cluster: on any node). */
   async destroy(id: string): Promise<void> {
-    const rec = this.info(id);
+    const rec = this.opts.shared ? await this.describe(id) : this.info(id);
     this.refuseHeld(rec);
     const v = this.liveOf(id);
     const done = await v.turns.take(Number.POSITIVE_INFINITY, VOLUME_WAIT_MS, `volume ${rec.name}`);
@@ -241,8 +301,17 @@ export class VolumeStore {
       const cur = this.info(id);
       this.refuseHeld(cur);
       clearTimeout(v.idle);
+      // In a cluster it is claimed first (nobody else has it open), and goes with its claim.
+      if (this.opts.shared) await this.claimed(cur, v, null, { fetch: false });
       if (v.device) await this.blockd.call("delete", { id: v.device.id });
       v.device = undefined;
+      if (this.opts.shared && v.claim) {
+        await this.opts.shared.destroy(id, v.claim).catch((e) => {
+          if (e instanceof ClaimLapsed) throw new OrchestratorError(503, `volume ${rec.name}: this node's claim lapsed while deleting it (${e.message}); try again`);
+          throw e;
+        });
+        v.claim = undefined;
+      }
       this.db.query("DELETE FROM volumes WHERE id = ?").run(id);
       this.live.delete(id);
     } finally {
@@ -261,10 +330,11 @@ export class VolumeStore {
    * Sandbox `sandboxId` takes the volume named `nameOrId` (a name first, then an id) for its VM:
    * the device open over the volume's stack. 404 unknown, 409 held by another sandbox; its holder
    * gets the same device again (a resume). It waits for a content call under way; from then on
-   * content calls get 409 until detach.
+   * content calls get 409 until detach. In a cluster it is claimed for the sandbox first: 409 while
+   * a sandbox of another node mounts it, a wait while another node's content calls have it.
    */
   async attach(nameOrId: string, sandboxId: string): Promise<{ volumeID: string; name: string; devicePath: string }> {
-    const rec = this.byName(nameOrId) ?? this.get(nameOrId);
+    const rec = await this.lookup(nameOrId);
     if (!rec) throw new OrchestratorError(404, `volume ${nameOrId} not found`);
     const again = rec.holder === sandboxId;
     // Taken in the row at once (compare and set): of two racing attaches one wins, the other is 409.
@@ -276,6 +346,7 @@ export class VolumeStore {
         clearTimeout(v.idle);
         const cur = this.info(rec.id);
         if (cur.holder !== sandboxId) this.refuseHeld(cur);
+        await this.claimed(cur, v, sandboxId, { guestHasIt: again && v.device !== undefined });
         if (!v.device) await this.openDevice(cur, v);
         // The guest writes it (its mount alone does) and may stop without unmounting.
         v.dirty = true;
@@ -286,6 +357,8 @@ export class VolumeStore {
       }
     } catch (e) {
       if (!again) this.db.query("UPDATE volumes SET holder = NULL WHERE id = ? AND holder = ?").run(rec.id, sandboxId);
+      // A device or claim it took is given back once idle.
+      if (!again && (v.device || v.claim)) this.closeLater(rec.id);
       throw asOrchestratorError(e, `volume ${rec.name}`);
     }
   }
@@ -304,7 +377,7 @@ export class VolumeStore {
         this.db.query("UPDATE volumes SET holder = NULL WHERE id = ? AND holder = ?").run(id, sandboxId);
       } finally {
         done();
-        if (v.device) this.closeLater(id);
+        if (v.device || v.claim) this.closeLater(id);
       }
     }
     if (failed.length) throw new OrchestratorError(500, `detaching sandbox ${sandboxId}: ${failed.join("; ")}`);
@@ -350,27 +423,32 @@ export class VolumeStore {
 
   /**
    * The device closed: its upper sealed into the next layer when it was written (blockd's
-   * restack), the device deleted, its upper removed; past layersMax the stack is committed.
+   * restack), the device deleted, its upper removed; past layersMax the stack is committed. In a
+   * cluster the claim then ends with the layers published (kept, and tried again at the next
+   * close, when the cluster's store does not answer).
    */
   private async closeDevice(rec: VolumeRecord, v: Live): Promise<void> {
     clearTimeout(v.idle);
-    if (!v.device) return;
-    const dir = this.volumeDir(rec.id);
-    if (v.dirty) {
-      const next = this.nextLayer(rec.layers);
-      await this.blockd.call("restack", { id: v.device.id, layerPath: join(dir, next) });
-      this.setLayers(rec, [...rec.layers, next]);
-      v.dirty = false;
+    if (v.device) {
+      const dir = this.volumeDir(rec.id);
+      if (v.dirty) {
+        const next = this.nextLayer(rec.layers);
+        await this.blockd.call("restack", { id: v.device.id, layerPath: join(dir, next) });
+        this.setLayers(rec, [...rec.layers, next]);
+        v.dirty = false;
+      }
+      await this.blockd.call("delete", { id: v.device.id });
+      v.device = undefined;
+      this.setDevice(rec.id, null);
+      await rm(join(dir, UPPER), { recursive: true, force: true });
+      if (rec.layers.length > this.layersMax) await this.commitStack(rec);
     }
-    await this.blockd.call("delete", { id: v.device.id });
-    v.device = undefined;
-    this.setDevice(rec.id, null);
-    await rm(join(dir, UPPER), { recursive: true, force: true });
-    if (rec.layers.length > this.layersMax) await this.commitStack(rec);
+    await this.publish(rec, v);
   }
 
+  /** The next sequence-numbered layer file (a cluster's published layers, named by sha256, do not count). */
   private nextLayer(layers: string[]): string {
-    return layerName(Math.max(-1, ...layers.map((l) => Number.parseInt(l, 10))) + 1);
+    return layerName(Math.max(-1, ...layers.filter((l) => SEQ_LAYER.test(l)).map((l) => Number.parseInt(l, 10))) + 1);
   }
 
   /** The stack as one sealed layer (the device is closed); on failure the stack stays as it was. */
@@ -402,17 +480,25 @@ export class VolumeStore {
 
   private async closeIdle(id: string): Promise<void> {
     const v = this.live.get(id);
-    if (!v?.device || v.turns.waiting > 0 || v.turns.busy) return;
+    if ((!v?.device && !v?.claim) || v.turns.waiting > 0 || v.turns.busy) return;
     const done = await v.turns.take(1, VOLUME_WAIT_MS, `volume ${id}`).catch(() => undefined);
     if (!done) return;
     try {
       const rec = this.get(id);
-      if (rec && !rec.holder && v.device && v.turns.waiting === 0) await this.closeDevice(rec, v);
+      if (rec && !rec.holder && (v.device || v.claim) && v.turns.waiting === 0) await this.closeDevice(rec, v);
     } catch (e) {
       console.error(`volumes: closing ${id}: ${(e as Error).message}`);
+      // A claim not yet given back (the cluster's store did not answer) is tried again.
+      if (v.claim && this.live.get(id) === v) this.closeLater(id);
     } finally {
       done();
     }
+  }
+
+  /** In a cluster, before the node stops: the devices content calls opened are closed and their claims given back (a sandbox's stay with it). */
+  async settle(): Promise<void> {
+    if (!this.opts.shared) return;
+    for (const [id, v] of this.live) if ((v.device || v.claim) && !this.get(id)?.holder) await this.closeIdle(id);
   }
 
   /** Room for one more device open for content calls: the idlest one closes, or 429. */
@@ -425,6 +511,114 @@ export class VolumeStore {
       if (!this.live.get(id)?.device) return;
     }
     throw new OrchestratorError(429, `${VOLUMES_OPEN_MAX} volumes are busy with content calls; try again later`);
+  }
+
+  // ─── cluster ───────────────────────────────────────────────────────────────
+
+  /**
+   * In a cluster, inside the volume's turn: this node holds the claim (for `sandbox`, null: content
+   * calls) and, unless `fetch` is false, the layers it names. A claim of this node's that lapsed
+   * (its lease expired) is taken again: when nobody changed the volume since, what the node wrote
+   * stays its to publish; else it is discarded, and refused (409) when a sandbox's guest has the
+   * device (`guestHasIt`), since its memory holds the file system's old state.
+   */
+  private async claimed(rec: VolumeRecord, v: Live, sandbox: string | null, o: { guestHasIt?: boolean; fetch?: boolean } = {}): Promise<void> {
+    const shared = this.opts.shared;
+    if (!shared) return;
+    if (v.claim && !shared.lapsed(v.claim)) {
+      if (sandbox === null) return;
+      try {
+        return await shared.relabel(rec.id, v.claim, sandbox);
+      } catch (e) {
+        if (!(e instanceof ClaimLapsed)) throw e;
+      }
+    }
+    const old = v.claim;
+    const got = await waitForClaim(shared, rec, sandbox);
+    if (old && got.claim.epoch === old.epoch) {
+      this.setClaim(rec, v, { ...got.claim, base: old.base });
+      return;
+    }
+    if (old || v.device) {
+      if (o.guestHasIt) {
+        await this.giveBack(rec.id, got);
+        throw new OrchestratorError(409, `volume ${rec.name} changed on another node while this node's claim on it had lapsed: sandbox ${rec.holder} cannot go on with it (what it wrote since is lost); kill it`);
+      }
+      await this.discard(rec, v, "this node's claim on it lapsed and another node changed it since");
+    }
+    this.setClaim(rec, v, got.claim);
+    if (o.fetch === false) return;
+    try {
+      await this.takeLayers(rec, got.volume);
+    } catch (e) {
+      await this.giveBack(rec.id, got);
+      this.setClaim(rec, v, undefined);
+      throw e;
+    }
+  }
+
+  /** A claim taken for nothing given back, the volume as it was. */
+  private giveBack(id: string, got: { claim: VolumeClaim; volume: SharedVolume }): Promise<void> {
+    return this.opts.shared!.release(id, got.claim, got.volume.layers.map((d) => ({ digest: d, path: "" })), got.volume.replay).catch(() => {});
+  }
+
+  /** The claimed volume's layers in its folder (those it lacks fetched from the shared store, checked); cached ones it no longer names go. */
+  private async takeLayers(rec: VolumeRecord, s: SharedVolume): Promise<void> {
+    await fetchMissing(this.opts.shared!, rec.id, this.volumeDir(rec.id), s.layers);
+    this.setLayers(rec, s.layers.map(digestName));
+    rec.replay = s.replay;
+    this.set(rec.id, { replay: s.replay ? 1 : 0 });
+    await this.sweepFolder(rec);
+  }
+
+  /**
+   * In a cluster, the device closed: the layers sealed since the claim are named by their sha256
+   * and published with the claim's end. A lapsed claim is taken again when nobody holds or changed
+   * the volume since; else it publishes nothing and its writes are discarded (and logged). Another
+   * failure keeps the claim, tried again at the next close.
+   */
+  private async publish(rec: VolumeRecord, v: Live): Promise<void> {
+    const shared = this.opts.shared;
+    if (!shared || !v.claim) return;
+    const layers = await nameByContent(shared, this.volumeDir(rec.id), rec.layers);
+    this.setLayers(rec, layers.map((l) => basename(l.path)));
+    for (let retaken = false; ; retaken = true) {
+      try {
+        await shared.release(rec.id, v.claim!, layers, rec.replay);
+        break;
+      } catch (e) {
+        if (!(e instanceof ClaimLapsed)) throw e;
+        if (retaken || !(await this.retake(rec, v, shared))) return this.discard(rec, v, e.message);
+      }
+    }
+    this.setClaim(rec, v, undefined);
+  }
+
+  /** This node's lapsed claim taken again, with its base, when nobody holds the volume and its epoch is the claim's: whether it was. */
+  private async retake(rec: VolumeRecord, v: Live, shared: SharedVolumes): Promise<boolean> {
+    const old = v.claim!;
+    const got = await shared.claim(rec.id, rec.holder);
+    if (!got || !("claim" in got)) return false;
+    if (got.claim.epoch !== old.epoch) {
+      await this.giveBack(rec.id, got);
+      return false;
+    }
+    this.setClaim(rec, v, { ...got.claim, base: old.base });
+    return true;
+  }
+
+  /** What this node wrote since it claimed the volume goes (the claim lapsed): its device deleted unsealed, its layers back to the claim's. */
+  private async discard(rec: VolumeRecord, v: Live, why: string): Promise<void> {
+    console.error(`volumes: ${rec.name} (${rec.id}): ${why}: what this node wrote to it since it took it is discarded`);
+    clearTimeout(v.idle);
+    if (v.device) await this.blockd.call("delete", { id: v.device.id });
+    v.device = undefined;
+    v.dirty = false;
+    this.setDevice(rec.id, null);
+    const base = v.claim?.base ?? [];
+    this.setClaim(rec, v, undefined);
+    this.setLayers(rec, base.map(digestName));
+    await this.sweepFolder(rec);
   }
 
   // ─── content ───────────────────────────────────────────────────────────────
@@ -450,6 +644,7 @@ export class VolumeStore {
       clearTimeout(v.idle);
       const cur = this.info(id);
       this.refuseHeld(cur);
+      await this.claimed(cur, v, null);
       if (!v.device) {
         await this.makeRoom(id);
         await this.openDevice(cur, v);
@@ -573,6 +768,7 @@ export class VolumeStore {
     }
     for (const rec of this.list()) {
       const v = this.liveOf(rec.id);
+      if (rec.claim) v.claim = rec.claim;
       if (rec.device && !v.device) {
         // blockd lost it (its state was wiped): what was written since the last seal is gone.
         console.error(`volumes: ${rec.name}: its device ${rec.device.id} is gone; writes since its last close are lost`);
@@ -584,10 +780,16 @@ export class VolumeStore {
     for (const name of await readdir(this.opts.dir)) {
       if (name !== VOLUME_EMPTY_DIR && !ids.has(name)) await rm(join(this.opts.dir, name), { recursive: true, force: true });
     }
+    // In a cluster: rows of volumes another node deleted go (when the cluster's store answers).
+    const known = await this.opts.shared?.list(VOLUMES_MAX).catch(() => undefined);
+    if (known) for (const rec of this.list()) if (!known.some((k) => k.id === rec.id)) await this.forgetStale(rec.id);
     await this.detachGone(exists);
     for (const rec of this.list()) {
       const v = this.liveOf(rec.id);
-      if (!rec.holder && v.device) await this.closeDevice(rec, v).catch((e) => console.error(`volumes: closing ${rec.name}: ${(e as Error).message}`));
+      if (!rec.holder && (v.device || v.claim)) await this.closeDevice(rec, v).catch((e) => {
+        console.error(`volumes: closing ${rec.name}: ${(e as Error).message}`);
+        if (v.claim) this.closeLater(rec.id);
+      });
     }
   }
 

@@ -1,12 +1,12 @@
 // The cluster end to end with real processes: three etcd members (Debian's etcd-server), two
 // nodes (`bun run node`, real VMs) and two gateways (`bun run gateway`), driven by the stock e2b
-// SDK through a gateway. Then the failures: a gateway killed, etcd's leader killed and its quorum
-// lost, a node process killed and restarted, a node killed whole (its sandboxes listed as lost),
-// and two gateways racing for a node's last slots.
+// SDK through a gateway, a volume the nodes share among it. Then the failures: a gateway killed,
+// etcd's leader killed and its quorum lost, a node process killed and restarted, a node killed
+// whole (its sandboxes listed as lost), and two gateways racing for a node's last slots.
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { writeFileSync } from "node:fs";
 import { join } from "node:path";
-import { Sandbox, SandboxNotFoundError, Template } from "e2b";
+import { Sandbox, SandboxNotFoundError, Template, Volume } from "e2b";
 import { EtcdMembers } from "../../services/cluster/etcd.ts";
 import { GATEWAY_ENTRY, startService, type ServiceProc } from "../../services/cluster/procs.ts";
 import { EtcdClient } from "../../src/cluster/etcd_client.ts";
@@ -151,6 +151,31 @@ describe.skipIf(!!skip)("a cluster: etcd, two nodes, two gateways, the stock e2b
     expect(await idOn(other)).toBe(entry!.id);
     expect(await idOn(1 - other)).toBe(entry!.id);
   }, 600_000);
+
+  test("a volume through the gateways: written there, mounted by a sandbox on either node, what its guest wrote read through the other gateway once it is killed", async () => {
+    // The content API goes through the gateways too (the SDK's E2B_VOLUME_API_URL).
+    const vopts = (g: number) => ({ ...opts(g), apiUrl: gateways[g]!.url });
+    const vol = await Volume.create("cluster-vol", vopts(0));
+    await vol.writeFile("/seed.txt", "from the content API", vopts(0));
+    // The node the sandbox lands on claims the volume (waiting out another node's content calls) and fetches its layers.
+    const sbx = await Sandbox.create("base", { ...opts(1), volumeMounts: { "/data": vol } });
+    try {
+      expect(await sbx.files.read("/data/seed.txt")).toBe("from the content API");
+      await sbx.commands.run("echo written-in-vm > /data/vm.txt && sync");
+      const holder = JSON.parse((await client.get(`/aenv/volume-holders/${vol.volumeId}`))!.value) as { node: string; sandbox: string };
+      expect(holder).toMatchObject({ node: (await bindingOf(sbx.sandboxId))!.node, sandbox: sbx.sandboxId });
+      // Mounted: the content API is 409 through either gateway, and so is a second sandbox on any node.
+      expect(await vol.readFile("/seed.txt", vopts(1)).then(() => "read", (e: Error) => e.message)).toMatch(/409|mounted/);
+      const second = await Sandbox.create("base", { ...opts(0), volumeMounts: { "/v": vol } }).then(() => "created", (e: Error) => e.message);
+      expect(second).toMatch(/409|mounted by sandbox/);
+    } finally {
+      await Sandbox.kill(sbx.sandboxId, opts(0));
+    }
+    // Its kill published the guest's writes: any node reads them.
+    expect(await vol.readFile("/vm.txt", vopts(1))).toBe("written-in-vm\n");
+    expect((await Volume.list(vopts(1))).map((v) => v.name)).toContain("cluster-vol");
+    expect(await Volume.destroy(vol.volumeId, vopts(0))).toBe(true);
+  }, 300_000);
 
   test("kill -9 of a gateway during traffic: the other answers; a restarted one routes at once", async () => {
     const loop = (async () => {
