@@ -241,6 +241,7 @@ export const SYS_pread64 = 17;
 export const SYS_pwrite64 = 18;
 export const SYS_madvise = 28;
 export const SYS_prctl = 157;
+export const SYS_process_vm_readv = 310;
 export const SYS_mount = 165;
 export const SYS_umount2 = 166;
 export const SYS_gettid = 186;
@@ -259,6 +260,7 @@ export const SYS_pidfd_getfd = 438;
 
 const SYSCALL_NAMES: Record<number, string> = {
   [SYS_prctl]: "prctl",
+  [SYS_process_vm_readv]: "process_vm_readv",
   [SYS_gettid]: "gettid",
   [SYS_epoll_wait]: "epoll_wait",
   [SYS_epoll_ctl]: "epoll_ctl",
@@ -447,6 +449,21 @@ export function syscall(nr: number, a1: Arg = 0, a2: Arg = 0, a3: Arg = 0, a4: A
   const r = Number(libc.syscall(nr, a1, a2, a3, a4, a5, a6));
   if (r === -1) throw new SyscallError(SYSCALL_NAMES[nr] ?? `syscall(${nr})`, errno());
   return r;
+}
+
+/**
+ * process_vm_readv(2): copies `pid`'s memory at the `remoteCount` iovecs at `remoteIov` into the
+ * `localCount` at `localIov` (addresses of 16-byte {u64 base, u64 len} entries, at most 1024
+ * each) in one copy, no bounce page as /proc/<pid>/mem has; returns the bytes copied, short where
+ * a remote range is not mapped.
+ */
+export function processVmReadv(pid: number, localIov: number, localCount: number, remoteIov: number, remoteCount: number): number {
+  for (;;) {
+    const r = Number(libc.syscall(SYS_process_vm_readv, pid, localIov, localCount, remoteIov, remoteCount, 0));
+    if (r >= 0) return r;
+    const e = errno();
+    if (e !== E.EINTR) throw new SyscallError("process_vm_readv", e, `process ${pid}`);
+  }
 }
 
 /**

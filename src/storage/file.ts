@@ -11,7 +11,18 @@ export interface ReadableFile {
    * The buffer must stay referenced until the promise settles.
    */
   pread(buf: Uint8Array, offset: number): Promise<number>;
+  /**
+   * pread without a promise of its own, for a caller that settles one promise over several reads
+   * (Image): the outcome goes to `waiter`, once, possibly before preadTo returns; it never throws.
+   */
+  preadTo?(buf: Uint8Array, offset: number, waiter: ReadWaiter): void;
   close(): Promise<void>;
+}
+
+/** Told how one preadTo ended: the count read (short only at EOF), or the error. */
+export interface ReadWaiter {
+  readDone(n: number): void;
+  readFailed(e: unknown): void;
 }
 
 export interface WritableFile extends ReadableFile {

@@ -2,15 +2,17 @@
 // disk (docs/storage.md). Reads consult the upper's index, then one merged index of every lower
 // (tag = layer, base = 0); holes and zero segments read as zeros.
 
-import { link, rename, rm, truncate, unlink } from "node:fs/promises";
+import { linkSync, renameSync } from "node:fs";
+import { rename, rm, truncate, unlink } from "node:fs/promises";
 import { IoRangeError, ConfigError, StorageError, TruncatedError } from "./errors.ts";
-import type { ReadableFile, WritableFile } from "./file.ts";
+import type { ReadableFile, ReadWaiter, WritableFile } from "./file.ts";
 import { type ImageConfig, MAX_LOWERS, resolveLayerPath } from "./image_config.ts";
 import { openLayerFile } from "./open_layer.ts";
 import { type CompactOptions, compact } from "./lsmt/compact.ts";
 import { ReadOnlyLayer } from "./lsmt/readonly_layer.ts";
-import { type Segment, SECTOR, clip, mergeAdjacent } from "./lsmt/segment.ts";
-import { SegmentIndex, comboVisit, type PieceSink } from "./lsmt/segment_index.ts";
+import { type Segment, SECTOR, clip } from "./lsmt/segment.ts";
+import { comboVisit, type PieceSink } from "./lsmt/segment_index.ts";
+import { SegmentTable } from "./lsmt/segment_table.ts";
 import { WritableLayer } from "./lsmt/writable_layer.ts";
 import type { IoLimiter } from "./io_limiter.ts";
 import { handleFromSpec, registerRemoteLayer } from "./remote/layer.ts";
@@ -19,10 +21,12 @@ import type { LayerDigest } from "./remote/source.ts";
 
 export class Image {
   /** Merged index of the lowers; tag = position in `lowers` (base first). */
-  private merged = new SegmentIndex();
+  private merged = SegmentTable.empty();
   private ops = 0;
   private idle: (() => void)[] = [];
   private gate: Promise<void> | undefined; // set while the stack is being restacked
+  /** The last restack's leftover removal (its undo copy of the index). */
+  private cleanup: Promise<void> = Promise.resolve();
   private plan = new ReadPlan(this);
 
   private constructor(
@@ -30,7 +34,7 @@ export class Image {
     private upperLayer: WritableLayer | undefined,
   ) {
     if (lowers.length > MAX_LOWERS) throw new ConfigError(`${lowers.length} lowers exceed ${MAX_LOWERS}`);
-    lowers.forEach((l, tag) => this.addToMerged(l, tag));
+    this.merged = SegmentTable.stack(lowers.map((l) => l.table));
   }
 
   static fromLayers(lowers: ReadOnlyLayer[], upper?: WritableLayer): Image {
@@ -89,10 +93,8 @@ export class Image {
   addLowers(above: ReadOnlyLayer[]): void {
     if (this.upperLayer) throw new ConfigError("lowers go on top only of an image without a writable layer");
     if (this.lowers.length + above.length > MAX_LOWERS) throw new ConfigError(`${this.lowers.length + above.length} lowers exceed ${MAX_LOWERS}`);
-    for (const l of above) {
-      this.lowers.push(l);
-      this.addToMerged(l, this.lowers.length - 1);
-    }
+    this.lowers.push(...above);
+    this.merged = this.merged.overlay(SegmentTable.stack(above.map((l) => l.table)), this.lowers.length - above.length);
   }
   /**
    * attachUpper undone (the acquire it was for did not go on): the upper, which nothing may have
@@ -104,10 +106,7 @@ export class Image {
     if (upper.index.size) throw new ConfigError("only an upper nothing was written to can be detached", upper.dataPath);
     if (!Number.isInteger(keep) || keep < 0 || keep > this.lowers.length) throw new ConfigError(`cannot keep ${keep} of ${this.lowers.length} lowers`);
     const above = this.lowers.splice(keep);
-    if (above.length) {
-      this.merged = new SegmentIndex();
-      this.lowers.forEach((l, tag) => this.addToMerged(l, tag));
-    }
+    if (above.length) this.merged = SegmentTable.stack(this.lowers.map((l) => l.table));
     this.upperLayer = undefined;
     return { upper, above };
   }
@@ -134,12 +133,6 @@ export class Image {
     return cfg;
   }
 
-  // Neighbours that continue each other in the file become one in-memory entry (no 16383 cap:
-  // this index is never written as is), so a sequential read costs one lookup hit and one pread.
-  private addToMerged(layer: ReadOnlyLayer, tag: number): void {
-    for (const s of mergeAdjacent(layer.index.map((x) => ({ ...x, tag })), Infinity)) this.merged.insert(s);
-  }
-
   private checkIo(offset: number, length: number): void {
     if (offset % SECTOR || length % SECTOR || offset < 0)
       throw new IoRangeError(`I/O at ${offset}+${length} is not 512-aligned`, "image", offset);
@@ -152,7 +145,7 @@ export class Image {
     this.ops++;
   }
   private leave(): void {
-    if (--this.ops === 0) for (const f of this.idle.splice(0)) f();
+    if (--this.ops === 0 && this.idle.length) for (const f of this.idle.splice(0)) f();
   }
 
   /** Read buf.length bytes at offset (both 512-aligned). */
@@ -168,42 +161,45 @@ export class Image {
   }
 
   // Hot path: no async frames, no allocation in the mapping walk, one pread per run of pieces
-  // that continue each other in one file, and one settle for all of them.
+  // that continue each other in one file, and one promise for all of them (the preads tell the
+  // read's PendingRead, not promises of their own).
   private readNow(buf: Uint8Array, offset: number): Promise<void> {
-    const plan = this.plan;
-    try {
-      plan.begin(buf, offset / SECTOR, this.upperLayer?.dataFile);
-      comboVisit(this.upperLayer?.index, this.merged, plan.start, plan.start + buf.length / SECTOR, plan);
-      plan.finish();
-    } catch (e) {
-      plan.jobs.length = 0;
-      this.leave();
-      return Promise.reject(e);
+    // Most small reads lie inside one run of one lower that the upper does not cover: one pread
+    // straight away, with the checks and the one settle of any other read.
+    const start = offset / SECTOR;
+    const end = start + buf.length / SECTOR;
+    const upper = this.upperLayer;
+    if (!upper || !upper.index.maps(start, end)) {
+      const merged = this.merged;
+      const i = merged.covering(start, end);
+      if (i >= 0 && !merged.zeroedAt(i)) {
+        const read = new PendingRead(this, offset);
+        read.want = buf.length;
+        issueRead(this.lowers[merged.tagAt(i)]!.file, buf, merged.fileSectorAt(i, start) * SECTOR, read);
+        read.walked();
+        return read.promise;
+      }
     }
-    const jobs = plan.jobs;
-    if (jobs.length === 0) {
+    const plan = this.plan;
+    let read: PendingRead | undefined;
+    try {
+      plan.begin(buf, offset);
+      comboVisit(this.upperLayer?.index, this.merged, plan.start, plan.start + buf.length / SECTOR, plan);
+      read = plan.finish();
+    } catch (e) {
+      read = plan.abandon();
+      if (!read) {
+        this.leave();
+        return Promise.reject(e);
+      }
+      read.readFailed(e); // the walk's hold: the read settles once the preads it issued have
+      return read.promise;
+    }
+    if (!read) {
       this.leave();
       return Promise.resolve();
     }
-    const want = plan.want;
-    if (jobs.length === 1) {
-      const only = jobs[0]!;
-      jobs.length = 0;
-      return only.then(
-        (got) => {
-          this.leave();
-          // Validated layers map only bytes inside their files: a short read means one was cut.
-          if (got !== want) throw new TruncatedError(`short read: ${got} of ${want} bytes`, "image", offset);
-        },
-        (e) => {
-          this.leave();
-          throw e;
-        },
-      );
-    }
-    const read = new PendingRead(this, want, offset, jobs.length);
-    for (const job of jobs) job.then(read.done, read.fail);
-    jobs.length = 0;
+    read.walked();
     return read.promise;
   }
 
@@ -269,15 +265,18 @@ export class Image {
    * a fresh upper at the old paths. No data is copied: cost follows the index, not the data.
    * All or nothing: `layerPath` is claimed first (a hard link, so it must be new and on the
    * upper's filesystem) and the fresh upper is made beside the old one; on any failure the seal
-   * is cut off again and the old upper reopened, so the image serves the stack it had.
+   * is cut off again and the old upper reopened, so the image serves the stack it had. Its links
+   * and renames are made directly: each is a metadata syscall of tens of µs, where a round trip
+   * through libuv's pool cost 1–2.5 ms each while I/O waits at the gate.
    */
   async restack(layerPath: string): Promise<string> {
     if (!this.upperLayer) throw new IoRangeError("the image has no writable layer to restack", "image");
     if (this.lowers.length >= MAX_LOWERS) throw new ConfigError(`the stack already has ${MAX_LOWERS} layers`);
     return this.exclusive(async () => {
       const up = this.upperLayer!;
+      await this.cleanup;
       try {
-        await link(up.dataPath, layerPath);
+        linkSync(up.dataPath, layerPath);
       } catch (e) {
         throw new ConfigError(`restack target cannot be made: ${(e as NodeJS.ErrnoException).code ?? (e as Error).message}`, layerPath);
       }
@@ -289,31 +288,41 @@ export class Image {
       let indexSaved = false;
       let dataReplaced = false;
       let layer: ReadOnlyLayer | undefined;
+      let merged: SegmentTable | undefined;
+      let made: WritableLayer | undefined;
       let fresh: WritableLayer;
       try {
         // The fresh upper is made while the old one is sealed: neither waits on the other's syncs.
-        const making = WritableLayer.create(next.data, next.index, { virtualSize: up.virtualSize, parentUuid: up.uuid, sparse: up.sparse }).then((l) => l.close());
+        const making = WritableLayer.create(next.data, next.index, { virtualSize: up.virtualSize, parentUuid: up.uuid, sparse: up.sparse }).then((l) => {
+          made = l;
+        });
         const sealed = (async () => {
           sealing = true;
           await up.seal();
           closing = true;
           await up.close();
           layer = await openLayerFile(layerPath);
+          // One linear merge, while the fresh upper's syncs are still out.
+          merged = this.merged.overlay(layer.table, this.lowers.length);
         })();
-        const [made, seal] = await Promise.allSettled([making, sealed]);
+        const [madeOk, seal] = await Promise.allSettled([making, sealed]);
         if (seal.status === "rejected") throw seal.reason;
-        if (made.status === "rejected") throw made.reason;
+        if (madeOk.status === "rejected") throw madeOk.reason;
         if (!up.sparse) {
-          await link(up.indexPath, prevIndex);
+          linkSync(up.indexPath, prevIndex);
           indexSaved = true;
         }
         // A sparse index file is empty before and after (nothing to save for an undo).
-        await rename(next.index, up.indexPath);
-        await rename(next.data, up.dataPath); // the sealed data lives on at layerPath
+        renameSync(next.index, up.indexPath);
+        renameSync(next.data, up.dataPath); // the sealed data lives on at layerPath
         dataReplaced = true;
-        fresh = await WritableLayer.open(up.dataPath, up.indexPath, { appendOnly: up.appendOnly });
+        // The fresh upper stays open: its files only changed names.
+        fresh = made!;
+        fresh.moved(up.dataPath, up.indexPath);
+        fresh.appendOnly = up.appendOnly;
       } catch (e) {
         try {
+          await made?.close(); // its files go below, or the undo puts the old ones back over them
           await layer?.close();
           if (dataReplaced) await rename(layerPath, up.dataPath);
           else await unlink(layerPath);
@@ -329,11 +338,11 @@ export class Image {
         await Promise.all([rm(next.data, { force: true }), rm(next.index, { force: true })]).catch(() => {});
         throw e instanceof StorageError ? e : new StorageError(`restack failed: ${(e as Error).message}`, layerPath);
       }
-      const sealedLayer = layer!; // set once the seal settled without an error
-      this.lowers.push(sealedLayer);
-      this.addToMerged(sealedLayer, this.lowers.length - 1);
+      this.lowers.push(layer!); // layer and merged are set once the seal settled without an error
+      this.merged = merged!;
       this.upperLayer = fresh;
-      await rm(prevIndex, { force: true }).catch(() => {});
+      // The undo copy goes after the gate opens; the next restack or close waits for it.
+      this.cleanup = rm(prevIndex, { force: true }).catch(() => {});
       return layerPath;
     });
   }
@@ -367,6 +376,7 @@ export class Image {
 
   async close(): Promise<void> {
     await this.exclusive(async () => {
+      await this.cleanup;
       if (this.upperLayer) await this.upperLayer.close();
       for (const l of this.lowers) await l.close();
     });
@@ -374,19 +384,25 @@ export class Image {
 }
 
 
-/** The preads of one read that spans several runs: settles once, when the last one has. */
-class PendingRead {
+/**
+ * One read's preads: settles its promise once, when the last has settled, so a failed pread never
+ * hands the caller's buffer back while another still writes into it. The mapping walk holds one
+ * count until it has issued them all.
+ */
+class PendingRead implements ReadWaiter {
   readonly promise: Promise<void>;
   private resolve!: () => void;
   private reject!: (e: unknown) => void;
   private got = 0;
+  /** Bytes the preads were asked for. */
+  want = 0;
+  /** Preads not settled, plus one while the walk runs. */
+  left = 1;
   private error: unknown = undefined;
 
   constructor(
     private image: Image,
-    private want: number,
     private offset: number,
-    private left: number,
   ) {
     this.promise = new Promise<void>((res, rej) => {
       this.resolve = res;
@@ -394,22 +410,41 @@ class PendingRead {
     });
   }
 
-  readonly done = (n: number): void => {
+  /** The walk has issued every pread. */
+  walked(): void {
+    if (--this.left === 0) this.settle();
+  }
+
+  readDone(n: number): void {
     this.got += n;
     if (--this.left === 0) this.settle();
-  };
+  }
 
-  readonly fail = (e: unknown): void => {
+  readFailed(e: unknown): void {
     this.error ??= e;
     if (--this.left === 0) this.settle();
-  };
+  }
 
   private settle(): void {
     this.image.readSettled();
     if (this.error !== undefined) return this.reject(this.error);
+    // Validated layers map only bytes inside their files: a short read means one was cut.
     if (this.got !== this.want) return this.reject(new TruncatedError(`short read: ${this.got} of ${this.want} bytes`, "image", this.offset));
     this.resolve();
   }
+}
+
+/** One pread of a read, counted in its PendingRead, which hears how it ended whatever happens. */
+function issueRead(file: ReadableFile, view: Uint8Array, pos: number, read: PendingRead): void {
+  read.left++;
+  if (file.preadTo) return file.preadTo(view, pos, read);
+  let p: Promise<number>;
+  try {
+    p = file.pread(view, pos);
+  } catch (e) {
+    return read.readFailed(e);
+  }
+  p.then((n) => read.readDone(n), (e) => read.readFailed(e));
 }
 
 /**
@@ -421,10 +456,10 @@ const NO_BYTES: Uint8Array = new Uint8Array(0);
 class ReadPlan implements PieceSink {
   buf: Uint8Array = NO_BYTES;
   start = 0;
+  private offset = 0;
   private cur = 0;
   private upperFile: ReadableFile | undefined;
-  readonly jobs: Promise<number>[] = [];
-  want = 0;
+  private read: PendingRead | undefined;
   private runFile: ReadableFile | undefined;
   private runAt = 0; // byte in buf
   private runLen = 0;
@@ -432,12 +467,12 @@ class ReadPlan implements PieceSink {
 
   constructor(private image: Image) {}
 
-  begin(buf: Uint8Array, start: number, upperFile: ReadableFile | undefined): void {
+  begin(buf: Uint8Array, offset: number): void {
     this.buf = buf;
-    this.start = start;
-    this.cur = start;
-    this.upperFile = upperFile;
-    this.want = 0;
+    this.offset = offset;
+    this.start = offset / SECTOR;
+    this.cur = this.start;
+    this.upperFile = this.image.upper?.dataFile;
     this.runLen = 0;
   }
 
@@ -464,18 +499,30 @@ class ReadPlan implements PieceSink {
   }
 
   private issue(): void {
-    if (!this.runLen) return;
-    const whole = this.runAt === 0 && this.runLen === this.buf.length; // most small reads: no view to make
-    this.jobs.push(this.runFile!.pread(whole ? this.buf : this.buf.subarray(this.runAt, this.runAt + this.runLen), this.runOff));
-    this.want += this.runLen;
+    const len = this.runLen;
+    if (!len) return;
     this.runLen = 0;
+    const read = (this.read ??= new PendingRead(this.image, this.offset));
+    read.want += len;
+    const whole = this.runAt === 0 && len === this.buf.length; // no view to make
+    issueRead(this.runFile!, whole ? this.buf : this.buf.subarray(this.runAt, this.runAt + len), this.runOff, read);
   }
 
-  finish(): void {
+  /** The walk is over: the last run's pread, the tail's zeros; the read, if it issued any pread. */
+  finish(): PendingRead | undefined {
     this.issue();
     const end = this.start + this.buf.length / SECTOR;
     if (this.cur < end) this.buf.fill(0, (this.cur - this.start) * SECTOR);
+    return this.abandon();
+  }
+
+  /** Forget this read (the walk is over or failed); its PendingRead, if a pread was issued. */
+  abandon(): PendingRead | undefined {
+    const read = this.read;
+    this.read = undefined;
     this.buf = NO_BYTES; // drop the caller's buffer
     this.runFile = undefined;
+    this.runLen = 0;
+    return read;
   }
 }

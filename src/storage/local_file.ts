@@ -27,7 +27,7 @@ import {
   type AlignedBuffer,
 } from "../../ffi/libc.ts";
 import { IoRangeError } from "./errors.ts";
-import type { WritableFile } from "./file.ts";
+import type { ReadWaiter, WritableFile } from "./file.ts";
 
 /** O_DIRECT requests must have offset and length in multiples of this. */
 export const DIRECT_ALIGN = 512;
@@ -115,18 +115,26 @@ class Op {
     readonly buf: Uint8Array | null,
     readonly offset: number,
     readonly length: number,
-    readonly resolve: (v: any) => void,
-    readonly reject: (e: unknown) => void,
+    /** Settles a promise-returning call; null when `waiter` is told instead (preadTo). */
+    readonly resolve: ((v: any) => void) | null,
+    readonly reject: ((e: unknown) => void) | null,
+    readonly waiter: ReadWaiter | null = null,
   ) {}
 
   fail(errno: number): void {
+    this.error(new LocalFileError(CALL_NAMES[this.kind]!, errno, this.file.name, this.kind <= OP_PUNCH && this.kind !== OP_FSYNC ? this.offset : -1));
+  }
+
+  error(e: unknown): void {
     this.release();
-    this.reject(new LocalFileError(CALL_NAMES[this.kind]!, errno, this.file.name, this.kind <= OP_PUNCH && this.kind !== OP_FSYNC ? this.offset : -1));
+    if (this.waiter) this.waiter.readFailed(e);
+    else this.reject!(e);
   }
 
   finish(v: unknown): void {
     this.release();
-    this.resolve(v);
+    if (this.waiter) this.waiter.readDone(v as number);
+    else this.resolve!(v);
   }
 
   release(): void {
@@ -354,8 +362,7 @@ class Engine {
       }
       throw new Error(`local_file: bad op kind ${op.kind}`);
     } catch (e) {
-      op.release();
-      op.reject(e);
+      op.error(e);
       return false;
     }
   }
@@ -419,10 +426,7 @@ class Engine {
       this.ring.close();
       this.ring = undefined; // probe again on the next request
     }
-    for (const op of ops) {
-      op.release();
-      op.reject(e);
-    }
+    for (const op of ops) op.error(e);
   }
 }
 
@@ -589,6 +593,14 @@ export class LocalFile implements WritableFile {
     if (bad) return Promise.reject(bad);
     if (buf.length === 0) return Promise.resolve(0); // bun:ffi ptr() has no address for it
     return this.submit(OP_READ, buf, offset, buf.length);
+  }
+
+  /** pread telling `waiter` instead of settling a promise of its own (see ReadableFile.preadTo). */
+  preadTo(buf: Uint8Array, offset: number, waiter: ReadWaiter): void {
+    const bad = this.check(offset, buf.length, "pread");
+    if (bad) return waiter.readFailed(bad);
+    if (buf.length === 0) return waiter.readDone(0);
+    engine.enqueue(new Op(OP_READ, this, buf, offset, buf.length, null, null, waiter));
   }
 
   pwrite(buf: Uint8Array, offset: number): Promise<void> {

@@ -7,6 +7,7 @@ import { rawCrc32c } from "./crc32c.ts";
 import { ChecksumError, FieldError, FormatError, IoRangeError, StorageError, TruncatedError, magicMismatch, magicPartsMatching } from "./errors.ts";
 import type { ReadableFile, WritableFile } from "./file.ts";
 import { lz4CompressBound, lz4CompressInto, lz4DecompressInto } from "./lz4.ts";
+import { zstdDecompressInto, zstdLibLoaded } from "../../ffi/zstd.ts";
 
 export const ZFILE_HT_SIZE = 512;
 const HT_STRUCT_SIZE = 96;
@@ -35,6 +36,8 @@ export const ZF_BLOCK_CRC_SEED = 100007;
 const MAX_INDEX_ENTRIES = 1e9;
 // Compressed bytes fetched by one pread when a request spans many blocks.
 const MAX_READ_SPAN = 1 << 20;
+// Read buffers a reader keeps between reads (one per read in flight at QD32, then some).
+const MAX_KEPT = 64;
 // Output staged by the writer before one pwrite.
 const WRITE_FLUSH_BYTES = 1 << 20;
 
@@ -148,7 +151,8 @@ const ZSTD_MAGIC = [0x28, 0xb5, 0x2f, 0xfd];
 // RFC 8878: a block holds at most min(Window_Size, 128 KiB).
 const ZSTD_MAX_BLOCK = 128 * 1024;
 
-// Bun's built-in zstd decodes 4 KiB blocks 2.5-4x faster than fzstd (61–123k against 22–27k blocks/s).
+// Reads decode with libzstd into the caller's buffer (ffi/zstd.ts); without it, with Bun's built-in
+// zstd, which decodes 4 KiB blocks 2.5-4x faster than fzstd (61–123k against 22–27k blocks/s).
 const bunZstd: { compress: (b: Uint8Array) => Uint8Array; decompress: (b: Uint8Array) => Uint8Array } | null =
   typeof Bun !== "undefined" && typeof Bun.zstdDecompressSync === "function" && typeof Bun.zstdCompressSync === "function"
     ? { compress: (b) => Bun.zstdCompressSync(b, { level: 3 }), decompress: (b) => Bun.zstdDecompressSync(b) }
@@ -212,6 +216,9 @@ export function zstdCompressBlock(data: Uint8Array): Uint8Array {
   return z;
 }
 
+const DID_BYTES = [0, 1, 2, 4];
+const FCS_BYTES = [0, 2, 4, 8]; // by FCS flag; flag 0 means 1 byte with Single_Segment, else none
+
 /** Frame_Content_Size of a zstd frame, or -1 when the frame does not declare it. */
 function zstdFrameContentSize(f: Uint8Array): number {
   if (f.length < 5 || f[0] !== 0x28 || f[1] !== 0xb5 || f[2] !== 0x2f || f[3] !== 0xfd) {
@@ -220,8 +227,8 @@ function zstdFrameContentSize(f: Uint8Array): number {
   const fhd = f[4]!;
   const fcsFlag = fhd >>> 6;
   const singleSegment = (fhd >>> 5) & 1;
-  const didBytes = [0, 1, 2, 4][fhd & 3]!;
-  const fcsBytes = [singleSegment, 2, 4, 8][fcsFlag]!;
+  const didBytes = DID_BYTES[fhd & 3]!;
+  const fcsBytes = fcsFlag === 0 ? singleSegment : FCS_BYTES[fcsFlag]!;
   if (fcsBytes === 0) return -1;
   const p = 5 + (singleSegment ? 0 : 1) + didBytes;
   if (f.length < p + fcsBytes) throw new FormatError("zstd: frame header passes the end of the block");
@@ -235,17 +242,29 @@ function zstdFrameContentSize(f: Uint8Array): number {
 
 /** Decode one zstd-compressed ZFile block that must expand to exactly size bytes. */
 export function zstdDecompressBlock(payload: Uint8Array, size: number): Uint8Array {
-  // Checking the declared size first keeps a hostile frame from making the decoder allocate a lot.
+  const out = new Uint8Array(size);
+  zstdDecompressBlockInto(payload, out);
+  return out;
+}
+
+/** Decode one zstd-compressed ZFile block into `target`, which it must fill exactly. */
+export function zstdDecompressBlockInto(payload: Uint8Array, target: Uint8Array): void {
+  const size = target.length;
+  // Checking the declared size first keeps a hostile frame from making a decoder allocate a lot.
   const declared = zstdFrameContentSize(payload);
   if (declared >= 0 && declared !== size) throw new FormatError(`zstd: frame declares ${declared} bytes, expected ${size}`);
-  let out: Uint8Array;
+  let n: number;
   try {
-    out = bunZstd ? bunZstd.decompress(payload) : fzstdDecompress(payload);
+    if (zstdLibLoaded) n = zstdDecompressInto(target, payload); // never writes past target
+    else {
+      const out = bunZstd ? bunZstd.decompress(payload) : fzstdDecompress(payload);
+      n = out.length;
+      if (n === size) target.set(out);
+    }
   } catch (e) {
     throw new FormatError(`zstd: ${(e as Error).message}`);
   }
-  if (out.length !== size) throw new FormatError(`zstd: block decodes to ${out.length} bytes, expected ${size}`);
-  return out;
+  if (n !== size) throw new FormatError(`zstd: block decodes to ${n} bytes, expected ${size}`);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -293,6 +312,9 @@ export class ZFileReader implements ReadableFile {
   private readonly scratch: Uint8Array;
   private readonly cacheTags: Int32Array;
   private readonly cacheData: Uint8Array;
+  /** Read buffers of keptSize bytes (two blocks) that reads take and give back. */
+  private readonly kept: Uint8Array[] = [];
+  private readonly keptSize: number;
 
   private constructor(
     private readonly file: ReadableFile,
@@ -308,6 +330,7 @@ export class ZFileReader implements ReadableFile {
     this.originalSize = meta.originalFileSize;
     this.starts = starts;
     this.scratch = new Uint8Array(meta.blockSize);
+    this.keptSize = 2 * meta.blockSize;
     const slots = meta.indexSize === 0 ? 0 : Math.min(meta.indexSize, Math.floor(cacheBytes / meta.blockSize));
     this.cacheTags = new Int32Array(slots).fill(-1);
     this.cacheData = new Uint8Array(slots * meta.blockSize);
@@ -430,12 +453,19 @@ export class ZFileReader implements ReadableFile {
       const base = starts[first]!;
       let lastInSpan = first;
       while (lastInSpan < last && starts[lastInSpan + 2]! - base <= MAX_READ_SPAN) lastInSpan++;
-      const stored = new Uint8Array(starts[lastInSpan + 1]! - base);
-      const got = await this.file.pread(stored, base);
-      if (got < stored.length) {
-        throw new TruncatedError(`ZFile blocks ${first}..${lastInSpan} are cut short`, this.name, base + got);
+      const span = starts[lastInSpan + 1]! - base;
+      // Spans of up to two blocks' bytes go through a kept buffer: no allocation per block read.
+      const kept = span <= this.keptSize ? (this.kept.pop() ?? new Uint8Array(this.keptSize)) : undefined;
+      const stored = kept ? kept.subarray(0, span) : new Uint8Array(span);
+      try {
+        const got = await this.file.pread(stored, base);
+        if (got < stored.length) {
+          throw new TruncatedError(`ZFile blocks ${first}..${lastInSpan} are cut short`, this.name, base + got);
+        }
+        for (let i = first; i <= lastInSpan; i++) this.decodeBlock(i, stored, starts[i]! - base, buf, offset, end);
+      } finally {
+        if (kept && this.kept.length < MAX_KEPT) this.kept.push(kept);
       }
-      for (let i = first; i <= lastInSpan; i++) this.decodeBlock(i, stored, starts[i]! - base, buf, offset, end);
       first = lastInSpan + 1;
     }
     return len;
@@ -483,7 +513,7 @@ export class ZFileReader implements ReadableFile {
     const slots = this.cacheTags.length;
     // A whole block decodes straight into the caller's buffer; a partial one goes through the cache slot.
     let target: Uint8Array;
-    if (whole) target = buf.subarray(blockStart - reqStart, blockStart - reqStart + blockLen);
+    if (whole) target = blockLen === buf.length ? buf : buf.subarray(blockStart - reqStart, blockStart - reqStart + blockLen);
     else if (slots > 0) target = this.cacheData.subarray((i % slots) * bs, (i % slots) * bs + blockLen);
     else target = this.scratch.subarray(0, blockLen);
     try {
@@ -491,7 +521,7 @@ export class ZFileReader implements ReadableFile {
         const n = lz4DecompressInto(payload, target);
         if (n !== blockLen) throw new FormatError(`lz4: block decodes to ${n} bytes, expected ${blockLen}`);
       } else {
-        target.set(zstdDecompressBlock(payload, blockLen));
+        zstdDecompressBlockInto(payload, target);
       }
     } catch (e) {
       if (!whole && slots > 0) this.cacheTags[i % slots] = -1;

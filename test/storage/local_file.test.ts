@@ -109,6 +109,23 @@ describe("LocalFile (buffered)", () => {
     }
   });
 
+  test("preadTo tells its waiter the count once, or the error, with no promise of its own", async () => {
+    const f = LocalFile.open(dataPath);
+    const told: (number | string)[] = [];
+    const waiter = { readDone: (n: number) => told.push(n), readFailed: (e: unknown) => told.push((e as Error).name) };
+    const bufs = Array.from({ length: 32 }, () => new Uint8Array(4096));
+    bufs.forEach((b, i) => f.preadTo(b, i * 8192, waiter));
+    f.preadTo(new Uint8Array(4096), data.length - 1000, waiter); // short at EOF
+    f.preadTo(new Uint8Array(16), -1, waiter); // refused at once
+    expect(told).toEqual(["IoRangeError"]);
+    await f.fdatasync(); // queued after the reads: they have completed when it has
+    expect(told).toEqual(["IoRangeError", ...bufs.map(() => 4096), 1000]);
+    bufs.forEach((b, i) => expect(Buffer.compare(b, data.subarray(i * 8192, i * 8192 + 4096))).toBe(0));
+    await f.close();
+    f.preadTo(new Uint8Array(16), 0, waiter);
+    expect(told.at(-1)).toBe("IoRangeError");
+  });
+
   test("short read at EOF, read past EOF, preadFull zero-fills", async () => {
     const path = join(dir, "short.bin");
     writeFileSync(path, data.subarray(0, 10000));

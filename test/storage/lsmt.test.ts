@@ -1,14 +1,14 @@
 // The layer vector of docs/formats.md, byte for byte, plus the read-only open rules.
 import { describe, expect, test } from "bun:test";
-import { readFileSync, writeFileSync, copyFileSync, statSync, openSync, closeSync, existsSync, unlinkSync } from "node:fs";
+import { readFileSync, writeFileSync, copyFileSync, statSync, openSync, closeSync, existsSync, unlinkSync, mkdirSync, rmdirSync } from "node:fs";
 import { join } from "node:path";
 import { WritableLayer } from "../../src/storage/lsmt/writable_layer.ts";
 import { ReadOnlyLayer } from "../../src/storage/lsmt/readonly_layer.ts";
 import { Image } from "../../src/storage/image.ts";
-import { LocalFile } from "../../src/storage/local_file.ts";
+import { LocalFile, localIoEngine, localIoSqes } from "../../src/storage/local_file.ts";
 import { openLayerFile } from "../../src/storage/open_layer.ts";
 import { writeZFile } from "../../src/storage/zfile.ts";
-import { FormatError, TruncatedError, IoRangeError } from "../../src/storage/errors.ts";
+import { FormatError, TruncatedError, IoRangeError, StorageError } from "../../src/storage/errors.ts";
 import { scratchDir, sha256 } from "../helpers/tmp.ts";
 import { lseek, SEEK_DATA, SEEK_HOLE } from "../../ffi/libc.ts";
 
@@ -181,6 +181,59 @@ describe("writable layer rules", () => {
     expect(re.index.size).toBe(5);
     await re.close();
     expect(readFileSync(index).length).toBe(4160);
+  });
+
+  test("a flush with nothing written since the last sync waits for it instead of syncing again", async () => {
+    const l = await WritableLayer.create(join(dir, "fl.data"), join(dir, "fl.index"), { virtualSize: 1 << 20 });
+    const sqes = localIoSqes();
+    await l.flush(); // create synced both files
+    expect(localIoSqes()).toBe(sqes);
+    await l.write(fill(4096, 1), 0);
+    const afterWrite = localIoSqes();
+    // Two flushes at once: one pair of syncs, and both resolve only once it is done.
+    await Promise.all([l.flush(), l.flush()]);
+    const synced = localIoSqes();
+    expect(synced - afterWrite).toBe(localIoEngine() === "io_uring" ? 2 : 0);
+    await l.close(); // nothing written since: no sync (closes run outside the ring)
+    expect(localIoSqes()).toBe(synced);
+  });
+
+  test("a restack that fails after the seal is undone: the old stack serves, the fresh upper's files are gone, the next one works", async () => {
+    const data = join(dir, "ru.data");
+    const index = join(dir, "ru.index");
+    const low = await WritableLayer.create(join(dir, "rul.data"), join(dir, "rul.index"), { virtualSize: 1 << 20 });
+    await low.write(fill(65536, 0x11), 0);
+    await low.seal();
+    await low.close();
+    const image = Image.fromLayers([await openLayerFile(join(dir, "rul.data"))], await WritableLayer.create(data, index, { virtualSize: 1 << 20 }));
+    await image.write(fill(8192, 0x22), 4096);
+    const want = fill(65536, 0x11).fill(0x22, 4096, 12288);
+    const read = async () => {
+      const got = new Uint8Array(65536);
+      await image.read(got, 0);
+      return sha256(got);
+    };
+    // The undo copy of the index cannot be made (a directory holds its name): the seal is done by then.
+    mkdirSync(`${index}.prev`);
+    await expect(image.restack(join(dir, "ru.sealed"))).rejects.toThrow(StorageError);
+    expect(image.lowers.length).toBe(1);
+    expect(await read()).toBe(sha256(want));
+    expect(existsSync(join(dir, "ru.sealed")) || existsSync(`${data}.next`) || existsSync(`${index}.next`)).toBe(false);
+    await image.write(fill(4096, 0x33), 0); // the old upper takes writes again
+    want.fill(0x33, 0, 4096);
+    rmdirSync(`${index}.prev`);
+    await image.restack(join(dir, "ru.sealed"));
+    expect(image.lowers.length).toBe(2);
+    await image.write(fill(512, 0x44), 512); // into the fresh upper, which kept its files open
+    want.fill(0x44, 512, 1024);
+    expect(await read()).toBe(sha256(want));
+    await image.close();
+    expect(existsSync(`${index}.prev`)).toBe(false);
+    const again = Image.fromLayers([await openLayerFile(join(dir, "rul.data")), await openLayerFile(join(dir, "ru.sealed"))], await WritableLayer.open(data, index));
+    const got = new Uint8Array(65536);
+    await again.read(got, 0);
+    expect(sha256(got)).toBe(sha256(want));
+    await again.close();
   });
 
   test("rewrites of ranges the layer owns go in place; others append; all survive a reopen", async () => {

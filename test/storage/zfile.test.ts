@@ -21,6 +21,7 @@ import {
   type ZFileAlgorithm,
 } from "../../src/storage/zfile.ts";
 import { MemFile, compressible, randomBytes } from "../helpers/memfile.ts";
+import { zstdDecompressInto, zstdLibLoaded } from "../../ffi/zstd.ts";
 
 const sha256 = (b: Uint8Array) => createHash("sha256").update(b).digest("hex");
 const hex = (b: Uint8Array) => Buffer.from(b).toString("hex");
@@ -379,6 +380,20 @@ describe("zstd blocks", () => {
     expect(() => zstdDecompressBlock(new Uint8Array([1, 2, 3, 4, 5, 6]), 10)).toThrow(FormatError);
     const broken = z.slice(0, z.length - 3);
     expect(() => zstdDecompressBlock(broken, 4096)).toThrow(FormatError);
+  });
+
+  test.skipIf(!zstdLibLoaded)(`libzstd decodes into the caller's buffer and never past it${zstdLibLoaded ? "" : " (skipped: libzstd.so.1 did not load)"}`, () => {
+    const text = compressible(4096, 3);
+    const frame = Bun.zstdCompressSync(text, { content_size: false } as never);
+    const out = new Uint8Array(4100).fill(0xee);
+    expect(zstdDecompressInto(out.subarray(0, 4096), frame)).toBe(4096);
+    expect(hex(out.subarray(0, 4096))).toBe(hex(text));
+    expect(hex(out.subarray(4096))).toBe("eeeeeeee"); // untouched
+    out.fill(0xee);
+    expect(() => zstdDecompressInto(out.subarray(0, 4000), frame)).toThrow(/too small/);
+    expect(hex(out.subarray(4000))).toBe("ee".repeat(100));
+    expect(() => zstdDecompressInto(out, new Uint8Array([0x28, 0xb5, 0x2f, 0xfd, 1]))).toThrow(Error);
+    expect(zstdDecompressInto(new Uint8Array(0), zstdRawFrame(new Uint8Array(0)))).toBe(0);
   });
 
   test("lz4 and zstd files of the same data read the same", async () => {

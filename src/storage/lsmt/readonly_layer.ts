@@ -4,19 +4,27 @@
 import { FieldError, FormatError, TruncatedError } from "../errors.ts";
 import type { ReadableFile } from "../file.ts";
 import { type HeaderTrailer, HT_FIELD, HT_SPACE, decodeHeader, FLAG_HEADER, FLAG_DATA, FLAG_SEALED } from "./header.ts";
-import { type Segment, SEGMENT_BYTES, SECTOR, decodeSegments, firstEndingAfter, segEnd } from "./segment.ts";
+import { type Segment, SEGMENT_BYTES, SECTOR, firstEndingAfter, segEnd } from "./segment.ts";
+import { SegmentTable } from "./segment_table.ts";
 
 /** C++ MAX_LSMT_RO_INDEX_SIZE: bigger read-only indexes are refused. */
 export const MAX_RO_INDEX_ENTRIES = 1_000_000;
 
 export class ReadOnlyLayer {
+  private entries: Segment[] | undefined;
+
   private constructor(
     readonly file: ReadableFile,
     readonly header: HeaderTrailer,
     readonly trailer: HeaderTrailer,
-    /** Sorted, disjoint, tags reset to 0. */
-    readonly index: Segment[],
+    /** The index: sorted, disjoint, tags 0, length-0 entries dropped. */
+    readonly table: SegmentTable,
   ) {}
+
+  /** The index as Segment objects (made on first use: the read path uses `table`). */
+  get index(): Segment[] {
+    return (this.entries ??= this.table.toArray());
+  }
 
   get name(): string {
     return this.file.name;
@@ -57,32 +65,14 @@ export class ReadOnlyLayer {
     const raw = new Uint8Array(ibytes);
     if (ibytes && (await file.pread(raw, trailer.indexOffset)) !== ibytes)
       throw new TruncatedError("short read of the index", name, trailer.indexOffset);
-    const index = decodeSegments(raw);
-    // C++ bounds entries by index_offset in whole sectors and checks nothing else about it.
-    validateReadOnlyIndex(index, Math.floor(trailer.indexOffset / SECTOR), name, trailer.indexOffset);
-    // C++ keeps length-0 entries; they map nothing, so they are dropped here.
-    return new ReadOnlyLayer(file, header, trailer, index.filter((s) => s.length > 0));
+    // C++ bounds entries by index_offset in whole sectors and checks nothing else about it. It
+    // keeps length-0 entries; they map nothing, so they are dropped here once checked.
+    const table = SegmentTable.decode(raw, Math.floor(trailer.indexOffset / SECTOR), name, trailer.indexOffset);
+    return new ReadOnlyLayer(file, header, trailer, table);
   }
 
   close(): Promise<void> {
     return this.file.close();
-  }
-}
-
-/**
- * Sorted, disjoint, and every moffset inside [8, limit] (zeroed) or [8, limit − length] (data),
- * length-0 entries included, as C++ checks them. Tags are reset to 0.
- */
-export function validateReadOnlyIndex(index: Segment[], limitSectors: number, name: string, at: number): void {
-  let prevEnd = 0;
-  for (let i = 0; i < index.length; i++) {
-    const s = index[i]!;
-    const where = at + i * SEGMENT_BYTES;
-    s.tag = 0;
-    if (s.offset < prevEnd) throw new FormatError(`entry ${i} at sector ${s.offset} overlaps or is out of order`, name, where);
-    if (s.moffset < 8 || (s.zeroed ? s.moffset > limitSectors : s.moffset + s.length > limitSectors))
-      throw new FormatError(`entry ${i} maps sector ${s.moffset} outside the data area [8, ${limitSectors})`, name, where);
-    prevEnd = segEnd(s);
   }
 }
 

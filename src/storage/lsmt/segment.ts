@@ -28,20 +28,49 @@ export const segEnd = (s: Segment) => s.offset + s.length;
 export const segMend = (s: Segment) => (s.zeroed ? s.moffset : s.moffset + s.length);
 
 const TWO32 = 2 ** 32;
+const INV_TWO32 = 2 ** -32;
 
-/** Encode into dv at byte pos, as two little-endian u64 words (w0 = offset|length<<50, w1 = moffset|zeroed<<55|tag<<56). */
-export function encodeSegment(dv: DataView, pos: number, s: Segment): void {
-  if (s.moffset > MAX_MOFFSET) throw new RangeError(`moffset ${s.moffset} exceeds 2^53`);
-  // w0: offset bits 0..49 (low 32 + high 18), length bits 50..63 → high word bits 18..31.
-  dv.setUint32(pos, s.offset % TWO32, true);
-  dv.setUint32(pos + 4, (Math.floor(s.offset / TWO32) & 0x3ffff) | ((s.length & 0x3fff) << 18), true);
-  // w1: moffset bits 0..54 (low 32 + high 23), zeroed bit 55, tag bits 56..63.
-  dv.setUint32(pos + 8, s.moffset % TWO32, true);
-  dv.setUint32(
-    pos + 12,
-    ((Math.floor(s.moffset / TWO32) & 0x7fffff) | (s.zeroed ? 0x800000 : 0) | ((s.tag & 0xff) << 24)) >>> 0,
-    true,
-  );
+/**
+ * Entries held in a Float64Array (SegmentIndex's chunks): ENTRY_DOUBLES doubles each, offset,
+ * length, moffset, then flags: bit 0 zeroed, the tag above it (flags = zeroed + 2 · tag).
+ */
+export const ENTRY_DOUBLES = 4;
+const ONE_ENTRY = new Float64Array(ENTRY_DOUBLES); // encodeSegment's; a call runs to completion
+
+/**
+ * Encode into dv at byte pos, as two little-endian u64 words (w0 = offset|length<<50,
+ * w1 = moffset|zeroed<<55|tag<<56); `tag` replaces s.tag when given.
+ */
+export function encodeSegment(dv: DataView, pos: number, s: Segment, tag = s.tag): void {
+  ONE_ENTRY[0] = s.offset;
+  ONE_ENTRY[1] = s.length;
+  ONE_ENTRY[2] = s.moffset;
+  ONE_ENTRY[3] = s.zeroed ? 1 : 0;
+  encodeEntries(dv, pos, ONE_ENTRY, 1, tag);
+}
+
+/**
+ * The first `count` entries of `d` (ENTRY_DOUBLES each) encoded from byte pos on, each as
+ * encodeSegment writes it, with tag `tag`. One loop without calls: a seal encodes 100k+ entries
+ * in code that runs too rarely to be compiled well first.
+ */
+export function encodeEntries(dv: DataView, pos: number, d: Float64Array, count: number, tag: number): void {
+  const w1tag = (tag & 0xff) << 24;
+  for (let at = 0; at < count * ENTRY_DOUBLES; at += ENTRY_DOUBLES) {
+    const offset = d[at]!;
+    const moffset = d[at + 2]!;
+    if (moffset > MAX_MOFFSET) throw new RangeError(`moffset ${moffset} exceeds 2^53`);
+    // x >>> 0 is x mod 2^32 for any integer below 2^53, and (x - low) · 2^-32 its high word, exactly.
+    const offLo = offset >>> 0;
+    const mLo = moffset >>> 0;
+    // w0: offset bits 0..49 (low 32 + high 18), length bits 50..63 → high word bits 18..31.
+    dv.setUint32(pos, offLo, true);
+    dv.setUint32(pos + 4, (((offset - offLo) * INV_TWO32) & 0x3ffff) | ((d[at + 1]! & 0x3fff) << 18), true);
+    // w1: moffset bits 0..54 (low 32 + high 23), zeroed bit 55, tag bits 56..63.
+    dv.setUint32(pos + 8, mLo, true);
+    dv.setUint32(pos + 12, ((((moffset - mLo) * INV_TWO32) & 0x7fffff) | (d[at + 3]! % 2 === 1 ? 0x800000 : 0) | w1tag) >>> 0, true);
+    pos += SEGMENT_BYTES;
+  }
 }
 
 export function decodeSegment(dv: DataView, pos: number): Segment {

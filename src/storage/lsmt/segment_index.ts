@@ -1,18 +1,37 @@
 // SegmentIndex: an ordered set of disjoint segments with the overwrite-insert of C++'s writable
 // index (docs/formats.md, Index algorithms). Kept as a list of sorted chunks so that an insert costs
 // O(log n + CHUNK) instead of shifting the whole array (1 GiB of 4 KiB writes = 262144 entries).
+// A chunk holds its entries in one Float64Array, no object per entry: a walk over the index (a
+// lookup, a seal's encoding) reads memory in order instead of chasing an object per entry.
 
-import { type Segment, firstEndingAfter, clip, segEnd } from "./segment.ts";
+import { type Segment, ENTRY_DOUBLES, SEGMENT_BYTES, clip, encodeEntries } from "./segment.ts";
 
 const CHUNK = 256; // a chunk splits when it doubles
+/** Doubles per entry: offset, length, moffset, flags (bit 0 zeroed, tag above it). */
+const W = ENTRY_DOUBLES;
+/** An insert adds at most two entries before its chunk splits. */
+const CAP = 2 * CHUNK + 2;
+
+class Chunk {
+  n = 0;
+  readonly d = new Float64Array(CAP * W);
+}
+
+const flagsOf = (s: Segment) => (s.zeroed ? 1 : 0) + s.tag * 2;
 
 export class SegmentIndex {
-  private chunks: Segment[][] = [];
+  private chunks: Chunk[] = [];
   private count = 0;
+  /** The one Segment a visit hands its sink: valid only during that piece() call. */
+  private readonly cursor: Segment = { offset: 0, length: 0, moffset: 0, zeroed: false, tag: 0 };
 
   static fromSorted(list: readonly Segment[]): SegmentIndex {
     const ix = new SegmentIndex();
-    for (let i = 0; i < list.length; i += CHUNK) ix.chunks.push(list.slice(i, i + CHUNK));
+    for (let i = 0; i < list.length; i += CHUNK) {
+      const c = new Chunk();
+      for (const s of list.slice(i, i + CHUNK)) put(c.d, c.n++, s.offset, s.length, s.moffset, flagsOf(s));
+      ix.chunks.push(c);
+    }
     ix.count = list.length;
     return ix;
   }
@@ -28,7 +47,8 @@ export class SegmentIndex {
     while (lo < hi) {
       const mid = (lo + hi) >>> 1;
       const c = this.chunks[mid]!;
-      if (segEnd(c[c.length - 1]!) > sector) hi = mid;
+      const at = (c.n - 1) * W;
+      if (c.d[at]! + c.d[at + 1]! > sector) hi = mid;
       else lo = mid + 1;
     }
     return lo;
@@ -39,28 +59,30 @@ export class SegmentIndex {
     if (m.length <= 0) return;
     const start = m.offset;
     const end = m.offset + m.length;
-    if (this.chunks.length === 0) {
-      this.chunks.push([m]);
-      this.count = 1;
-      return;
-    }
+    if (this.chunks.length === 0) this.chunks.push(new Chunk());
     let ci = this.chunkFor(start);
     if (ci === this.chunks.length) {
       const last = this.chunks[ci - 1]!;
-      last.push(m);
+      put(last.d, last.n++, m.offset, m.length, m.moffset, flagsOf(m));
       this.count++;
       this.maybeSplit(ci - 1);
       return;
     }
     let chunk = this.chunks[ci]!;
+    let d = chunk.d;
     let i = firstEndingAfter(chunk, start);
-    const x = chunk[i]!;
-    if (x.offset < start) {
-      chunk[i] = clip(x, x.offset, start);
+    const xOff = d[i * W]!;
+    if (xOff < start) {
+      const xEnd = xOff + d[i * W + 1]!;
+      d[i * W + 1] = start - xOff; // x keeps its left part
       i++;
-      if (segEnd(x) > end) {
+      if (xEnd > end) {
         // m falls inside x: x becomes left part, m, right part.
-        chunk.splice(i, 0, m, clip(x, end, segEnd(x)));
+        const xm = d[(i - 1) * W + 2]!;
+        const xf = d[(i - 1) * W + 3]!;
+        open(chunk, i, 2);
+        put(d, i, m.offset, m.length, m.moffset, flagsOf(m));
+        put(d, i + 1, end, xEnd - end, xf % 2 ? xm : xm + (end - xOff), xf);
         this.count += 2;
         this.maybeSplit(ci);
         return;
@@ -71,58 +93,78 @@ export class SegmentIndex {
     const insertAt = i;
     let removeFrom = i;
     for (;;) {
-      if (i === chunk.length) {
+      if (i === chunk.n) {
         this.removeRange(ci, removeFrom, i);
         if (ci + 1 >= this.chunks.length) break;
         // Continue into the next chunk; emptied chunks stay in place until placeAt drops them.
-        ci++;
-        chunk = this.chunks[ci]!;
+        chunk = this.chunks[++ci]!;
+        d = chunk.d;
         i = 0;
         removeFrom = 0;
         continue;
       }
-      const y = chunk[i]!;
-      if (y.offset >= end) {
+      const yOff = d[i * W]!;
+      if (yOff >= end) {
         this.removeRange(ci, removeFrom, i);
         break;
       }
-      if (segEnd(y) <= end) {
+      const yEnd = yOff + d[i * W + 1]!;
+      if (yEnd <= end) {
         i++;
         continue;
       }
-      chunk[i] = clip(y, end, segEnd(y));
+      // y keeps its part past m.
+      d[i * W] = end;
+      d[i * W + 1] = yEnd - end;
+      if (d[i * W + 3]! % 2 === 0) d[i * W + 2] = d[i * W + 2]! + (end - yOff);
       this.removeRange(ci, removeFrom, i);
       break;
     }
     this.placeAt(insertChunk, insertAt, m);
   }
 
-  /** Remove chunk[ci][from..to). An emptied chunk stays until placeAt/compact drops it. */
+  /** Remove entries [from, to) of chunk ci. An emptied chunk stays until placeAt drops it. */
   private removeRange(ci: number, from: number, to: number): void {
-    if (to > from) {
-      this.chunks[ci]!.splice(from, to - from);
-      this.count -= to - from;
-    }
+    if (to <= from) return;
+    const c = this.chunks[ci]!;
+    c.d.copyWithin(from * W, to * W, c.n * W);
+    c.n -= to - from;
+    this.count -= to - from;
   }
 
   private placeAt(ci: number, at: number, m: Segment): void {
     const chunk = this.chunks[ci]!;
-    chunk.splice(at, 0, m);
+    open(chunk, at, 1);
+    put(chunk.d, at, m.offset, m.length, m.moffset, flagsOf(m));
     this.count++;
     // Drop chunks emptied by a long insert (they sit right after ci), then rebalance.
-    for (let k = ci + 1; k < this.chunks.length && this.chunks[k]!.length === 0; ) this.chunks.splice(k, 1);
+    let k = ci + 1;
+    while (k < this.chunks.length && this.chunks[k]!.n === 0) k++;
+    if (k > ci + 1) this.chunks.splice(ci + 1, k - ci - 1);
     this.maybeSplit(ci);
   }
 
   private maybeSplit(ci: number): void {
     const c = this.chunks[ci]!;
-    if (c.length <= 2 * CHUNK) return;
-    this.chunks.splice(ci, 1, c.slice(0, CHUNK), c.slice(CHUNK));
+    if (c.n <= 2 * CHUNK) return;
+    const right = new Chunk();
+    right.d.set(c.d.subarray(CHUNK * W, c.n * W));
+    right.n = c.n - CHUNK;
+    c.n = CHUNK;
+    this.chunks.splice(ci + 1, 0, right);
   }
 
-  /** Lookup: pieces covering [start, end), trimmed, appended to out. */
+  /** Whether any segment overlaps sectors [start, end). */
+  maps(start: number, end: number): boolean {
+    const ci = this.chunkFor(start);
+    if (ci === this.chunks.length) return false;
+    const c = this.chunks[ci]!;
+    return c.d[firstEndingAfter(c, start) * W]! < end;
+  }
+
+  /** Lookup: pieces covering [start, end), trimmed, appended to out (each a Segment of its own). */
   lookup(start: number, end: number, out: Segment[] = []): Segment[] {
-    this.visit(start, end, { piece: (s, from, to) => out.push(from === s.offset && to === segEnd(s) ? s : clip(s, from, to)) }, false);
+    this.visit(start, end, { piece: (s, from, to) => out.push(clip(s, from, to)) }, false);
     return out;
   }
 
@@ -132,41 +174,104 @@ export class SegmentIndex {
     if (ci === this.chunks.length) return;
     let chunk = this.chunks[ci]!;
     let i = firstEndingAfter(chunk, start);
+    const s = this.cursor;
     for (;;) {
-      if (i === chunk.length) {
+      if (i === chunk.n) {
         if (++ci === this.chunks.length) return;
         chunk = this.chunks[ci]!;
         i = 0;
         continue;
       }
-      const s = chunk[i++]!;
-      if (s.offset >= end) return;
-      const e = s.offset + s.length;
-      sink.piece(s, s.offset > start ? s.offset : start, e < end ? e : end, fromUpper);
+      const d = chunk.d;
+      const at = i++ * W;
+      const off = d[at]!;
+      if (off >= end) return;
+      const len = d[at + 1]!;
+      const f = d[at + 3]!;
+      s.offset = off;
+      s.length = len;
+      s.moffset = d[at + 2]!;
+      s.zeroed = f % 2 === 1;
+      s.tag = (f - (f % 2)) / 2;
+      const e = off + len;
+      sink.piece(s, off > start ? off : start, e < end ? e : end, fromUpper);
     }
   }
 
-  /** All segments in order. */
+  /** All segments in order, each a Segment of its own. */
   *[Symbol.iterator](): IterableIterator<Segment> {
-    for (const c of this.chunks) yield* c;
+    for (const c of this.chunks) for (let i = 0; i < c.n; i++) yield entryAt(c.d, i);
   }
 
   toArray(): Segment[] {
     const out: Segment[] = [];
-    for (const c of this.chunks) for (const s of c) out.push(s);
+    for (const c of this.chunks) for (let i = 0; i < c.n; i++) out.push(entryAt(c.d, i));
     return out;
+  }
+
+  /** Every entry in order into bytes from 0, 16 bytes each, with tag `tag` (an index region as seal writes it). */
+  encodeInto(bytes: Uint8Array, tag: number): void {
+    const dv = new DataView(bytes.buffer, bytes.byteOffset, bytes.byteLength);
+    let pos = 0;
+    for (const c of this.chunks) {
+      encodeEntries(dv, pos, c.d, c.n, tag);
+      pos += c.n * SEGMENT_BYTES;
+    }
   }
 
   /** Highest virtual sector mapped + 1 (0 when empty). */
   end(): number {
     const c = this.chunks[this.chunks.length - 1];
-    return c && c.length ? segEnd(c[c.length - 1]!) : 0;
+    if (!c || !c.n) return 0;
+    const at = (c.n - 1) * W;
+    return c.d[at]! + c.d[at + 1]!;
   }
 }
 
-/** Receives the visible pieces of a range: segment s, clipped to sectors [from, to). */
+function put(d: Float64Array, i: number, offset: number, length: number, moffset: number, flags: number): void {
+  const at = i * W;
+  d[at] = offset;
+  d[at + 1] = length;
+  d[at + 2] = moffset;
+  d[at + 3] = flags;
+}
+
+function entryAt(d: Float64Array, i: number): Segment {
+  const at = i * W;
+  const f = d[at + 3]!;
+  return { offset: d[at]!, length: d[at + 1]!, moffset: d[at + 2]!, zeroed: f % 2 === 1, tag: (f - (f % 2)) / 2 };
+}
+
+/** Make room for k entries at i (the chunk has it: see CAP). */
+function open(c: Chunk, i: number, k: number): void {
+  c.d.copyWithin((i + k) * W, i * W, c.n * W);
+  c.n += k;
+}
+
+/** First entry of c that ends after `sector` (c.n when none). */
+function firstEndingAfter(c: Chunk, sector: number): number {
+  const d = c.d;
+  let lo = 0;
+  let hi = c.n;
+  while (lo < hi) {
+    const mid = (lo + hi) >>> 1;
+    if (d[mid * W]! + d[mid * W + 1]! > sector) hi = mid;
+    else lo = mid + 1;
+  }
+  return lo;
+}
+
+/**
+ * Receives the visible pieces of a range: segment s, clipped to sectors [from, to). `s` is valid
+ * only during the call (a SegmentTable hands the same object for every piece).
+ */
 export interface PieceSink {
   piece(s: Segment, from: number, to: number, fromUpper: boolean): void;
+}
+
+/** An index a lookup walks: a writable layer's SegmentIndex or a read-only SegmentTable. */
+export interface VisitableIndex {
+  visit(start: number, end: number, sink: PieceSink, fromUpper: boolean): void;
 }
 
 /**
@@ -174,7 +279,7 @@ export interface PieceSink {
  * read-only one, in order, as (segment, from, to); gaps between pieces are holes. Allocates
  * nothing (the read path runs it per request).
  */
-export function comboVisit(upper: SegmentIndex | undefined, lower: SegmentIndex, start: number, end: number, sink: PieceSink): void {
+export function comboVisit(upper: SegmentIndex | undefined, lower: VisitableIndex, start: number, end: number, sink: PieceSink): void {
   if (!upper || upper.size === 0) return lower.visit(start, end, sink, false);
   const gaps = GAP_FILLER;
   gaps.lower = lower;
@@ -187,7 +292,7 @@ export function comboVisit(upper: SegmentIndex | undefined, lower: SegmentIndex,
 
 /** Passes upper pieces on and fills the gaps between them from the lower index. */
 class GapFiller implements PieceSink {
-  lower!: SegmentIndex;
+  lower!: VisitableIndex;
   sink: PieceSink | undefined;
   cur = 0;
   piece(u: Segment, from: number, to: number): void {

@@ -152,6 +152,7 @@ export class WritableLayer {
     await indexFile.fdatasync();
     const layer = new WritableLayer(dataPath, indexPath, data, indexFile, header, HT_SPACE, HT_SPACE);
     layer.appendOnly = opts.appendOnly === true;
+    layer.dirty = false; // both files were just synced
     return layer;
   }
 
@@ -244,6 +245,7 @@ export class WritableLayer {
 
   private begin(): void {
     this.inflight++;
+    this.dirty = true;
   }
   private end(): void {
     if (--this.inflight === 0) for (const f of this.idle.splice(0)) f();
@@ -416,15 +418,30 @@ export class WritableLayer {
     return (this.queuedWrite = batch);
   }
 
-  /** Persist every completed write: data first, then the entries that name it. */
+  /**
+   * Persist every completed write: data first, then the entries that name it. With nothing
+   * written since the last sync began, that sync covers everything: it is waited for, not repeated.
+   */
   async flush(): Promise<void> {
     await this.drain();
-    await this.data.fdatasync();
-    await this.indexFile?.fdatasync();
+    if (!this.dirty) return this.syncing;
+    this.dirty = false;
+    const syncing = (this.syncing = this.data.fdatasync().then(() => this.indexFile?.fdatasync()));
+    try {
+      await syncing;
+    } catch (e) {
+      this.dirty = true;
+      throw e;
+    }
   }
+
+  /** Set by every write, discard and resize; cleared when a sync of both files begins. */
+  private dirty = true;
+  private syncing: Promise<void> = Promise.resolve();
 
   async resize(virtualSize: number): Promise<void> {
     checkVirtualSize(virtualSize, this.dataPath);
+    this.dirty = true;
     this.header = { ...this.header, virtualSize };
     await this.data.pwrite(encodeHeader(this.header), 0);
     if (this.sparse) {
@@ -442,15 +459,15 @@ export class WritableLayer {
   async seal(): Promise<void> {
     await this.flush();
     this.sealed = true;
-    const list = this.index.toArray().map((s) => ({ ...s, tag: 0 }));
+    const entries = this.index.size;
     const ioff = this.dataEnd;
-    const ibytes = Math.ceil((list.length * SEGMENT_BYTES) / SECTOR) * SECTOR;
+    const ibytes = Math.ceil((entries * SEGMENT_BYTES) / SECTOR) * SECTOR;
     const region = new Uint8Array(ibytes + HT_SPACE);
-    region.set(encodeSegments(list), 0);
+    this.index.encodeInto(region, 0); // zeros pad the last sector
     const trailer = newHeader({
       flags: FLAG_DATA | FLAG_SEALED | (this.header.flags & FLAG_SPARSE),
       indexOffset: ioff,
-      indexSize: list.length,
+      indexSize: entries,
       virtualSize: this.header.virtualSize,
       uuid: this.header.uuid,
       parentUuid: this.header.parentUuid,
