@@ -6,7 +6,8 @@ import { Elysia, t } from "elysia";
 import { ApiError, bodyFailures as bodyFails, failures as fails } from "./errors.ts";
 import { UploadUrls } from "./upload_url.ts";
 import { OrchestratorError } from "../orchestrator/orchestrator.ts";
-import { LOG_PAGE, TemplateBuildError, type BuildSpec, type LogLevel, type TemplateBuilder } from "../orchestrator/builder.ts";
+import { LOG_PAGE, type LogLevel } from "../orchestrator/build_log.ts";
+import { TemplateBuildError, type BuildSpec, type TemplateBuilder } from "../orchestrator/builder.ts";
 
 /** The archive upload: its URL carries a signature and an expiry instead of the API key (the SDK sends none). */
 const UPLOAD_PATH = /^\/templates\/[^/]+\/files\/[^/]+$/;

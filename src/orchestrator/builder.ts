@@ -10,6 +10,7 @@ import { createHash, randomUUID } from "node:crypto";
 import { mkdirSync } from "node:fs";
 import { mkdir, open, readdir, rename, rm, stat } from "node:fs/promises";
 import { join, posix } from "node:path";
+import { Build, LOG_PAGE, type LogLevel } from "./build_log.ts";
 import { runProcess, uploadFile, type ProcessSpec } from "./envd_process.ts";
 import { StepCache } from "./step_cache.ts";
 import { BOOT_TRACE } from "./start_traces.ts";
@@ -31,18 +32,6 @@ class StepFailed extends Error {
     super(message);
     this.name = "StepFailed";
   }
-}
-
-export type BuildStatus = "waiting" | "building" | "ready" | "error";
-export type LogLevel = "debug" | "info" | "warn" | "error";
-/** Lowest first: a status call's `level` returns that level and the ones after it. */
-export const LOG_LEVELS: readonly LogLevel[] = ["debug", "info", "warn", "error"];
-
-export interface BuildLogEntry {
-  timestamp: string;
-  level: LogLevel;
-  message: string;
-  step?: string;
 }
 
 export interface BuildStep {
@@ -143,8 +132,6 @@ export const BUILDER_DEFAULTS = {
   maxConcurrent: 2, maxQueued: 8, buildTimeoutMs: 60 * 60_000, maxLogEntries: 10_000, maxUploadBytes: 1024 ** 3,
   readyIntervalMs: 2000, readyTimeoutMs: 10 * 60_000, stepCacheBytes: 20 * 1024 ** 3, defaultReadyCmd: "sleep 20", maxBuildsKept: 64,
 };
-/** Entries one status call returns (E2B's page size). */
-export const LOG_PAGE = 100;
 /** Steps of one build, and a step's args (count and bytes). */
 const MAX_STEPS = 256;
 /** How often a cold create looks at the build it waits on. */
@@ -186,43 +173,6 @@ function randomId(len = 20): string {
   let s = "";
   for (const b of crypto.getRandomValues(new Uint8Array(len))) s += alphabet[b % 36];
   return s;
-}
-
-class Build {
-  status: BuildStatus = "waiting";
-  reason: { message: string; step?: string } | undefined;
-  spec: BuildSpec | undefined;
-  started = false;
-  readonly createdAt = Date.now();
-  updatedAt = Date.now();
-  /** Entries dropped by the bound that count at each level (debug: all of them, the index of logs[0]). */
-  private readonly dropped: Record<LogLevel, number> = { debug: 0, info: 0, warn: 0, error: 0 };
-  private readonly logs: BuildLogEntry[] = [];
-
-  constructor(readonly templateId: string, readonly buildId: string, private readonly maxLogs: number) {}
-
-  log(level: LogLevel, message: string, step?: string): void {
-    this.logs.push({ timestamp: new Date().toISOString(), level, message, ...(step !== undefined ? { step } : {}) });
-    if (this.logs.length > this.maxLogs) {
-      const gone = this.logs.shift()!;
-      for (const l of LOG_LEVELS) if (LOG_LEVELS.indexOf(gone.level) >= LOG_LEVELS.indexOf(l)) this.dropped[l]++;
-    }
-  }
-
-  /**
-   * Entries at `level` and above (every entry without one), as E2B filters: `offset` counts only
-   * those (dropped ones are skipped), at most `limit` come back.
-   */
-  entries(offset: number, limit: number, level: LogLevel = "debug"): BuildLogEntry[] {
-    const from = Math.max(0, offset - this.dropped[level]);
-    if (level === "debug") return this.logs.slice(from, from + limit);
-    const min = LOG_LEVELS.indexOf(level);
-    return this.logs.filter((e) => LOG_LEVELS.indexOf(e.level) >= min).slice(from, from + limit);
-  }
-
-  finished(): boolean {
-    return this.status === "ready" || this.status === "error";
-  }
 }
 
 interface Request {

@@ -8,7 +8,8 @@ import { join } from "node:path";
 import { BuildError, Sandbox, Template, type LogEntry } from "e2b";
 import { scratchDir } from "../helpers/tmp.ts";
 import { FIRST_START_MS, nodeSetup, nodeSkipReason, startNode, stopNode, until, type NodeProc } from "./harness.ts";
-import { BUILDER_DEFAULTS, type BuildLogEntry } from "../../src/orchestrator/builder.ts";
+import { type BuildLogEntry } from "../../src/orchestrator/build_log.ts";
+import { BUILDER_DEFAULTS } from "../../src/orchestrator/builder.ts";
 import { RegistryClient } from "../../src/template/registry.ts";
 import {
   BUSYBOX_CONFIG, busyboxRoot, DEBIAN_CONFIG, debianImageSkipReason, debianMinbaseLayer, pushImage, pushLayerFiles, registrySkipReason, registrySuite,
